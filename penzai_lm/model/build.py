@@ -1,0 +1,277 @@
+"""Builds a `TransformerLM` from a `TransformerConfig`.
+
+Parameters get path-like labels such as ``transformer/block_3/attention/query``
+(per-layer blocks) or ``transformer/blocks/attention/query`` with a ``blocks``
+axis (layer stack). With ``init_base_rng=None`` every parameter is a slot for
+a loader to bind (`pz.bind_variables`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from penzai import pz
+
+from penzai_lm.model import transformer
+from penzai_lm.model.config import TransformerConfig
+from penzai_lm.model.layers import AddLearnedPositionEmbeddings
+from penzai_lm.model.layers import ApplyRotaryEmbedding
+from penzai_lm.model.stacking import stack_blocks
+
+# Mask fill value used by Gemma (any large finite negative value works).
+MASKED_OUT = -2.3819763e38
+# Window of a global layer when it shares a layer stack with local layers.
+GLOBAL_WINDOW = 2**30
+
+
+def head_axes(config: TransformerConfig) -> tuple[dict[str, int], dict[str, int]]:
+  """Head axes shared by q/k/v, and head axes of queries only."""
+  groups, per_group = config.num_kv_heads, config.num_heads // config.num_kv_heads
+  if per_group == 1:
+    return {"heads": groups}, {}
+  if groups == 1:
+    return {}, {"query_heads": per_group}
+  return {"head_groups": groups}, {"query_heads": per_group}
+
+
+def _linear(name, rng, config, input_axes, output_axes, bias=False):
+  layers = [
+      pz.nn.Linear.from_config(
+          name=name,
+          init_base_rng=rng,
+          input_axes=input_axes,
+          output_axes=output_axes,
+          dtype=config.parameter_dtype,
+      )
+  ]
+  if bias:
+    layers.append(
+        pz.nn.AddBias.from_config(
+            name=name,
+            init_base_rng=rng,
+            biased_axes=output_axes,
+            dtype=config.parameter_dtype,
+        )
+    )
+  return layers
+
+
+def _norm(name, rng, config, axes):
+  if config.family == "gpt2":
+    return pz.nn.LayerNorm.from_config(
+        name=name, init_base_rng=rng, across_axes=axes,
+        epsilon=config.norm_eps, dtype=config.parameter_dtype,
+    )
+  return pz.nn.RMSLayerNorm.from_config(
+      name=name, init_base_rng=rng, across_axes=axes,
+      epsilon=config.norm_eps, dtype=config.parameter_dtype,
+  )
+
+
+def gelu_tanh(x):
+  """GELU with the tanh approximation (Gemma's GeGLU, GPT-2's gelu_new)."""
+  return jax.nn.gelu(x, approximate=True)
+
+
+def gelu_exact(x):
+  """GELU with the exact erf formula."""
+  return jax.nn.gelu(x, approximate=False)
+
+
+# Module-level functions, so blocks built separately compare equal.
+ACTIVATION_FUNCTIONS = {
+    "silu": jax.nn.silu, "gelu_tanh": gelu_tanh, "gelu": gelu_exact
+}
+
+
+def build_feedforward(name, rng, config) -> transformer.TransformerFeedForward:
+  """The MLP: GLU (llama, gemma3) or plain two-layer GELU (gpt2)."""
+  embedding = {"embedding": config.hidden_size}
+  neurons = {"neurons": config.mlp_hidden_size}
+  act = pz.nn.Elementwise(ACTIVATION_FUNCTIONS[config.activation])
+  if config.family == "gpt2":
+    return transformer.TransformerFeedForward([
+        *_linear(f"{name}/in_linear", rng, config, embedding, neurons, True),
+        act,
+        *_linear(f"{name}/out_linear", rng, config, neurons, embedding, True),
+    ])
+  return transformer.TransformerFeedForward([
+      pz.nn.BranchAndMultiplyTogether(branches=[
+          pz.nn.NamedGroup("gate", [
+              *_linear(f"{name}/gating_linear", rng, config, embedding, neurons),
+              act,
+          ]),
+          *_linear(f"{name}/value_linear", rng, config, embedding, neurons),
+      ]),
+      *_linear(f"{name}/out_linear", rng, config, neurons, embedding),
+  ])
+
+
+def _attention_mask(config, layer_type, mixed):
+  """The mask layer; with ``mixed``, every layer uses a windowed mask."""
+  if layer_type == "local" or mixed:
+    window = config.sliding_window if layer_type == "local" else GLOBAL_WINDOW
+    return pz.nn.ApplyCausalSlidingWindowAttentionMask(
+        masked_out_value=jnp.array(MASKED_OUT, config.activation_dtype),
+        sliding_window_size=pz.nx.wrap(jnp.array(window, jnp.int32)),
+    )
+  return pz.nn.ApplyCausalAttentionMask(
+      masked_out_value=jnp.array(MASKED_OUT, config.activation_dtype)
+  )
+
+
+def _rope(config, layer_type):
+  if config.family == "gpt2":
+    return []
+  if layer_type == "local" and config.local_rope_base is not None:
+    return [ApplyRotaryEmbedding.from_config(config.head_dim, config.local_rope_base)]
+  return [ApplyRotaryEmbedding.from_config(
+      config.head_dim, config.rope_base, config.rope_scaling
+  )]
+
+
+def build_attention(name, rng, config, layer_type, mixed) -> pz.nn.Attention:
+  """One attention layer."""
+  common, query_only = head_axes(config)
+  embedding = {"embedding": config.hidden_size}
+  kv_axes = {**common, "projection": config.head_dim}
+  q_axes = {**common, **query_only, "projection": config.head_dim}
+  qkv_bias = config.qkv_bias or config.family == "gpt2"
+  qk_norm = config.family == "gemma3"
+  projection = {"projection": config.head_dim}
+  q_names = {ax: ax for ax in q_axes if ax != "projection"}
+  kv_names = {ax: ax for ax in common}
+
+  def einsum(lhs, rhs, out):
+    return pz.nn.NamedEinsum((lhs, rhs), out)
+
+  query_key = einsum(
+      {"seq": "tq", **q_names, "projection": "p"},
+      {"seq": "tkv", **kv_names, "projection": "p"},
+      {"seq": "tq", **q_names, "kv_seq": "tkv"},
+  )
+  weights_value = einsum(
+      {"seq": "tq", **q_names, "kv_seq": "tkv"},
+      {"seq": "tkv", **kv_names, "projection": "p"},
+      {"seq": "tq", **q_names, "projection": "p"},
+  )
+  return pz.nn.Attention(
+      input_to_query=pz.nn.Sequential([
+          *_linear(f"{name}/query", rng, config, embedding, q_axes, qkv_bias),
+          *([_norm(f"{name}/query_norm", rng, config, projection)] if qk_norm else []),
+          *_rope(config, layer_type),
+          pz.nn.ConstantRescale(
+              by=jnp.array(config.query_scale, config.activation_dtype)
+          ),
+      ]),
+      input_to_key=pz.nn.Sequential([
+          *_linear(f"{name}/key", rng, config, embedding, kv_axes, qkv_bias),
+          *([_norm(f"{name}/key_norm", rng, config, projection)] if qk_norm else []),
+          *_rope(config, layer_type),
+      ]),
+      input_to_value=pz.nn.Sequential(
+          _linear(f"{name}/value", rng, config, embedding, kv_axes, qkv_bias)
+      ),
+      query_key_to_attn=pz.nn.Sequential([
+          query_key,
+          _attention_mask(config, layer_type, mixed),
+          pz.nn.Softmax("kv_seq"),
+      ]),
+      attn_value_to_output=pz.nn.Sequential([
+          weights_value,
+          *_linear(
+              f"{name}/output", rng, config, q_axes, embedding,
+              config.family == "gpt2",
+          ),
+      ]),
+  )
+
+
+def build_block(name, rng, config, layer_type, mixed) -> transformer.TransformerBlock:
+  """One transformer block."""
+  embedding = {"embedding": config.hidden_size}
+  post_norms = config.family == "gemma3"
+  attention = [
+      _norm(f"{name}/pre_attention_norm", rng, config, embedding),
+      build_attention(f"{name}/attention", rng, config, layer_type, mixed),
+  ]
+  mlp = [
+      _norm(f"{name}/pre_ffw_norm", rng, config, embedding),
+      build_feedforward(f"{name}/mlp", rng, config),
+  ]
+  if post_norms:
+    attention.append(_norm(f"{name}/post_attention_norm", rng, config, embedding))
+    mlp.append(_norm(f"{name}/post_ffw_norm", rng, config, embedding))
+  return transformer.TransformerBlock([
+      pz.nn.Residual(pz.nn.Sequential(attention)),
+      pz.nn.Residual(pz.nn.Sequential(mlp)),
+  ])
+
+
+def build_transformer(
+    config: TransformerConfig,
+    init_base_rng: jax.Array | int | None = None,
+    name: str = "transformer",
+) -> transformer.TransformerLM:
+  """Builds a `TransformerLM`.
+
+  Args:
+    config: The architecture.
+    init_base_rng: A PRNG key or integer seed for random weights, or None for
+      unbound parameter slots (loaders bind them).
+    name: Prefix of every parameter label.
+
+  Returns:
+    The uncached model.
+  """
+  if isinstance(init_base_rng, int):
+    init_base_rng = jax.random.key(init_base_rng)
+  rng = init_base_rng
+  embedding = {"embedding": config.hidden_size}
+  table = pz.nn.EmbeddingTable.from_config(
+      name=f"{name}/embedder",
+      init_base_rng=rng,
+      vocab_size=config.vocab_size,
+      embedding_axes=embedding,
+      dtype=config.parameter_dtype,
+  )
+  layers = [pz.nn.EmbeddingLookup(table)]
+  if config.activation_dtype != config.parameter_dtype:
+    layers.append(pz.nn.CastToDType(config.activation_dtype))
+  if config.family == "gemma3":
+    layers.append(pz.nn.ConstantRescale(
+        by=jnp.array(config.hidden_size**0.5, config.activation_dtype)
+    ))
+  if config.family == "gpt2":
+    layers.append(AddLearnedPositionEmbeddings.from_config(
+        f"{name}/position_embedder", rng, config.max_position_embeddings,
+        config.hidden_size, config.parameter_dtype,
+    ))
+
+  layer_types = config.resolved_layer_types
+  mixed = config.use_layer_stack and len(set(layer_types)) > 1
+
+  def layer_rng(index):
+    return None if rng is None else jax.random.fold_in(rng, index)
+
+  if config.use_layer_stack:
+    blocks = [
+        build_block(f"{name}/blocks", layer_rng(i), config, kind, mixed)
+        for i, kind in enumerate(layer_types)
+    ]
+    layers.append(stack_blocks(blocks, stack_axis="blocks"))
+  else:
+    layers.extend(
+        build_block(f"{name}/block_{i}", layer_rng(i), config, kind, mixed)
+        for i, kind in enumerate(layer_types)
+    )
+
+  layers.append(_norm(f"{name}/final_norm", rng, config, embedding))
+  if config.tie_embeddings:
+    layers.append(pz.nn.EmbeddingDecode(table))
+  else:
+    layers.extend(_linear(
+        f"{name}/lm_head", rng, config, embedding,
+        {"vocabulary": config.vocab_size},
+    ))
+  return transformer.TransformerLM(body=pz.nn.Sequential(layers), config=config)

@@ -1,0 +1,283 @@
+"""`KVCachingTransformerLM`: the cached sampling mode of a `TransformerLM`.
+
+Axis conventions follow `penzai_lm.model.transformer`. The caches hold one
+slot per token written so far, along ``seq`` (renamed ``kv_seq`` inside
+attention). Each row of the batch tracks its own token positions, so a batch
+of left-padded prompts gives every row the logits it gets alone.
+
+Padding is known from the tokens given as prompt: only the run of ``pad_id``
+tokens at the very start of a row is padding (or an explicit ``is_padding``
+mask). A later token equal to ``pad_id`` is a real token.
+
+State variables (labels under ``variable_name_prefix``, default "sampler"):
+
+* ``cache_end_index``: number of cache slots written (a scalar, shared by the
+  batch).
+* ``previous_tokens``: the tokens written so far, ``{**batch_axes, "seq":
+  cache_len}``.
+* ``kv_positions``: the position of the token in each slot, -1 for padding
+  and for slots not yet written.
+* one key/value cache per attention layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from penzai import pz
+
+from penzai_lm.model.build import head_axes
+from penzai_lm.model.config import TransformerConfig
+from penzai_lm.model.transformer import TransformerLM
+from penzai_lm.model.transformer import check_tokens
+from penzai_lm.model.transformer import leading_padding
+
+RESERVED_AXES = (
+    "seq", "kv_seq", "embedding", "heads", "head_groups", "query_heads",
+    "projection", "neurons", "vocabulary", "blocks", "positions",
+)
+
+
+class CacheOverflowError(ValueError):
+  """Raised when tokens would be written past the end of the KV cache."""
+
+
+def _overflow_message(end, new, cache_len) -> str:
+  return (
+      f"Cannot write {new} tokens at cache slot {end}: the KV cache holds"
+      f" {cache_len} tokens. Build the cached model with a larger cache_len"
+      " (KVCachingTransformerLM.from_uncached(model, cache_len=...))."
+  )
+
+
+def _raise_overflow(end, new, cache_len):
+  raise CacheOverflowError(_overflow_message(int(end), new, cache_len))
+
+
+@pz.pytree_dataclass
+class KVCachingTransformerLM(pz.nn.Layer):
+  """A `TransformerLM` in stateful, key/value-cached sampling mode.
+
+  Build it with `from_uncached`. Each call appends tokens to the caches and
+  returns their logits. For functional use, split the state out with
+  ``pz.unbind_state_vars`` and call ``stateless_call``.
+
+  Attributes:
+    body: The uncached model's body with every attention layer swapped for a
+      caching one; patches made to the uncached model are kept.
+    cache_end_index: Number of cache slots written so far.
+    previous_tokens: Tokens written so far (``pad_id`` where unwritten).
+    kv_positions: Position of the token in each cache slot; -1 for padding.
+    config: The architecture.
+    cache_len: Number of slots in each cache.
+    batch_axes: Names and sizes of the batch axes.
+    pad_id: Token id that marks left padding in prompts.
+  """
+
+  body: pz.nn.Layer
+  cache_end_index: pz.StateVariable[Any]
+  previous_tokens: pz.StateVariable[pz.nx.NamedArray]
+  kv_positions: pz.StateVariable[pz.nx.NamedArray]
+  config: TransformerConfig = dataclasses.field(metadata={"pytree_node": False})
+  cache_len: int = dataclasses.field(metadata={"pytree_node": False})
+  batch_axes: dict[str, int] = dataclasses.field(metadata={"pytree_node": False})
+  pad_id: int = dataclasses.field(metadata={"pytree_node": False})
+
+  def __call__(
+      self,
+      tokens: pz.nx.NamedArray,
+      *,
+      is_padding: pz.nx.NamedArray | None = None,
+      **side_inputs,
+  ) -> pz.nx.NamedArray:
+    """Appends tokens to the caches and returns their logits.
+
+    Args:
+      tokens: Integer named array with the batch axes and ``seq``.
+      is_padding: Optional boolean array like ``tokens`` marking padding
+        explicitly. By default, the leading run of ``pad_id`` in a row that
+        has no real token yet is padding.
+      **side_inputs: Extra side inputs forwarded to the body (for patches).
+
+    Returns:
+      Logits with the axes of ``tokens`` plus ``vocabulary``. Logits at
+      padding positions are meaningless.
+
+    Raises:
+      CacheOverflowError: if the tokens do not fit in the remaining cache
+        (at trace time when the cache index is known, else at run time).
+    """
+    check_tokens(tokens, self.config.vocab_size)
+    expected = {**self.batch_axes, "seq": tokens.named_shape["seq"]}
+    if dict(tokens.named_shape) != expected:
+      raise ValueError(
+          f"tokens have axes {dict(tokens.named_shape)}, but this cached model"
+          f" was built for batch axes {self.batch_axes}: expected {expected}."
+      )
+    new = tokens.named_shape["seq"]
+    end = self.cache_end_index.value
+    self._check_room(end, new)
+
+    slots = self.kv_positions.value
+    seen_real = pz.nx.nmap(jnp.max)(slots.untag("seq")) >= 0
+    if is_padding is None:
+      is_padding = leading_padding(tokens, self.pad_id) & ~seen_real
+    real = ~is_padding
+    next_position = pz.nx.nmap(jnp.max)(slots.untag("seq")) + 1
+    count = pz.nx.nmap(jnp.cumsum)(real.untag("seq"), dtype=jnp.int32).tag("seq")
+    positions = pz.nx.nmap(jnp.where)(real, next_position + count - 1, -1)
+
+    def write(buffer, update):
+      return pz.nx.nmap(jax.lax.dynamic_update_slice)(
+          buffer.untag("seq"), update.untag("seq"), (end,)
+      ).tag("seq")
+
+    kv_positions = write(slots, positions.astype(jnp.int32))
+    logits = self.body(
+        tokens,
+        token_positions=positions,
+        kv_token_positions=kv_positions,
+        cache_end_index=end,
+        **side_inputs,
+    )
+    self.kv_positions.value = kv_positions
+    self.previous_tokens.value = write(
+        self.previous_tokens.value, tokens.astype(jnp.int32)
+    )
+    self.cache_end_index.value = end + new
+    return logits
+
+  def _check_room(self, end, new: int) -> None:
+    if isinstance(end, jax.core.Tracer):
+      jax.lax.cond(
+          end + new > self.cache_len,
+          lambda: jax.debug.callback(
+              _raise_overflow, end, new, self.cache_len
+          ),
+          lambda: None,
+      )
+    elif int(end) + new > self.cache_len:
+      raise CacheOverflowError(_overflow_message(int(end), new, self.cache_len))
+
+  @classmethod
+  def from_uncached(
+      cls,
+      uncached: TransformerLM,
+      cache_len: int,
+      batch_axes: dict[str, int],
+      pad_id: int | None = None,
+      variable_name_prefix: str = "sampler",
+  ) -> KVCachingTransformerLM:
+    """Converts a `TransformerLM` to cached sampling mode.
+
+    Every `pz.nn.Attention` is swapped for a `pz.nn.KVCachingAttention` whose
+    mask reads cache positions; everything else, including patches and their
+    state variables, is kept as is.
+
+    Args:
+      uncached: The model.
+      cache_len: Number of tokens each cache holds (prompt plus generated).
+      batch_axes: Names and sizes of the batch axes, e.g. ``{"batch": 4}``.
+      pad_id: Token id of left padding; defaults to the model's pad token (or
+        0 if it has none).
+      variable_name_prefix: Prefix of the state variable labels.
+
+    Returns:
+      The cached model, with empty caches.
+    """
+    if not isinstance(uncached, TransformerLM):
+      raise ValueError(
+          f"from_uncached expects a TransformerLM, got {type(uncached).__name__}."
+      )
+    config = uncached.config
+    if not isinstance(cache_len, int) or cache_len < 1:
+      raise ValueError(f"cache_len must be a positive integer, got {cache_len!r}.")
+    if config.family == "gpt2" and cache_len > config.max_position_embeddings:
+      raise ValueError(
+          f"cache_len {cache_len} exceeds this GPT-2 model's"
+          f" {config.max_position_embeddings} learned positions."
+      )
+    _check_batch_axes(batch_axes)
+    if pad_id is None:
+      pad_id = 0 if config.pad_token_id is None else config.pad_token_id
+    if not 0 <= pad_id < config.vocab_size:
+      raise ValueError(
+          f"pad_id {pad_id} is outside the vocabulary [0, {config.vocab_size})."
+      )
+
+    common_head_axes, _ = head_axes(config)
+    selection = pz.select(uncached.body).at_instances_of(pz.nn.Attention)
+    cached = {}
+    for index, (keypath, attention) in enumerate(
+        selection.selected_by_path.items()
+    ):
+      attention = (
+          pz.select(attention)
+          .at_instances_of(
+              pz.nn.ApplyCausalAttentionMask
+              | pz.nn.ApplyCausalSlidingWindowAttentionMask
+          )
+          .apply(_read_cache_positions)
+      )
+      cached[keypath] = pz.nn.KVCachingAttention.from_uncached(
+          attention,
+          sequence_axis="seq",
+          cache_len=cache_len,
+          cached_axes={
+              **batch_axes, **common_head_axes, "projection": config.head_dim
+          },
+          cache_end_index_key="cache_end_index",
+          cache_dtype=config.activation_dtype,
+          cache_label=f"{variable_name_prefix}/cache_{index}",
+          layerstack_axes=pz.nn.layerstack_axes_from_keypath(keypath),
+      )
+    slots = {**batch_axes, "seq": cache_len}
+    return cls(
+        body=selection.set_by_path(cached),
+        cache_end_index=pz.StateVariable(
+            value=jnp.array(0, jnp.int32),
+            label=f"{variable_name_prefix}/cache_end_index",
+        ),
+        previous_tokens=pz.StateVariable(
+            value=pz.nx.full(slots, pad_id, jnp.int32),
+            label=f"{variable_name_prefix}/previous_tokens",
+        ),
+        kv_positions=pz.StateVariable(
+            value=pz.nx.full(slots, -1, jnp.int32),
+            label=f"{variable_name_prefix}/kv_positions",
+        ),
+        config=config,
+        cache_len=cache_len,
+        batch_axes=dict(batch_axes),
+        pad_id=pad_id,
+    )
+
+
+def _check_batch_axes(batch_axes) -> None:
+  if not isinstance(batch_axes, dict):
+    raise ValueError(
+        f"batch_axes must be a dict of axis name to size, e.g. {{'batch': 4}};"
+        f" got {batch_axes!r}."
+    )
+  for name, size in batch_axes.items():
+    if name in RESERVED_AXES:
+      raise ValueError(
+          f"Batch axis name {name!r} is used by the model; choose another"
+          " (e.g. 'batch')."
+      )
+    if not isinstance(size, int) or size < 1:
+      raise ValueError(
+          f"Batch axis {name!r} must have a positive integer size, got {size!r}."
+      )
+
+
+def _read_cache_positions(mask):
+  if mask.kv_positions_input_name != "token_positions":
+    raise ValueError(
+        "Cannot convert an attention mask that reads key positions from"
+        f" {mask.kv_positions_input_name!r}; expected 'token_positions'."
+    )
+  return dataclasses.replace(mask, kv_positions_input_name="kv_token_positions")
