@@ -1,0 +1,11 @@
+"""Tokenizers for the models penzai_lm runs, built on Hugging Face `tokenizers`.
+
+* `Tokenizer.from_gguf(path_or_reader)`: from a GGUF file's metadata.
+* `Tokenizer.from_hf(directory)`: from a Hugging Face ``tokenizer.json``.
+* `IncrementalDetokenizer`: streaming decode for generation.
+"""
+
+from penzai_lm.tokenizer.detokenizer import IncrementalDetokenizer
+from penzai_lm.tokenizer.tokenizer import Tokenizer
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer"]
