@@ -1,0 +1,54 @@
+"""Checkpoint readers: GGUF files and Hugging Face directories -> one form.
+
+Every reader returns a :class:`Checkpoint` in Hugging Face's canonical form:
+tensor names, shapes and value conventions exactly as the matching transformers
+model's ``state_dict()`` (numpy float32 or bfloat16), plus a complete
+``config.json``-like dict.
+
+>>> ckpt = read_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf")
+>>> ckpt.architecture, ckpt.config["num_hidden_layers"]
+('llama', 30)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from penzai_lm.checkpoints.checkpoint import Checkpoint
+from penzai_lm.checkpoints.checkpoint import CheckpointError
+from penzai_lm.checkpoints.gguf_reader import SUPPORTED_GGUF_ARCHITECTURES
+from penzai_lm.checkpoints.gguf_reader import read_gguf
+from penzai_lm.checkpoints.hf_reader import SUPPORTED_HF_CLASSES
+from penzai_lm.checkpoints.hf_reader import read_hf_dir
+from penzai_lm.checkpoints.layout import ARCHITECTURE_CLASSES
+from penzai_lm.checkpoints.layout import SUPPORTED_ARCHITECTURES
+from penzai_lm.checkpoints.layout import expected_tensor_shapes
+from penzai_lm.checkpoints.layout import normalize_config
+from penzai_lm.checkpoints.layout import validate
+
+
+def read_checkpoint(path: str | os.PathLike, dtype=np.float32) -> Checkpoint:
+  """Reads a GGUF file or a Hugging Face model directory, whichever it is."""
+  p = Path(path).expanduser()
+  if p.is_dir():
+    return read_hf_dir(p, dtype=dtype)
+  return read_gguf(p, dtype=dtype)
+
+
+__all__ = [
+    "ARCHITECTURE_CLASSES",
+    "Checkpoint",
+    "CheckpointError",
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_GGUF_ARCHITECTURES",
+    "SUPPORTED_HF_CLASSES",
+    "expected_tensor_shapes",
+    "normalize_config",
+    "read_checkpoint",
+    "read_gguf",
+    "read_hf_dir",
+    "validate",
+]

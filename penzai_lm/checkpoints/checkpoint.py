@@ -1,0 +1,88 @@
+"""The canonical checkpoint container shared by every reader."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+CORRUPT_HINT = "the file is truncated or corrupt; re-download it"
+
+
+class CheckpointError(ValueError):
+  """A checkpoint file or directory cannot be read (corrupt, incomplete...)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Checkpoint:
+  """Weights and config of a causal LM in Hugging Face's canonical form.
+
+  Attributes:
+    architecture: HF model family: "llama", "mistral", "qwen2", "gemma3" or
+      "gpt2".
+    config: HF ``config.json`` keys for that family, complete with defaults
+      (see :func:`penzai_lm.checkpoints.layout.normalize_config`).
+    tensors: HF ``state_dict()`` names, shapes and value conventions, as numpy
+      arrays of the requested dtype (float32 or ml_dtypes.bfloat16). Tied
+      embeddings have no ``lm_head.weight``.
+    source: The path the checkpoint was read from.
+    gguf_reader: The open ``gguf.GGUFReader`` (GGUF sources only), so that the
+      tokenizer can reuse it without re-opening the file.
+  """
+
+  architecture: str
+  config: dict[str, Any]
+  tensors: dict[str, np.ndarray] = dataclasses.field(repr=False)
+  source: str
+  gguf_reader: Any = dataclasses.field(default=None, repr=False)
+
+  @property
+  def num_parameters(self) -> int:
+    return sum(int(t.size) for t in self.tensors.values())
+
+  @property
+  def dtype(self) -> np.dtype | None:
+    dtypes = {np.dtype(t.dtype) for t in self.tensors.values()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+  def __repr__(self) -> str:
+    return (
+        f"Checkpoint(architecture={self.architecture!r}, "
+        f"source={self.source!r}, tensors={len(self.tensors)}, "
+        f"parameters={self.num_parameters:,}, dtype={self.dtype})"
+    )
+
+
+def resolve_dtype(dtype) -> np.dtype:
+  """Accepts float32 / bfloat16 in any common spelling; returns a np.dtype."""
+  if isinstance(dtype, str) and dtype.lower() in ("bf16", "bfloat16"):
+    return np.dtype(ml_dtypes.bfloat16)
+  if isinstance(dtype, str) and dtype.lower() in ("f32", "fp32", "float32"):
+    return np.dtype(np.float32)
+  try:
+    d = np.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(
+        f"Unsupported dtype {dtype!r}; use float32 or bfloat16."
+    ) from e
+  if d == np.dtype(np.float32) or d == np.dtype(ml_dtypes.bfloat16):
+    return d
+  raise ValueError(f"Unsupported dtype {dtype!r}; use float32 or bfloat16.")
+
+
+def to_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """Casts (round to nearest even for bf16) without copying if already right."""
+  if array.dtype == dtype:
+    return array
+  return array.astype(dtype)
+
+
+def check_path_exists(path: str | os.PathLike, what: str) -> Path:
+  p = Path(path).expanduser()
+  if not p.exists():
+    raise FileNotFoundError(f"{what} not found: {p}")
+  return p

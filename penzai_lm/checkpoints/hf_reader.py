@@ -1,0 +1,269 @@
+"""Reads Hugging Face model directories (config.json + safetensors).
+
+Supported classes: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Gemma3ForCausalLM (also the text part of Gemma3ForConditionalGeneration) and
+GPT2LMHeadModel. No torch is needed: tensors are read with
+``safetensors.safe_open(framework="np")``; bfloat16 tensors (which numpy cannot
+name) are read straight from the file's byte layout as ``ml_dtypes.bfloat16``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from penzai_lm.checkpoints import layout
+from penzai_lm.checkpoints.checkpoint import CORRUPT_HINT
+from penzai_lm.checkpoints.checkpoint import Checkpoint
+from penzai_lm.checkpoints.checkpoint import CheckpointError
+from penzai_lm.checkpoints.checkpoint import check_path_exists
+from penzai_lm.checkpoints.checkpoint import resolve_dtype
+from penzai_lm.checkpoints.checkpoint import to_dtype
+
+# HF class name -> canonical architecture.
+SUPPORTED_HF_CLASSES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "GPT2LMHeadModel": "gpt2",
+}
+# config.json model_type -> canonical architecture (used when "architectures"
+# is absent or names a base model class).
+_MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "gpt2": "gpt2",
+}
+_SUPPORTED_TEXT = (
+    "Hugging Face classes "
+    + ", ".join(
+        c for c in SUPPORTED_HF_CLASSES if c != "Gemma3ForConditionalGeneration"
+    )
+    + " (and the text model of Gemma3ForConditionalGeneration)"
+)
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+}
+
+# Non-parameter buffers some checkpoints carry; HF ignores them.
+_GPT2_BUFFER = re.compile(r"(^|\.)attn\.(bias|masked_bias)$")  # causal masks
+_ROTARY_BUFFER = re.compile(r"\.rotary_emb\.inv_freq$")  # old llama files
+
+
+def _detect_architecture(config: dict[str, Any], path: Path) -> tuple[str, str]:
+  """Returns (canonical architecture, HF class name or model_type)."""
+  classes = config.get("architectures") or []
+  for cls in classes:
+    if cls in SUPPORTED_HF_CLASSES:
+      return SUPPORTED_HF_CLASSES[cls], cls
+  model_type = config.get("model_type")
+  if not classes and model_type in _MODEL_TYPES:
+    return _MODEL_TYPES[model_type], model_type
+  what = ", ".join(classes) if classes else f"model_type {model_type!r}"
+  raise CheckpointError(
+      layout.unsupported_architecture_message(
+          f"{what} in {path / 'config.json'}", _SUPPORTED_TEXT
+      )
+  )
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+  cfg_path = path / "config.json"
+  if not cfg_path.is_file():
+    raise FileNotFoundError(
+        f"{path} has no config.json; a Hugging Face model directory needs"
+        " config.json and model.safetensors (or model.safetensors.index.json)"
+    )
+  try:
+    with open(cfg_path, encoding="utf-8") as f:
+      config = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"Cannot parse {cfg_path}: {e}; {CORRUPT_HINT}") from e
+  if not isinstance(config, dict):
+    raise CheckpointError(f"{cfg_path} does not hold a JSON object")
+  return config
+
+
+def _weight_files(path: Path) -> list[Path]:
+  index = path / "model.safetensors.index.json"
+  single = path / "model.safetensors"
+  if index.is_file():
+    try:
+      with open(index, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise CheckpointError(
+          f"Cannot parse {index}: {e}; {CORRUPT_HINT}"
+      ) from e
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+      raise FileNotFoundError(
+          f"{index} lists shard(s) missing from {path}: {', '.join(missing)}"
+      )
+    return [path / f for f in files]
+  if single.is_file():
+    return [single]
+  others = sorted(
+      p.name
+      for p in path.iterdir()
+      if p.suffix in (".bin", ".pt", ".pth", ".safetensors", ".gguf")
+  )
+  hint = f" (found {', '.join(others)}; only safetensors are supported)" if others else ""
+  raise FileNotFoundError(
+      f"{path} has no model.safetensors or model.safetensors.index.json{hint}"
+  )
+
+
+def _read_header(file: Path) -> tuple[dict[str, Any], int]:
+  size = file.stat().st_size
+  with open(file, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8:
+      raise CheckpointError(f"{file} is too short for a safetensors file")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8:
+      raise CheckpointError(f"{file}: header length {n} exceeds the file")
+    header = json.loads(f.read(n))
+  return header, 8 + n
+
+
+def _read_safetensors(file: Path, dtype: np.dtype) -> dict[str, np.ndarray]:
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
+  out: dict[str, np.ndarray] = {}
+  try:
+    with safe_open(str(file), framework="np") as f:
+      names = list(f.keys())
+      raw_names = []
+      for name in names:
+        kind = f.get_slice(name).get_dtype()
+        if kind == "BF16":
+          raw_names.append(name)  # numpy cannot name bf16: read raw below
+          continue
+        if kind not in _SAFETENSORS_DTYPES:
+          raise CheckpointError(
+              f"{file}: tensor {name!r} has dtype {kind}; only floating-point"
+              " (F32/F16/BF16/F64) weights are supported"
+          )
+        out[name] = to_dtype(f.get_tensor(name), dtype)
+    if raw_names:
+      header, base = _read_header(file)
+      mm = np.memmap(file, dtype=np.uint8, mode="r")
+      for name in raw_names:
+        info = header[name]
+        start, end = info["data_offsets"]
+        buf = mm[base + start : base + end]
+        arr = np.frombuffer(buf, dtype=ml_dtypes.bfloat16).reshape(info["shape"])
+        out[name] = np.array(to_dtype(arr, dtype))  # copy off the mmap
+      del mm
+  except CheckpointError:
+    raise
+  except Exception as e:  # SafetensorError, OSError, JSON/struct errors, ...
+    raise CheckpointError(
+        f"Cannot read safetensors file {file}: {type(e).__name__}: {e};"
+        f" {CORRUPT_HINT}"
+    ) from e
+  return out
+
+
+def _normalize_names(
+    arch: str, tensors: dict[str, np.ndarray], config: dict[str, Any]
+) -> dict[str, np.ndarray]:
+  """Renames tensors to the plain CausalLM state_dict names; drops buffers."""
+  out = {}
+  for name, t in tensors.items():
+    if _ROTARY_BUFFER.search(name):
+      continue
+    if arch == "gpt2":
+      if _GPT2_BUFFER.search(name):
+        continue
+      if not name.startswith(("transformer.", "lm_head.")):
+        name = "transformer." + name
+    elif arch == "gemma3":
+      # Gemma3ForConditionalGeneration: transformers 4.x saves
+      # language_model.model.* / language_model.lm_head.*, 5.x saves
+      # model.language_model.* / lm_head.*.
+      if name.startswith((
+          "vision_tower.",
+          "multi_modal_projector.",
+          "model.vision_tower.",
+          "model.multi_modal_projector.",
+      )):
+        continue
+      if name.startswith("language_model.model."):
+        name = "model." + name[len("language_model.model.") :]
+      elif name.startswith("language_model.lm_head."):
+        name = name[len("language_model.") :]
+      elif name.startswith("model.language_model."):
+        name = "model." + name[len("model.language_model.") :]
+    out[name] = t
+  if config["tie_word_embeddings"]:
+    # HF ties lm_head to the embedding and ignores a stored copy.
+    out.pop("lm_head.weight", None)
+  return out
+
+
+def _text_config(config: dict[str, Any], hf_class: str) -> dict[str, Any]:
+  if hf_class != "Gemma3ForConditionalGeneration" and config.get(
+      "model_type"
+  ) != "gemma3":
+    return config
+  text = dict(config.get("text_config") or {})
+  if "tie_word_embeddings" not in text:
+    text["tie_word_embeddings"] = config.get("tie_word_embeddings", True)
+  # The multimodal model's text_config defaults to the 4B model's vocabulary.
+  text.setdefault("vocab_size", 262_208)
+  return text
+
+
+def read_hf_dir(path: str | os.PathLike, dtype=np.float32) -> Checkpoint:
+  """Reads a Hugging Face model directory into a canonical :class:`Checkpoint`.
+
+  Args:
+    path: Directory with ``config.json`` and ``model.safetensors`` (or a
+      sharded ``model.safetensors.index.json`` with its shards).
+    dtype: float32 (default) or bfloat16.
+
+  Raises:
+    FileNotFoundError: the directory, config.json or the weights are missing.
+    CheckpointError (a ValueError): unsupported architecture, unreadable
+      files, tensors that do not fit the architecture.
+  """
+  dtype = resolve_dtype(dtype)
+  path = check_path_exists(path, "Model directory")
+  if not path.is_dir():
+    raise CheckpointError(
+        f"{path} is not a directory (use read_gguf for GGUF files)"
+    )
+  raw = _read_config(path)
+  arch, hf_class = _detect_architecture(raw, path)
+  config = layout.normalize_config(arch, _text_config(raw, hf_class))
+  tensors: dict[str, np.ndarray] = {}
+  for file in _weight_files(path):
+    for name, t in _read_safetensors(file, dtype).items():
+      if name in tensors:
+        raise CheckpointError(f"tensor {name!r} appears in more than one shard")
+      tensors[name] = t
+  tensors = _normalize_names(arch, tensors, config)
+  ckpt = Checkpoint(
+      architecture=arch, config=config, tensors=tensors, source=str(path)
+  )
+  layout.validate(ckpt)
+  return ckpt
