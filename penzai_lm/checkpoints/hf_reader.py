@@ -221,13 +221,18 @@ def _normalize_names(
 
 
 def _text_config(config: dict[str, Any], hf_class: str) -> dict[str, Any]:
-  if hf_class != "Gemma3ForConditionalGeneration" and config.get(
-      "model_type"
-  ) != "gemma3":
+  """The text-model part of a (multimodal) Gemma 3 config; else the config."""
+  multimodal = hf_class == "Gemma3ForConditionalGeneration" or (
+      config.get("model_type") == "gemma3" and "text_config" in config
+  )
+  if not multimodal:
     return config
   text = dict(config.get("text_config") or {})
   if "tie_word_embeddings" not in text:
     text["tie_word_embeddings"] = config.get("tie_word_embeddings", True)
+  for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    if key not in text and key in config:
+      text[key] = config[key]
   # The multimodal model's text_config defaults to the 4B model's vocabulary.
   text.setdefault("vocab_size", 262_208)
   return text

@@ -11,8 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from checkpoint_test_utils import quant_roundtrip
-from checkpoint_test_utils import write_gguf
+from tests.checkpoints.checkpoint_test_utils import quant_roundtrip
+from tests.checkpoints.checkpoint_test_utils import write_gguf
 from penzai_lm.checkpoints import CheckpointError
 from penzai_lm.checkpoints import read_checkpoint
 from penzai_lm.checkpoints import read_gguf
@@ -461,3 +461,39 @@ def test_unpermute_inverts_permute():
     b = rng.standard_normal(rows).astype(np.float32)
     np.testing.assert_array_equal(
         gguf_reader_lib.unpermute_rows(gguf_reader_lib.permute_rows(b, heads), heads), b)
+
+
+def test_fast_reader_matches_gguf_reader(tmp_path):
+  sd = _random_state_dict(llama_shapes(LLAMA_CFG, tied=True))
+
+  def tokenizer_kv(w):
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"tok{i}" for i in range(LLAMA_CFG["vocab_size"])])
+    w.add_token_types([1] * LLAMA_CFG["vocab_size"])
+    w.add_token_merges(["t o", "to k"])
+    w.add_chat_template("{{ messages }}")
+
+  path = write_gguf(tmp_path / "tok.gguf", "llama", sd, LLAMA_CFG,
+                    mixed_qtype, extra_kv=tokenizer_kv)
+  ours = read_gguf(path).gguf_reader
+  ref = gguf.GGUFReader(path)
+  assert isinstance(ours, gguf.GGUFReader)
+  assert list(ours.fields) == list(ref.fields)
+  for key, field in ref.fields.items():
+    mine = ours.fields[key]
+    assert mine.types == field.types and mine.data == field.data
+    a, b = mine.contents(), field.contents()
+    if isinstance(a, np.ndarray):
+      np.testing.assert_array_equal(a, b)
+    else:
+      assert a == b, key
+  assert ours.fields["tokenizer.ggml.tokens"].contents()[5] == "tok5"
+  for t_ours, t_ref in zip(ours.tensors, ref.tensors):
+    assert t_ours.name == t_ref.name
+    np.testing.assert_array_equal(t_ours.data, t_ref.data)
+
+
+def test_checkpoint_repr_is_short(llama_f32_tied):
+  r = repr(read_gguf(llama_f32_tied[0]))
+  assert r.startswith("Checkpoint(architecture='llama'")
+  assert len(r) < 300

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from checkpoint_test_utils import real_model_path
+from tests.checkpoints.checkpoint_test_utils import real_model_path
 from penzai_lm.checkpoints import expected_tensor_shapes
 from penzai_lm.checkpoints import read_gguf
 
