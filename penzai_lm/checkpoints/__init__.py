@@ -24,6 +24,7 @@ from penzai_lm.checkpoints.gguf_reader import read_gguf
 from penzai_lm.checkpoints.hf_reader import SUPPORTED_HF_CLASSES
 from penzai_lm.checkpoints.hf_reader import read_hf_dir
 from penzai_lm.checkpoints.layout import ARCHITECTURE_CLASSES
+from penzai_lm.checkpoints.layout import GUARANTEED_CONFIG_KEYS
 from penzai_lm.checkpoints.layout import SUPPORTED_ARCHITECTURES
 from penzai_lm.checkpoints.layout import expected_tensor_shapes
 from penzai_lm.checkpoints.layout import normalize_config
@@ -42,6 +43,7 @@ __all__ = [
     "ARCHITECTURE_CLASSES",
     "Checkpoint",
     "CheckpointError",
+    "GUARANTEED_CONFIG_KEYS",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_GGUF_ARCHITECTURES",
     "SUPPORTED_HF_CLASSES",

@@ -223,6 +223,39 @@ def normalize_config(architecture: str, raw: Mapping[str, Any]) -> dict[str, Any
     architecture: One of :data:`SUPPORTED_ARCHITECTURES`.
     raw: The raw config (e.g. parsed ``config.json``). Not modified.
 
+  Guaranteed keys (:data:`GUARANTEED_CONFIG_KEYS`):
+
+  * every architecture: ``model_type`` (HF's: "llama", "mistral", "qwen2",
+    "gemma3_text", "gpt2"), ``architectures`` (``[HF class name]``),
+    ``vocab_size``, ``tie_word_embeddings``, ``bos_token_id``,
+    ``eos_token_id``, ``pad_token_id``, ``initializer_range``, ``use_cache``;
+  * llama / mistral / qwen2 / gemma3: ``hidden_size``, ``intermediate_size``,
+    ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+    ``head_dim`` (derived as hidden/heads when absent, also for qwen2),
+    ``max_position_embeddings``, ``rms_norm_eps``, ``attention_dropout``,
+    ``rope_parameters`` (transformers 5.x form), ``rope_theta`` and
+    ``rope_scaling`` (4.x form; None when rope_type is "default");
+  * llama: ``hidden_act``, ``attention_bias``, ``mlp_bias``,
+    ``pretraining_tp``;
+  * mistral: ``hidden_act``, ``sliding_window`` (None = full attention);
+  * qwen2: ``hidden_act``, ``use_sliding_window``, ``sliding_window`` (None
+    unless use_sliding_window), ``max_window_layers``, ``layer_types``;
+  * gemma3: ``hidden_activation``, ``attention_bias``,
+    ``query_pre_attn_scalar``, ``sliding_window``, ``layer_types``
+    ("sliding_attention" / "full_attention"), ``sliding_window_pattern`` and
+    ``_sliding_window_pattern``, ``rope_local_base_freq`` (RoPE base of
+    sliding layers; ``rope_theta`` is the full-attention layers' base),
+    ``final_logit_softcapping``, ``attn_logit_softcapping``,
+    ``use_bidirectional_attention``;
+  * gpt2: every GPT2Config field (``n_embd``, ``n_layer``, ``n_head``,
+    ``n_positions``, ``n_inner`` (None = 4 * n_embd), ``activation_function``,
+    ``layer_norm_epsilon``, ``scale_attn_weights``,
+    ``scale_attn_by_inverse_layer_idx``, ``reorder_and_upcast_attn``, ...)
+    plus HF's aliases ``hidden_size``, ``num_attention_heads``,
+    ``num_hidden_layers``, ``max_position_embeddings``.
+
+  Other keys of the raw config are kept as they are.
+
   Returns:
     A new dict.
   """
@@ -315,6 +348,13 @@ def _normalize_gemma3(cfg: dict[str, Any], raw: Mapping[str, Any]) -> None:
   cfg["rope_theta"] = full["rope_theta"]
   cfg["rope_local_base_freq"] = sliding["rope_theta"]
   cfg["rope_scaling"] = _scaling_of(full)
+
+
+# Keys every normalized config of each architecture has (values may be None,
+# e.g. rope_scaling, pad_token_id, sliding_window, n_inner).
+GUARANTEED_CONFIG_KEYS: dict[str, frozenset[str]] = {
+    arch: frozenset(normalize_config(arch, {})) for arch in ARCHITECTURE_CLASSES
+}
 
 
 def expected_tensor_shapes(

@@ -14,6 +14,7 @@ import pytest
 from tests.checkpoints.checkpoint_test_utils import quant_roundtrip
 from tests.checkpoints.checkpoint_test_utils import write_gguf
 from penzai_lm.checkpoints import CheckpointError
+from penzai_lm.checkpoints import GUARANTEED_CONFIG_KEYS
 from penzai_lm.checkpoints import read_checkpoint
 from penzai_lm.checkpoints import read_gguf
 from penzai_lm.checkpoints import gguf_reader as gguf_reader_lib
@@ -180,6 +181,7 @@ def test_llama_config(llama_mixed):
   assert c["attention_bias"] is False
   assert c["model_type"] == "llama"
   assert c["architectures"] == ["LlamaForCausalLM"]
+  assert GUARANTEED_CONFIG_KEYS["llama"] <= set(c)
 
 
 def test_llama_f32_tied_exact(llama_f32_tied):
@@ -260,6 +262,7 @@ def test_gemma3_norms_and_defaults(gemma3_file):
   assert c["head_dim"] == 32
   assert c["num_key_value_heads"] == 1
   assert (c["bos_token_id"], c["eos_token_id"]) == (2, 1)
+  assert GUARANTEED_CONFIG_KEYS["gemma3"] <= set(c)
 
 
 def test_rope_scaling_metadata(tmp_path):

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
 
 from penzai_lm.checkpoints import CheckpointError
+from penzai_lm.checkpoints import GUARANTEED_CONFIG_KEYS
 from penzai_lm.checkpoints import expected_tensor_shapes
 from penzai_lm.checkpoints import normalize_config
 from penzai_lm.checkpoints import read_checkpoint
@@ -200,6 +201,7 @@ def test_read_matches_state_dict_exactly(saved_model):
     assert got.dtype == np.float32, name
     np.testing.assert_array_equal(got, t.numpy(), err_msg=name)
   _assert_config_matches(ckpt, model)
+  assert GUARANTEED_CONFIG_KEYS[arch] <= set(ckpt.config)
   # The layout module predicts exactly the state dict.
   assert expected_tensor_shapes(arch, ckpt.config) == {
       n: tuple(t.shape) for n, t in sd.items()
@@ -567,3 +569,22 @@ def test_hf_layout_errors(tmp_path):
   (d / "config.json").write_text(json.dumps(cfg))
   with pytest.raises(ValueError, match="missing 1 tensor.*lm_head.weight"):
     read_hf_dir(d)
+
+
+def test_fp16_save(tmp_path):
+  _, make_config = CASES["llama_tied"]
+  model = _random_model(make_config()).to(torch.float16)
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  f32 = read_hf_dir(tmp_path)
+  bf = read_hf_dir(tmp_path, dtype=ml_dtypes.bfloat16)
+  for name, t in _canonical_state_dict(model, "llama").items():
+    np.testing.assert_array_equal(f32.tensors[name], t.float().numpy())
+    np.testing.assert_array_equal(
+        bf.tensors[name].view(np.int16),
+        t.float().to(torch.bfloat16).view(torch.int16).numpy(),
+    )
+
+
+def test_unsupported_dtype_argument(saved_model):
+  with pytest.raises(ValueError, match="float32 or bfloat16"):
+    read_hf_dir(saved_model[2], dtype=np.float16)
