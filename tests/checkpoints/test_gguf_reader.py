@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 
 import gguf
 from gguf import GGMLQuantizationType as Q
