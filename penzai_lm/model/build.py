@@ -16,6 +16,7 @@ from penzai_lm.model import transformer
 from penzai_lm.model.config import TransformerConfig
 from penzai_lm.model.layers import AddLearnedPositionEmbeddings
 from penzai_lm.model.layers import ApplyRotaryEmbedding
+from penzai_lm.model.random_init import random_parameters
 from penzai_lm.model.stacking import stack_blocks
 
 # Mask fill value used by Gemma (any large finite negative value works).
@@ -210,23 +211,33 @@ def build_block(name, rng, config, layer_type, mixed) -> transformer.Transformer
 
 def build_transformer(
     config: TransformerConfig,
-    init_base_rng: jax.Array | int | None = None,
+    seed: int | None = None,
     name: str = "transformer",
 ) -> transformer.TransformerLM:
   """Builds a `TransformerLM`.
 
   Args:
     config: The architecture.
-    init_base_rng: A PRNG key or integer seed for random weights, or None for
-      unbound parameter slots (loaders bind them).
+    seed: Integer seed for random weights, or None to leave every parameter
+      as a slot for a loader to bind (`pz.bind_variables`).
     name: Prefix of every parameter label.
 
   Returns:
     The uncached model.
   """
-  if isinstance(init_base_rng, int):
-    init_base_rng = jax.random.key(init_base_rng)
-  rng = init_base_rng
+  model = _build(config, None, name)
+  if seed is None:
+    return model
+  if not isinstance(seed, int):
+    raise ValueError(f"seed must be an integer or None, got {seed!r}.")
+  parameters = random_parameters(
+      lambda rng: _build(config, rng, name), model, seed
+  )
+  return pz.bind_variables(model, parameters)
+
+
+def _build(config, rng, name) -> transformer.TransformerLM:
+  """Builds the model; parameters are slots when ``rng`` is None."""
   embedding = {"embedding": config.hidden_size}
   table = pz.nn.EmbeddingTable.from_config(
       name=f"{name}/embedder",

@@ -9,12 +9,40 @@ the pattern is carried as data.
 
 from __future__ import annotations
 
+import collections
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
 
+def _stack(arrays, axis: str) -> pz.nx.NamedArrayBase:
+  """Stacks named arrays along a new named axis; host arrays via numpy."""
+  if any(isinstance(a.data_array, jax.core.Tracer) for a in arrays):
+    return pz.nx.stack(arrays, axis)
+  arrays = [a.with_positional_prefix() for a in arrays]
+  named = arrays[0].named_axes
+  if any(a.named_axes != named for a in arrays):
+    raise ValueError(f"Cannot stack arrays with different axes along {axis!r}.")
+  data = np.stack(
+      [np.asarray(a.data_array) for a in arrays],
+      axis=len(arrays[0].positional_shape),
+  )
+  return pz.nx.NamedArray(
+      named_axes=collections.OrderedDict({axis: len(arrays), **named}),
+      data_array=jnp.asarray(data),
+  )
+
+
 def _same(values) -> bool:
+  """Whether host arrays are equal; traced ones (jitted init) count as equal.
+
+  Under the jitted parameter initialisation only the parameters are used, so
+  structural leaves need not be compared there.
+  """
+  if any(isinstance(v, jax.core.Tracer) for v in values):
+    return True
   first = np.asarray(values[0])
   return all(np.array_equal(first, np.asarray(v)) for v in values[1:])
 
@@ -47,7 +75,7 @@ def stack_blocks(
           [leaf.data_array for leaf in leaves]
       ):
         return leaves[0]
-      return pz.nx.stack(leaves, stack_axis)
+      return _stack(leaves, stack_axis)
     if not _same(leaves):
       raise ValueError(
           f"Blocks differ in a plain array leaf ({leaves[0]!r}); make it a"
@@ -65,7 +93,7 @@ def stack_blocks(
       raise ValueError(f"Blocks disagree on parameter labels near {label!r}.")
     parameters.append(
         pz.Parameter(
-            value=pz.nx.stack([v.value for v in per_layer], stack_axis),
+            value=_stack([v.value for v in per_layer], stack_axis),
             label=label,
         )
     )

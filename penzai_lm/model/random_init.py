@@ -1,0 +1,66 @@
+"""Random parameters for a model built with parameter slots.
+
+Values come from numpy (one generator per parameter, seeded by the model seed
+and the parameter label), which avoids compiling an initialisation program:
+norm scales start at 1, biases at 0, embeddings at N(0, 1) and other weights
+at N(0, 1/fan_in).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from penzai import pz
+
+
+def _input_axes_by_label(model) -> dict[str, tuple[str, ...]]:
+  linears = pz.select(model).at_instances_of(pz.nn.Linear).get_sequence()
+  return {
+      layer.weights.label: tuple(layer.in_axis_names)
+      for layer in linears
+      if isinstance(layer.weights, pz.ParameterSlot)
+  }
+
+
+def random_parameters(
+    build_with_rng, slot_model, seed: int
+) -> list[pz.Parameter]:
+  """Random parameters for every slot of ``slot_model``.
+
+  Args:
+    build_with_rng: Function of a PRNG key returning the same model with
+      initialised parameters; only traced for shapes, never run.
+    slot_model: The model with parameter slots.
+    seed: Integer seed.
+
+  Returns:
+    Parameters to bind to ``slot_model``.
+  """
+  shapes = jax.eval_shape(
+      lambda: pz.unbind_params(build_with_rng(jax.random.key(0)), freeze=True)[1]
+  )
+  input_axes = _input_axes_by_label(slot_model)
+  parameters = []
+  for value in shapes:
+    label, named = value.label, value.value
+    shape = dict(named.named_shape)
+    sizes = tuple(shape.values())
+    rng = np.random.default_rng([seed, zlib.crc32(label.encode())])
+    if label.endswith("/scale.weights"):
+      data = np.ones(sizes)
+    elif label.endswith(".bias"):
+      data = np.zeros(sizes)
+    elif label.endswith(".embeddings"):
+      data = rng.standard_normal(sizes) * (0.02 if "position" in label else 1.0)
+    else:
+      fan_in = math.prod(shape[a] for a in input_axes.get(label, ()) if a in shape)
+      data = rng.standard_normal(sizes) / math.sqrt(max(fan_in, 1))
+    array = jnp.asarray(data.astype(np.float32)).astype(named.dtype)
+    parameters.append(
+        pz.Parameter(value=pz.nx.wrap(array).tag(*shape.keys()), label=label)
+    )
+  return parameters
