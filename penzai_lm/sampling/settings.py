@@ -1,0 +1,298 @@
+"""Per-row sampling settings as a JAX pytree.
+
+Array conventions:
+  * Every numeric setting is a JAX array of leading shape ``(batch,)``; row
+    ``r`` of every array belongs to row ``r`` of the logits ``(batch, vocab)``.
+  * ``logit_bias`` is ``None`` or a dense ``(batch, vocab)`` float32 array;
+    ``banned_tokens`` is ``None`` or a ``(batch, vocab)`` bool mask (True =
+    banned).
+  * ``top_k_cap`` is a *static* (compile-time) Python int: the number of
+    candidates the sampler extracts with ``jax.lax.top_k``. Changing it
+    changes the pytree structure and therefore recompiles; changing any
+    array value never does.
+
+Neutral values (the filter is off): ``temperature=1``, ``top_k=0``,
+``top_p=1``, ``min_p=0``, ``repetition_penalty=1``, ``presence_penalty=0``,
+``frequency_penalty=0``. ``temperature=0`` means greedy decoding.
+
+Build settings on the host with :meth:`SamplingSettings.make`, which checks
+every value and raises a ``ValueError`` explaining what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Default static number of top-k candidates; see benchmarks/sampling_filters.py.
+DEFAULT_TOP_K_CAP = 256
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+  """Per-row sampling parameters; all array leaves have leading dim batch.
+
+  Attributes:
+    temperature: f32 (batch,). 0 = greedy (argmax of the penalised, biased
+      logits; top-k/top-p/min-p are then ignored). Values below 1e-5 are
+      treated as greedy to avoid overflow.
+    top_k: i32 (batch,). 0 = off. Must be <= ``top_k_cap``.
+    top_p: f32 (batch,). 1 = off. Nucleus sampling, HF semantics.
+    min_p: f32 (batch,). 0 = off. Keeps tokens with p >= min_p * p_max.
+    repetition_penalty: f32 (batch,). 1 = off. HF/CTRL semantics over tokens
+      seen in the prompt or the generated output: positive logits are divided
+      by it, negative logits multiplied.
+    presence_penalty: f32 (batch,). 0 = off. OpenAI semantics over
+      *generated* tokens only: subtracted once from every token generated at
+      least once.
+    frequency_penalty: f32 (batch,). 0 = off. OpenAI semantics over
+      *generated* tokens only: subtracted ``count`` times.
+    seed: u32 (batch,). Row r's randomness at its step s depends only on
+      ``(seed[r], s)``.
+    logit_bias: ``None`` or f32 (batch, vocab), added to the logits.
+    banned_tokens: ``None`` or bool (batch, vocab); True tokens get -inf.
+    top_k_cap: static int, number of candidates extracted for top-k/top-p.
+  """
+
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+  repetition_penalty: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  seed: jax.Array
+  logit_bias: jax.Array | None = None
+  banned_tokens: jax.Array | None = None
+  top_k_cap: int = dataclasses.field(
+      default=DEFAULT_TOP_K_CAP, metadata=dict(static=True))
+
+  @property
+  def batch_size(self) -> int:
+    return self.temperature.shape[0]
+
+  @classmethod
+  def make(
+      cls,
+      batch_size: int,
+      vocab_size: int,
+      *,
+      temperature: Any = 1.0,
+      top_k: Any = 0,
+      top_p: Any = 1.0,
+      min_p: Any = 0.0,
+      repetition_penalty: Any = 1.0,
+      presence_penalty: Any = 0.0,
+      frequency_penalty: Any = 0.0,
+      seed: Any = 0,
+      logit_bias: (Mapping[int, float] | Sequence[Mapping[int, float]]
+                   | None) = None,
+      banned_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+      top_k_cap: int = DEFAULT_TOP_K_CAP,
+      always_dense: bool = False,
+  ) -> SamplingSettings:
+    """Builds validated settings on the host.
+
+    Each numeric argument is a scalar (used for every row) or a sequence with
+    one value per row.
+
+    Args:
+      batch_size: Number of rows.
+      vocab_size: Vocabulary size (last dim of the logits).
+      temperature: >= 0; 0 = greedy.
+      top_k: Integer in [0, top_k_cap]; 0 = off.
+      top_p: In (0, 1]; 1 = off.
+      min_p: In [0, 1); 0 = off.
+      repetition_penalty: > 0; 1 = off.
+      presence_penalty: Finite; 0 = off.
+      frequency_penalty: Finite; 0 = off.
+      seed: Integer in [0, 2**32) or None. ``None`` draws a fresh random seed
+        on the host (independently per row); the drawn value is stored in the
+        returned ``seed`` array so the run can be reproduced.
+      logit_bias: ``{token_id: bias}`` for every row, or a list with one such
+        dict per row, or None.
+      banned_tokens: A list of token ids for every row, or a list with one
+        list per row, or None.
+      top_k_cap: Static number of top-k candidates (>= 1).
+      always_dense: If True, allocate ``logit_bias`` and ``banned_tokens``
+        even when unused, so every request has the same pytree structure and
+        reuses one compiled program.
+
+    Returns:
+      A ``SamplingSettings``.
+
+    Raises:
+      ValueError: If any value is invalid; the message names the setting, the
+        row and the accepted range.
+    """
+    batch_size = _positive_int("batch_size", batch_size)
+    vocab_size = _positive_int("vocab_size", vocab_size)
+    top_k_cap = _positive_int("top_k_cap", top_k_cap)
+    rows = lambda name, v: _per_row(name, v, batch_size)
+
+    floats = {n: rows(n, v) for n, v in dict(
+        temperature=temperature, top_p=top_p, min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty).items()}
+    for name in _FLOAT_FIELDS:
+      floats[name] = [_as_float(name, r, v) for r, v in enumerate(floats[name])]
+    _check_rows("temperature", floats["temperature"], lambda t: t >= 0,
+                "must be >= 0 and finite (0 means greedy)")
+    _check_rows("top_p", floats["top_p"], lambda p: 0 < p <= 1,
+                "must be in (0, 1] (1 turns top-p off)")
+    _check_rows("min_p", floats["min_p"], lambda p: 0 <= p < 1,
+                "must be in [0, 1) (0 turns min-p off)")
+    _check_rows("repetition_penalty", floats["repetition_penalty"],
+                lambda p: p > 0, "must be > 0 (1 turns it off)")
+
+    ks = [_as_int("top_k", r, v) for r, v in enumerate(rows("top_k", top_k))]
+    _check_rows("top_k", ks, lambda k: 0 <= k <= top_k_cap,
+                f"must be in [0, top_k_cap={top_k_cap}] (0 turns top-k off); "
+                "pass a larger top_k_cap to SamplingSettings.make if you need "
+                "more candidates")
+    seeds = [secrets.randbits(32) if v is None else _as_int("seed", r, v)
+             for r, v in enumerate(rows("seed", seed))]
+    _check_rows("seed", seeds, lambda s: 0 <= s < 2**32,
+                "must be in [0, 2**32); reduce it modulo 2**32")
+
+    bias = _logit_bias(logit_bias, batch_size, vocab_size)
+    banned = _banned(banned_tokens, batch_size, vocab_size)
+    if always_dense:
+      if bias is None:
+        bias = np.zeros((batch_size, vocab_size), np.float32)
+      if banned is None:
+        banned = np.zeros((batch_size, vocab_size), bool)
+
+    f32 = lambda name: jnp.asarray(floats[name], jnp.float32)
+    return cls(
+        temperature=f32("temperature"),
+        top_k=jnp.asarray(ks, jnp.int32),
+        top_p=f32("top_p"),
+        min_p=f32("min_p"),
+        repetition_penalty=f32("repetition_penalty"),
+        presence_penalty=f32("presence_penalty"),
+        frequency_penalty=f32("frequency_penalty"),
+        seed=jnp.asarray(np.asarray(seeds, np.uint32)),
+        logit_bias=None if bias is None else jnp.asarray(bias),
+        banned_tokens=None if banned is None else jnp.asarray(banned),
+        top_k_cap=top_k_cap,
+    )
+
+
+def _positive_int(name: str, value: Any) -> int:
+  if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+      or value < 1):
+    raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+  return int(value)
+
+
+def _is_sequence(value: Any) -> bool:
+  if isinstance(value, np.ndarray):
+    return value.ndim > 0
+  return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def _per_row(name: str, value: Any, batch_size: int) -> list[Any]:
+  """Broadcasts a scalar or checks a per-row sequence's length."""
+  if isinstance(value, np.ndarray) and value.ndim > 1:
+    raise ValueError(f"{name} must be a scalar or a 1-D sequence with one value"
+                     f" per row, got an array of shape {value.shape}.")
+  if not _is_sequence(value):
+    return [value] * batch_size
+  values = list(value)
+  if len(values) != batch_size:
+    raise ValueError(
+        f"got {len(values)} values for {name} but the batch has {batch_size} "
+        f"rows; pass a single value to use it for every row, or exactly one "
+        f"value per row.")
+  return values
+
+
+def _as_float(name: str, row: int, value: Any) -> float:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(f"{name}[{row}] must be a real number, got {value!r}.")
+  value = float(value)
+  if not np.isfinite(value):
+    raise ValueError(f"{name}[{row}] must be finite, got {value!r}.")
+  return value
+
+
+def _as_int(name: str, row: int, value: Any) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise ValueError(f"{name}[{row}] must be an integer, got {value!r} of type "
+                     f"{type(value).__name__}.")
+  return int(value)
+
+
+def _check_rows(name: str, values: list[Any], ok, requirement: str) -> None:
+  for row, v in enumerate(values):
+    if not ok(v):
+      raise ValueError(
+          f"{name}[{row}] = {v!r} is invalid: {name} {requirement}.")
+
+
+def _token_id(what: str, token: Any, vocab_size: int) -> int:
+  if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+    raise ValueError(f"{what}: token ids must be integers, got {token!r}.")
+  if not 0 <= token < vocab_size:
+    raise ValueError(f"{what}: token id {token} is outside the vocabulary "
+                     f"[0, {vocab_size}).")
+  return int(token)
+
+
+def _logit_bias(bias: Any, batch_size: int,
+                vocab_size: int) -> np.ndarray | None:
+  """Turns a dict or a list of per-row dicts into a dense array."""
+  if bias is None:
+    return None
+  if isinstance(bias, Mapping):
+    per_row = [bias] * batch_size
+  elif _is_sequence(bias) and all(isinstance(b, Mapping) for b in bias):
+    per_row = _per_row("logit_bias", bias, batch_size)
+  else:
+    raise ValueError("logit_bias must be a dict {token_id: bias} for every row "
+                     "or a list with one such dict per row, got "
+                     f"{type(bias).__name__}.")
+  dense = np.zeros((batch_size, vocab_size), np.float32)
+  for row, mapping in enumerate(per_row):
+    for token, value in mapping.items():
+      token = _token_id(f"logit_bias[{row}]", token, vocab_size)
+      dense[row, token] = _as_float(f"logit_bias[{row}][{token}]", row, value)
+  return dense
+
+
+def _banned(banned: Any, batch_size: int, vocab_size: int) -> np.ndarray | None:
+  """Turns a list of ids or a list of per-row lists into a dense mask."""
+  if banned is None:
+    return None
+  if not _is_sequence(banned):
+    raise ValueError("banned_tokens must be a list of token ids for every row "
+                     f"or a list of lists (one per row), got {banned!r}.")
+  items = list(banned)
+  if items and all(_is_sequence(b) for b in items):
+    per_row = _per_row("banned_tokens", items, batch_size)
+  elif any(_is_sequence(b) for b in items):
+    raise ValueError("banned_tokens mixes token ids and lists; pass either one "
+                     "list of ids for every row or one list per row.")
+  else:
+    per_row = [items] * batch_size
+  mask = np.zeros((batch_size, vocab_size), bool)
+  for row, tokens in enumerate(per_row):
+    for token in tokens:
+      mask[row, _token_id(f"banned_tokens[{row}]", token, vocab_size)] = True
+    if mask[row].all():
+      raise ValueError(f"banned_tokens[{row}] bans the whole vocabulary; at "
+                       "least one token must stay allowed.")
+  return mask
