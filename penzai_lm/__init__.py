@@ -1,0 +1,22 @@
+"""penzai_lm: run, inspect, patch and sample language models in JAX.
+
+>>> import penzai_lm
+>>> model, tokenizer = penzai_lm.load()           # SmolLM2-135M-Instruct
+>>> cached = penzai_lm.KVCachingTransformerLM.from_uncached(
+...     model, cache_len=256, batch_axes={"batch": 1})
+"""
+
+from penzai_lm.loading import load
+from penzai_lm.loading import load_model
+from penzai_lm.model import CacheOverflowError
+from penzai_lm.model import KVCachingTransformerLM
+from penzai_lm.model import RopeScaling
+from penzai_lm.model import TransformerConfig
+from penzai_lm.model import TransformerLM
+from penzai_lm.model import build_transformer
+from penzai_lm.model import leading_padding
+from penzai_lm.model import positions_from_padding
+from penzai_lm.tokenizer import IncrementalDetokenizer
+from penzai_lm.tokenizer import Tokenizer
+
+__version__ = "0.1.0"
