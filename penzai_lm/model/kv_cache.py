@@ -75,6 +75,10 @@ class KVCachingTransformerLM(pz.nn.Layer):
     cache_len: Number of slots in each cache.
     batch_axes: Names and sizes of the batch axes.
     pad_id: Token id that marks left padding in prompts.
+    runtime_overflow_check: Under jit, check for cache overflow at run time
+      with a host callback. Programs with callbacks cannot be stored in JAX's
+      persistent compilation cache, so a driver that never overflows by
+      construction (the generation engine) turns this off.
   """
 
   body: pz.nn.Layer
@@ -85,6 +89,9 @@ class KVCachingTransformerLM(pz.nn.Layer):
   cache_len: int = dataclasses.field(metadata={"pytree_node": False})
   batch_axes: dict[str, int] = dataclasses.field(metadata={"pytree_node": False})
   pad_id: int = dataclasses.field(metadata={"pytree_node": False})
+  runtime_overflow_check: bool = dataclasses.field(
+      default=True, metadata={"pytree_node": False}
+  )
 
   def __call__(
       self,
@@ -152,6 +159,8 @@ class KVCachingTransformerLM(pz.nn.Layer):
 
   def _check_room(self, end, new: int) -> None:
     if isinstance(end, jax.core.Tracer):
+      if not self.runtime_overflow_check:
+        return
       jax.lax.cond(
           end + new > self.cache_len,
           lambda: jax.debug.callback(
@@ -222,7 +231,8 @@ class KVCachingTransformerLM(pz.nn.Layer):
           )
           .apply(_read_cache_positions)
       )
-      cached[keypath] = pz.nn.KVCachingAttention.from_uncached(
+      stack_axes = pz.nn.layerstack_axes_from_keypath(keypath)
+      caching = pz.nn.KVCachingAttention.from_uncached(
           attention,
           sequence_axis="seq",
           cache_len=cache_len,
@@ -232,8 +242,16 @@ class KVCachingTransformerLM(pz.nn.Layer):
           cache_end_index_key="cache_end_index",
           cache_dtype=config.activation_dtype,
           cache_label=f"{variable_name_prefix}/cache_{index}",
-          layerstack_axes=pz.nn.layerstack_axes_from_keypath(keypath),
+          layerstack_axes=stack_axes,
       )
+      # A layer stack returns per-layer state with the stack axes first; start
+      # in that layout so the state's pytree never changes between calls.
+      empty = pz.nx.zeros(
+          {**stack_axes, **caching.kv_cache.value[0].named_shape},
+          dtype=config.activation_dtype,
+      )
+      caching.kv_cache.value = (empty, empty)
+      cached[keypath] = caching
     slots = {**batch_axes, "seq": cache_len}
     return cls(
         body=selection.set_by_path(cached),

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.model.scanned_stack import ScannedLayerStack
+
 
 def _stack(arrays, axis: str) -> pz.nx.NamedArrayBase:
   """Stacks named arrays along a new named axis; host arrays via numpy."""
@@ -49,7 +51,7 @@ def _same(values) -> bool:
 
 def stack_blocks(
     blocks: list[pz.nn.Layer], stack_axis: str = "blocks"
-) -> pz.nn.LayerStack:
+) -> ScannedLayerStack:
   """Stacks blocks built with identical parameter labels into a layer stack.
 
   Args:
@@ -59,7 +61,7 @@ def stack_blocks(
     stack_axis: Name of the new layer axis.
 
   Returns:
-    A LayerStack running the blocks in order under `jax.lax.scan`.
+    A `ScannedLayerStack` running the blocks in order in a compiled loop.
   """
   unbound, values = zip(*(pz.unbind_variables(b, freeze=True) for b in blocks))
   structures = [jax.tree_util.tree_structure(u) for u in unbound]
@@ -97,7 +99,7 @@ def stack_blocks(
             label=label,
         )
     )
-  return pz.nn.LayerStack(
+  return ScannedLayerStack(
       stacked_sublayers=pz.bind_variables(stacked, parameters),
       stack_axis=stack_axis,
       stack_axis_size=len(blocks),

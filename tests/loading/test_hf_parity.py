@@ -105,3 +105,25 @@ def test_cached_logits_match_transformers(hf_dir):
   np.testing.assert_allclose(
       np.concatenate(outs), _hf_logits(hf_model, ids), atol=1e-4
   )
+
+
+def test_bfloat16_load_is_close_to_float32(hf_dir):
+  name, path, hf_model = hf_dir
+  if name != "llama_gqa_headdim":
+    pytest.skip("one architecture is enough")
+  model = load_model(path, dtype="bfloat16")
+  _, params = pz.unbind_params(model)
+  assert {p.value.dtype for p in params} == {jnp.dtype(jnp.bfloat16)}
+  ids = list(range(1, 12))
+  got = _logits(pz.freeze_params(model), pz.nx.wrap(jnp.array(ids)).tag("seq"))
+  assert got.dtype == jnp.bfloat16
+  expected = _hf_logits(hf_model, ids)
+  got = np.asarray(got.unwrap("seq", "vocabulary"), np.float32)
+  assert np.abs(got - expected).max() < 0.05 * np.abs(expected).max()
+
+
+def test_bad_dtype_and_missing_path_are_clear_errors(tmp_path):
+  with pytest.raises(ValueError, match="float32 or bfloat16"):
+    load_model("smollm2-135m-instruct", dtype="int8")
+  with pytest.raises((ValueError, FileNotFoundError), match="nope"):
+    load_model(tmp_path / "nope.gguf")

@@ -164,3 +164,19 @@ def test_bad_inputs_give_clear_errors():
   with pytest.raises(ValueError, match="pad_id"):
     KVCachingTransformerLM.from_uncached(model, 8, {"batch": 2}, pad_id=-1)
   assert int(cached.cache_end_index.value) == 0
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
+def test_state_keeps_its_structure_so_decode_compiles_once(stacked):
+  cached = KVCachingTransformerLM.from_uncached(
+      _model("gemma3", stacked), 8, {"batch": 1}
+  )
+  stateless, state = pz.unbind_state_vars(pz.freeze_params(cached), freeze=True)
+  step = jax.jit(lambda s, t: stateless.stateless_call(s, t))
+  for _ in range(3):
+    _, new_state = step(state, _named(random_tokens((1, 1)), "batch", "seq"))
+    assert jax.tree_util.tree_structure(new_state) == (
+        jax.tree_util.tree_structure(state)
+    )
+    state = new_state
+  assert step._cache_size() == 1

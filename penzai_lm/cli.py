@@ -1,0 +1,194 @@
+"""The ``penzai-lm`` command line.
+
+    penzai-lm generate "The capital of France is"
+    penzai-lm generate --chat --temperature 0.7 "Write a haiku about JAX"
+    echo "Once upon a time" | penzai-lm generate --max-new-tokens 64 --json
+    penzai-lm chat
+
+Text streams to stdout; a stats line (time to first token, prefill and decode
+tokens/s) goes to stderr. JAX's persistent compilation cache is on, so a
+second run does not compile again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def _enable_compilation_cache() -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from penzai_lm.fetch import cache_dir  # pylint: disable=g-import-not-at-top
+
+  path = os.environ.get("PENZAI_LM_JAX_CACHE") or str(cache_dir() / "jax")
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--model", default=None,
+                      help="model name (smollm2-135m-instruct, gemma3-270m),"
+                      " GGUF file or Hugging Face directory")
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+  parser.add_argument("--greedy", action="store_true",
+                      help="always pick the most likely token (the default"
+                      " unless --temperature is given)")
+  parser.add_argument("--temperature", type=float, default=None)
+  parser.add_argument("--top-k", type=int, default=0)
+  parser.add_argument("--top-p", type=float, default=1.0)
+  parser.add_argument("--min-p", type=float, default=0.0)
+  parser.add_argument("--repetition-penalty", type=float, default=1.0)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--stop", action="append", default=[],
+                      help="stop string (repeatable)")
+
+
+def _settings(args) -> dict:
+  temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
+  return dict(
+      max_new_tokens=args.max_new_tokens, temperature=temperature,
+      top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+      repetition_penalty=args.repetition_penalty, seed=args.seed,
+  )
+
+
+def _stats_line(timings, reasons) -> str:
+  return (
+      f"[{timings.prompt_tokens} prompt tokens, {timings.generated_tokens}"
+      f" generated; time to first token {timings.time_to_first_token_s:.2f}s,"
+      f" prefill {timings.prefill_tokens_per_s:.0f} tok/s, decode"
+      f" {timings.decode_tokens_per_s:.1f} tok/s, compile"
+      f" {timings.compile_s:.1f}s; finish: {', '.join(reasons)}]"
+  )
+
+
+def _read_prompt(args) -> str:
+  if args.prompt is not None and args.prompt != "-":
+    return args.prompt
+  if sys.stdin.isatty():
+    raise SystemExit("error: give a prompt as an argument or on stdin.")
+  return sys.stdin.read()
+
+
+def _load(args):
+  import penzai_lm  # pylint: disable=g-import-not-at-top
+
+  start = time.perf_counter()
+  model, tokenizer = penzai_lm.load(args.model, dtype=args.dtype)
+  print(f"[loaded in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
+  return model, tokenizer
+
+
+def cmd_generate(args) -> int:
+  from penzai_lm import generation  # pylint: disable=g-import-not-at-top
+
+  prompt = _read_prompt(args)
+  model, tokenizer = _load(args)
+  request = [{"role": "user", "content": prompt}] if args.chat else prompt
+  settings = _settings(args)
+  if args.num_samples > 1 or args.no_stream or args.json:
+    result = generation.generate_text(
+        model, tokenizer, request, stop_strings=args.stop or None,
+        num_samples=args.num_samples, **settings,
+    )
+    if args.json:
+      print(json.dumps({
+          "texts": result.texts, "tokens": result.tokens,
+          "finish_reasons": result.finish_reasons,
+          "timings": vars(result.timings),
+      }, indent=2, default=float))
+    else:
+      for i, text in enumerate(result.texts):
+        if args.num_samples > 1:
+          print(f"--- sample {i} ---")
+        print(text)
+    print(_stats_line(result.timings, result.finish_reasons), file=sys.stderr)
+    return 0
+
+  stream = generation.stream_text(
+      model, tokenizer, request, stop_strings=args.stop or None, **settings
+  )
+  if not args.chat:
+    sys.stdout.write(prompt)
+  try:
+    for event in stream:
+      sys.stdout.write(event.text)
+      sys.stdout.flush()
+  except KeyboardInterrupt:
+    stream.close()
+  print()
+  result = stream.result
+  print(_stats_line(result.timings, result.finish_reasons), file=sys.stderr)
+  return 0
+
+
+def cmd_chat(args) -> int:
+  from penzai_lm import generation  # pylint: disable=g-import-not-at-top
+
+  model, tokenizer = _load(args)
+  settings = _settings(args)
+  messages = []
+  print("[chat: empty line or Ctrl-D to quit, Ctrl-C stops a reply]", file=sys.stderr)
+  while True:
+    try:
+      line = input("> ")
+    except EOFError:
+      break
+    if not line.strip():
+      break
+    messages.append({"role": "user", "content": line})
+    stream = generation.stream_text(model, tokenizer, messages, **settings)
+    reply = []
+    try:
+      for event in stream:
+        reply.append(event.text)
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+    except KeyboardInterrupt:
+      stream.close()
+    print()
+    messages.append({"role": "assistant", "content": "".join(reply)})
+    print(_stats_line(stream.result.timings, stream.result.finish_reasons),
+          file=sys.stderr)
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="penzai-lm", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  commands = parser.add_subparsers(dest="command", required=True)
+  gen = commands.add_parser("generate", help="continue a prompt")
+  gen.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt; read from stdin when absent or '-'")
+  _sampling_args(gen)
+  gen.add_argument("--num-samples", type=int, default=1)
+  gen.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the model's chat template")
+  gen.add_argument("--no-stream", action="store_true")
+  gen.add_argument("--json", action="store_true", help="print a JSON result")
+  gen.set_defaults(func=cmd_generate)
+  chat = commands.add_parser("chat", help="interactive multi-turn chat")
+  _sampling_args(chat)
+  chat.set_defaults(func=cmd_chat)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  _enable_compilation_cache()
+  try:
+    return args.func(args)
+  except (ValueError, FileNotFoundError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
