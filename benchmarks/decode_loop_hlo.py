@@ -1,0 +1,225 @@
+"""Decode speed of penzai_lm.generation on a random SmolLM2-sized model, and
+an inspection of the compiled decode-loop HLO for weight- or cache-sized
+copies and transposes.
+
+Usage:
+  python benchmarks/decode_loop_hlo.py [--batch 1 8] [--stack both|stacked|unstacked]
+      [--prompt 128] [--new 128] [--repeats 2] [--hlo-dir /tmp/hlo]
+      [--keep-stacks] [--stream-chunk 8]
+
+Reports, per configuration: compile time, time to first token, prefill and
+decode tokens/s (medians over repeats, after a warm-up call), and the large
+(>= 1 MB) copy / transpose / dynamic-update-slice ops inside the while-loop
+body of the optimized HLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import statistics
+import time
+
+import numpy as np
+
+from penzai_lm.generation import engine
+from penzai_lm.generation import generate
+from penzai_lm.generation import stream
+from penzai_lm.model import TransformerConfig
+from penzai_lm.model import build_transformer
+
+SMOLLM2 = TransformerConfig(
+    family="llama", vocab_size=49152, hidden_size=576, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, mlp_hidden_size=1536,
+    tie_embeddings=True, rope_base=1e5, max_position_embeddings=8192,
+)
+
+_SHAPE = re.compile(r"(f32|s32|bf16|f16|pred|u32)\[([0-9,]*)\]")
+_BYTES = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "pred": 1, "u32": 4}
+
+
+def _op_bytes(line: str) -> int:
+  m = _SHAPE.search(line.split("=", 1)[1] if "=" in line else line)
+  if not m:
+    return 0
+  dims = [int(d) for d in m.group(2).split(",") if d]
+  return int(np.prod(dims)) * _BYTES[m.group(1)] if dims else _BYTES[m.group(1)]
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+  comps, name, lines = {}, None, []
+  for line in hlo.splitlines():
+    header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if header and not line.startswith(" "):
+      name, lines = header.group(2), []
+      comps[name] = lines
+    elif name is not None:
+      lines.append(line)
+  return comps
+
+
+def _called(lines):
+  out = set()
+  for line in lines:
+    for key in ("calls=", "body=", "condition=", "to_apply=",
+                "branch_computations={", "true_computation=",
+                "false_computation="):
+      for m in re.finditer(re.escape(key) + r"%?([\w.\-]+(?:, %?[\w.\-]+)*)",
+                           line):
+        out.update(x.strip().lstrip("%") for x in m.group(1).split(","))
+  return out
+
+
+def inspect_loop_body(hlo: str, threshold: int = 1 << 20):
+  """Large copy/transpose/dus/concatenate ops reachable from the outer while
+  body (the decode step), with their byte sizes."""
+  comps = _computations(hlo)
+  bodies = []
+  for lines in comps.values():
+    for line in lines:
+      m = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
+      if m:
+        bodies.append(m.group(1))
+  if not bodies:
+    return {}
+  # The decode loop is the while whose body reaches the most computations.
+  def reach(root):
+    seen, todo = set(), [root]
+    while todo:
+      c = todo.pop()
+      if c in seen or c not in comps:
+        continue
+      seen.add(c)
+      todo.extend(_called(comps[c]))
+    return seen
+  body = max(bodies, key=lambda b: len(reach(b)))
+  found = collections.Counter()
+  sizes = collections.defaultdict(int)
+  for c in reach(body):
+    for line in comps[c]:
+      for op in ("copy(", "transpose(", "dynamic-update-slice(",
+                 "concatenate(", "copy-start("):
+        if f" {op}" in line or f"={op}" in line.replace(" ", ""):
+          b = _op_bytes(line)
+          if b >= threshold:
+            key = f"{op[:-1]} {_SHAPE.search(line.split('=', 1)[1]).group(0)}"
+            found[key] += 1
+            sizes[key] = b
+  return {k: (n, sizes[k]) for k, n in found.most_common()}
+
+
+def measure_stream(model, batch, prompt_len, new, chunk_size):
+  """Streaming: wall-clock decode tok/s per row, host work included."""
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 49152, prompt_len).tolist() for _ in range(batch)]
+  settings = dict(max_new_tokens=new, temperature=0.0, stop_tokens=[])
+  stream(model, prompts, chunk_size=chunk_size, **settings).run_to_end()
+  s = stream(model, prompts, chunk_size=chunk_size, **settings)
+  start = time.perf_counter()
+  first = None
+  for _ in s:
+    if first is None:
+      first = time.perf_counter()
+  end = time.perf_counter()
+  result = s.result
+  steps = max(result.lengths) - 1
+  return dict(
+      stream_chunk=chunk_size,
+      stream_ttft_ms=(first - start) * 1e3,
+      stream_decode_tok_s_per_row=steps / (end - first),
+  )
+
+
+def measure(model, batch, prompt_len, new, repeats):
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 49152, prompt_len).tolist() for _ in range(batch)]
+  settings = dict(max_new_tokens=new, temperature=0.0, stop_tokens=[])
+  first = generate(model, prompts, **settings)
+  runs = [generate(model, prompts, **settings) for _ in range(repeats)]
+  med = lambda f: statistics.median(f(r.timings) for r in runs)  # noqa: E731
+  return dict(
+      compile_s=first.timings.compile_s,
+      ttft_ms=med(lambda t: t.time_to_first_token_s) * 1e3,
+      prefill_tok_s=med(lambda t: t.prefill_tokens_per_s),
+      decode_tok_s_per_row=med(lambda t: t.decode_tokens_per_s),
+      decode_tok_s_total=med(lambda t: t.decode_tokens_per_s) * batch,
+      steps=runs[0].timings.decode_steps,
+  )
+
+
+def blocks_first(model, axis="blocks"):
+  """The same model with every stacked array stored with ``axis`` first."""
+  from penzai import pz  # pylint: disable=g-import-not-at-top
+
+  def relayout(x):
+    if axis in x.named_shape and list(x.named_shape)[0] != axis:
+      names = [axis] + [n for n in x.named_shape if n != axis]
+      return pz.nx.wrap(np.asarray(x.unwrap(*names))).tag(*names)
+    return x
+
+  frozen = pz.freeze_params(model)
+  return (pz.select(frozen).at_instances_of(pz.nx.NamedArrayBase)
+          .apply(relayout))
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+  parser.add_argument("--stack", default="both")
+  parser.add_argument("--prompt", type=int, default=128)
+  parser.add_argument("--new", type=int, default=128)
+  parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--hlo-dir", default=None)
+  parser.add_argument("--blocks-first", action="store_true",
+                      help="store stacked weights with the layer axis first")
+  parser.add_argument("--stream-chunk", type=int, default=0,
+                      help="also measure streaming with this chunk size")
+  parser.add_argument(
+      "--keep-stacks", action="store_true",
+      help="decode with the model's layer stack as is (no unstacking)")
+  args = parser.parse_args()
+  if args.keep_stacks:
+    engine.UNSTACK_LAYER_STACKS = False
+  stacks = {"both": [True, False], "stacked": [True],
+            "unstacked": [False]}[args.stack]
+  for stacked in stacks:
+    start = time.perf_counter()
+    model = build_transformer(SMOLLM2.replace(use_layer_stack=stacked), seed=0)
+    if args.blocks_first:
+      model = blocks_first(model)
+    print(f"\n== use_layer_stack={stacked} (built in"
+          f" {time.perf_counter() - start:.1f}s)", flush=True)
+    for batch in args.batch:
+      engine.clear_compiled_cache()
+      stats = measure(model, batch, args.prompt, args.new, args.repeats)
+      print(f"batch {batch}: " + ", ".join(
+          f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+          for k, v in stats.items()), flush=True)
+      if args.stream_chunk:
+        stats = measure_stream(model, batch, args.prompt, args.new,
+                               args.stream_chunk)
+        print(f"batch {batch} streamed: " + ", ".join(
+            f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in stats.items()), flush=True)
+      for key, program in engine._PROGRAMS._programs.items():  # pylint: disable=protected-access
+        if key[0] != "decode":
+          continue
+        hlo = program.as_text()
+        if args.hlo_dir:
+          os.makedirs(args.hlo_dir, exist_ok=True)
+          path = os.path.join(
+              args.hlo_dir, f"decode_b{batch}_{'stack' if stacked else 'unrolled'}"
+              f"{'_kept' if args.keep_stacks else ''}.txt")
+          with open(path, "w") as f:
+            f.write(hlo)
+        big = inspect_loop_body(hlo)
+        print("  large copy/transpose/update ops in the decode step (count,"
+              " bytes):")
+        for k, (n, b) in big.items():
+          print(f"    {n:3d} x {k}  ({b / 2**20:.1f} MiB each)")
+
+
+if __name__ == "__main__":
+  main()

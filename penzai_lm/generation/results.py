@@ -1,0 +1,134 @@
+"""`GenerationResult`: what `generate` and the text helpers return.
+
+Rows are prompt-major: row ``r`` is sample ``r % num_samples`` of prompt
+``r // num_samples``. Every per-row field is a Python list with one entry per
+row; per-token fields hold one entry per generated token of that row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+FINISH_REASONS = ("stop", "length", "cache_full", "cancelled")
+
+
+@dataclasses.dataclass
+class Timings:
+  """Wall-clock measurements of one request (seconds, tokens per second).
+
+  Attributes:
+    compile_s: Time spent tracing and compiling new programs for this request
+      (0 when every program came from the cache).
+    prefill_s: Time of the prefill call (the prompt minus its last token,
+      written to the cache), excluding compilation.
+    time_to_first_token_s: From the start of the prefill until the first new
+      token of every row was on the host, excluding compilation.
+    decode_s: Time spent in the decode loop after the first token (excluding
+      compilation and the host work between streamed chunks).
+    total_s: Wall time of the whole request, compilation included.
+    prompt_tokens: Real (unpadded) prompt tokens prefilled (num_samples rows
+      of one prompt count once).
+    generated_tokens: Tokens generated over all rows (forced ones included).
+    prefill_tokens_per_s: ``prompt_tokens / time_to_first_token_s``.
+    decode_tokens_per_s: Tokens per second per row after the first token
+      (``decode_steps / decode_s``), the usual "decode speed".
+    decode_steps: Loop iterations after the first token.
+    batch_rows: Rows the compiled loop ran (the batch bucket, padding rows
+      included).
+  """
+
+  compile_s: float = 0.0
+  prefill_s: float = 0.0
+  time_to_first_token_s: float = 0.0
+  decode_s: float = 0.0
+  total_s: float = 0.0
+  prompt_tokens: int = 0
+  generated_tokens: int = 0
+  prefill_tokens_per_s: float = 0.0
+  decode_tokens_per_s: float = 0.0
+  decode_steps: int = 0
+  batch_rows: int = 0
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  """Generated tokens (and text, from the text helpers) for every row.
+
+  Attributes:
+    tokens: Generated ids per row, without the prompt. A stop token that
+      ended the row is included (it is what the model produced); tokens after
+      a stop string are removed.
+    lengths: ``len(tokens[r])``.
+    finish_reasons: Per row: ``"stop"`` (stop token or stop string),
+      ``"length"`` (max_new_tokens), ``"cache_full"`` (the KV cache had no
+      room left) or ``"cancelled"``.
+    logprobs: Per row and token, the log-probability of the chosen token
+      under the model's raw distribution (``log_softmax`` of the logits,
+      before penalties, bias and filters).
+    top_logprobs: With ``logprobs_top_n > 0``, per row and token, the
+      ``(token_id, logprob)`` pairs of the most likely tokens (raw
+      distribution), most likely first; else None.
+    forced: Per row and token, whether the token was forced (given by the
+      caller or injected by a tool) rather than sampled.
+    prompt_indices: The prompt each row belongs to.
+    sample_indices: The sample number of each row within its prompt.
+    seeds: The seed each row was sampled with: passing ``seeds[r]`` back as
+      ``seed`` with the same prompt and settings (``num_samples=1``)
+      reproduces row ``r``.
+    prompt_lengths: Length of each row's prompt.
+    timings: See `Timings`.
+    texts: Decoded text per row (text helpers only, else None): the stop
+      token's text and any stop string (with what follows) are removed.
+    stop_strings_matched: Text helpers only: the stop string that ended each
+      row, or None.
+  """
+
+  tokens: list[list[int]]
+  finish_reasons: list[str]
+  logprobs: list[list[float]]
+  forced: list[list[bool]]
+  prompt_indices: list[int]
+  sample_indices: list[int]
+  seeds: list[int]
+  prompt_lengths: list[int]
+  timings: Timings
+  top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+  texts: list[str] | None = None
+  stop_strings_matched: list[str | None] | None = None
+
+  @property
+  def lengths(self) -> list[int]:
+    return [len(t) for t in self.tokens]
+
+  @property
+  def num_rows(self) -> int:
+    return len(self.tokens)
+
+  def __len__(self) -> int:
+    return len(self.tokens)
+
+  @property
+  def text(self) -> str:
+    """The text of the only row (text helpers, one prompt and one sample)."""
+    if self.texts is None:
+      raise ValueError(
+          "this result has no text; use generate_text() (or decode tokens"
+          " with a tokenizer).")
+    if len(self.texts) != 1:
+      raise ValueError(
+          f"this result has {len(self.texts)} rows; use .texts[i] instead of"
+          " .text.")
+    return self.texts[0]
+
+  def rows_of_prompt(self, prompt_index: int) -> list[int]:
+    """Row indices of all samples of one prompt."""
+    return [r for r, p in enumerate(self.prompt_indices) if p == prompt_index]
+
+  def summary(self) -> str:
+    """A one-line human summary of the timings."""
+    t = self.timings
+    return (
+        f"{self.num_rows} rows, {t.generated_tokens} tokens; prefill"
+        f" {t.prefill_tokens_per_s:.0f} tok/s, decode"
+        f" {t.decode_tokens_per_s:.1f} tok/s/row, ttft"
+        f" {t.time_to_first_token_s * 1e3:.0f} ms, compile {t.compile_s:.1f} s")
