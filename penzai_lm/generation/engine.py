@@ -45,7 +45,8 @@ import functools
 import threading
 import time
 import warnings
-from typing import Any, Callable
+import weakref
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -135,8 +136,10 @@ def _cache_size(name: str | None = None) -> int:
 
 
 def clear_compiled_cache() -> None:
-  """Drops every compiled program (they are rebuilt on demand)."""
+  """Drops every compiled program and prepared model (rebuilt on demand)."""
   _PROGRAMS.clear()
+  _UNSTACKED.clear()
+  _PREPARED.clear()
 
 
 # Layer stacks are unrolled for decoding.
@@ -155,9 +158,60 @@ def clear_compiled_cache() -> None:
 # benchmarks comparing the two).
 UNSTACK_LAYER_STACKS = True
 
-_UNSTACK_CACHE: collections.OrderedDict = collections.OrderedDict()
-_UNSTACK_CACHE_SIZE = 2
-_UNSTACK_LOCK = threading.Lock()
+class _IdentityCache:
+  """A small LRU cache keyed on a model's identity (see `_model_key`).
+
+  Entries hold weak references to the model's leaves (strong ones where
+  weak ones are impossible): an entry whose model has been garbage collected
+  is dropped, so the cache never keeps an old model alive.
+  """
+
+  def __init__(self, size: int):
+    self.size = size
+    self._entries: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
+
+  @staticmethod
+  def _refs(leaves):
+    refs = []
+    for x in leaves:
+      try:
+        refs.append(weakref.ref(x))
+      except TypeError:
+        refs.append(lambda x=x: x)
+    return refs
+
+  @staticmethod
+  def _alive(refs, leaves=None):
+    if leaves is None:
+      return all(r() is not None for r in refs)
+    return all(r() is x for r, x in zip(refs, leaves))
+
+  def get(self, key, leaves):
+    with self._lock:
+      entry = self._entries.get(key)
+      if entry is None:
+        return None
+      if not self._alive(entry[0], leaves):
+        del self._entries[key]
+        return None
+      self._entries.move_to_end(key)
+      return entry[1]
+
+  def put(self, key, leaves, value) -> None:
+    with self._lock:
+      for k in [k for k, e in self._entries.items() if not self._alive(e[0])]:
+        del self._entries[k]
+      self._entries[key] = (self._refs(leaves), value)
+      while len(self._entries) > self.size:
+        self._entries.popitem(last=False)
+
+  def clear(self) -> None:
+    with self._lock:
+      self._entries.clear()
+
+
+_UNSTACKED = _IdentityCache(2)
 
 
 def _slice_axis(tree, axis: str, index: int):
@@ -201,28 +255,112 @@ def _unstack(stack: pz.nn.LayerStack) -> pz.nn.Sequential:
   return pz.nn.Sequential(blocks)
 
 
+def _model_key(model):
+  """A hashable key identifying a model's structure and current arrays.
+
+  Variables (parameters, state) are pytree leaves: their identity and the
+  identity of their current value are part of the key, so assigning a new
+  value to a parameter gives a new key. Returns ``(key, leaves)``; keep the
+  leaves alive as long as the key is used (ids are only unique then).
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(model)
+  ids = tuple((id(x), id(x.value)) if isinstance(x, pz.AbstractVariable)
+              else id(x) for x in leaves)
+  return (treedef, ids), leaves
+
+
 def unstack_layers(model):
   """Replaces every `pz.nn.LayerStack` of a model by a Sequential of its
   blocks (the same computation; parameters are frozen). Cached."""
-  selection = pz.select(model).at_instances_of(pz.nn.LayerStack)
-  if not selection.count() or not UNSTACK_LAYER_STACKS:
+  if not UNSTACK_LAYER_STACKS:
     return model
-  leaves, treedef = jax.tree_util.tree_flatten(pz.freeze_params(model))
-  has_state = bool(pz.unbind_state_vars(model)[1])
-  key = (treedef, tuple(id(x) for x in leaves))
-  if not has_state:
-    with _UNSTACK_LOCK:
-      hit = _UNSTACK_CACHE.get(key)
-      if hit is not None:
-        _UNSTACK_CACHE.move_to_end(key)
-        return hit[1]
-  unstacked = selection.apply(_unstack)
-  if not has_state:
-    with _UNSTACK_LOCK:
-      _UNSTACK_CACHE[key] = (leaves, unstacked)  # Keeps the ids valid.
-      while len(_UNSTACK_CACHE) > _UNSTACK_CACHE_SIZE:
-        _UNSTACK_CACHE.popitem(last=False)
+  key, leaves = _model_key(model)
+  hit = _UNSTACKED.get(key, leaves)
+  if hit is not None:
+    return hit
+  selection = pz.select(model).at_instances_of(pz.nn.LayerStack)
+  unstacked = selection.apply(_unstack) if selection.count() else model
+  _UNSTACKED.put(key, leaves, unstacked)
   return unstacked
+
+
+# Prepared (converted, frozen, flattened) models, cached per bucket.
+
+_PREPARED = _IdentityCache(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """A model ready for the compiled programs.
+
+  Attributes:
+    model_leaves: Arrays of the stateless model (weights first of all).
+    treedef: Its pytree structure (static in the programs).
+    state_treedef: Structure of the initial state (a list of
+      StateVariableValue).
+    state_spec: Per state leaf, ``(shape, dtype, fill)`` for a constant
+      array (built inside the program, so nothing cache-sized is kept or
+      transferred) or None for an array passed in ``state_args``.
+    state_args: The non-constant initial state arrays.
+  """
+
+  model_leaves: list
+  treedef: Any
+  state_treedef: Any
+  state_spec: tuple
+  state_args: list
+
+
+def _constant_fill(x):
+  """The value of a constant array (all elements equal), else None."""
+  x = jnp.asarray(x)
+  if x.size == 0:
+    return None
+  first = x.reshape(-1)[0]
+  if bool(jnp.all(x == first)):
+    value = first.item()
+    return value
+  return None
+
+
+def _prepare_runnable(runnable) -> Prepared:
+  stateless, state0 = pz.unbind_state_vars(
+      pz.freeze_params(runnable), freeze=True)
+  model_leaves, treedef = jax.tree_util.tree_flatten(stateless)
+  state_leaves, state_treedef = jax.tree_util.tree_flatten(list(state0))
+  spec, args = [], []
+  for x in state_leaves:
+    fill = _constant_fill(x) if hasattr(x, "shape") else None
+    if fill is None:
+      spec.append(None)
+      args.append(x)
+    else:
+      spec.append((tuple(np.shape(x)), np.dtype(x.dtype), fill))
+  return Prepared(model_leaves, treedef, state_treedef, tuple(spec), args)
+
+
+def prepare_model(model, kind: str, plan: "Plan") -> Prepared:
+  """Converts (cached mode, unstacked layers, no overflow callback), freezes
+  and flattens a model for a plan's batch and cache size. Cached."""
+  key, leaves = _model_key(model)
+  key = (key, kind, plan.use_cache, plan.cache_len, plan.batch,
+         plan.batch_axis, UNSTACK_LAYER_STACKS)
+  hit = _PREPARED.get(key, leaves)
+  if hit is not None:
+    return hit
+  _check_bound(model)
+  if kind == "cached":
+    runnable = _without_overflow_callback(unstack_layers(model))
+  elif plan.use_cache:
+    runnable = _without_overflow_callback(
+        KVCachingTransformerLM.from_uncached(
+            unstack_layers(model), plan.cache_len,
+            {plan.batch_axis: plan.batch}))
+  else:
+    runnable = model
+  prepared = _prepare_runnable(runnable)
+  _PREPARED.put(key, leaves, prepared)
+  return prepared
 
 
 # Static plan of one request.
@@ -296,18 +434,13 @@ def _empty_cache_check(model: KVCachingTransformerLM) -> None:
 
 
 def plan_request(model, request: requests_lib.GenerationRequest,
-                 use_cache: bool) -> tuple[Plan, Any]:
-  """Chooses the bucket shapes and the model to run.
-
-  Returns:
-    ``(plan, runnable)`` where ``runnable`` is the cached model (cached
-    mode) or the uncached model.
+                 use_cache: bool) -> Plan:
+  """Chooses the bucket shapes of a request.
 
   Raises:
     ValueError: if the request does not fit the model.
   """
   kind = _model_kind(model)
-  _check_bound(model)
   config = model.config
   rows = request.num_rows
   lengths = [len(p) for p in request.prompts]
@@ -351,7 +484,6 @@ def plan_request(model, request: requests_lib.GenerationRequest,
           " cache_len or pass the uncached model (sized automatically).")
     prompt_len = min(_bucket(longest, MIN_PROMPT_BUCKET), cache_len)
     prefill_batch = min(_bucket(request.num_prompts), batch) if gather else batch
-    runnable = unstack_layers(model)
   else:
     axis = "batch"
     batch = _bucket(rows)
@@ -363,14 +495,7 @@ def plan_request(model, request: requests_lib.GenerationRequest,
       cache_len = limit
       if prompt_len + max_new - 1 > cache_len:
         prompt_len = longest
-    if use_cache:
-      runnable = KVCachingTransformerLM.from_uncached(
-          unstack_layers(model), cache_len, {axis: batch})
-    else:
-      runnable = model
 
-  if use_cache:
-    runnable = _without_overflow_callback(runnable)
   out_len = max(1, cache_len - prompt_len + 1)
   queue = max(len(f) for f in request.forced_tokens)
   stops = max(len(s) for s in request.stop_tokens)
@@ -388,7 +513,7 @@ def plan_request(model, request: requests_lib.GenerationRequest,
       vocab=config.vocab_size,
       gather=gather,
   )
-  return plan, runnable
+  return plan
 
 
 def _without_overflow_callback(cached):
@@ -425,10 +550,19 @@ def _logprob_of(logits, token):
   return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
-def _prefill(static, model_leaves, state0, tokens, padding, src, real):
+def _initial_state(state_static, state_args):
+  state_treedef, spec = state_static
+  args = iter(state_args)
+  leaves = [next(args) if s is None else jnp.full(s[0], s[2], s[1])
+            for s in spec]
+  return jax.tree_util.tree_unflatten(state_treedef, leaves)
+
+
+def _prefill(static, model_leaves, state_args, tokens, padding, src, real):
   """Prefill program: returns the initial decode-loop carry."""
-  plan, treedef = static
+  plan, treedef, state_static = static
   model = jax.tree_util.tree_unflatten(treedef, model_leaves)
+  state0 = _initial_state(state_static, state_args)
   axis, P = plan.batch_axis, plan.prompt_len
   if plan.gather:
     gather = lambda a: a[src]  # noqa: E731
@@ -619,14 +753,15 @@ class Run:
     self._start = time.perf_counter()
     self.request = request
     self.tool = tool
-    plan, runnable = plan_request(model, request, use_cache)
+    plan = plan_request(model, request, use_cache)
     self.plan = plan
     rows, B = request.num_rows, plan.batch
     self.rows = rows
-    stateless, state0 = pz.unbind_state_vars(
-        pz.freeze_params(runnable), freeze=True)
-    self._model_leaves, self._treedef = jax.tree_util.tree_flatten(stateless)
-    self._state0 = list(state0)
+    prepared = prepare_model(model, _model_kind(model), plan)
+    self._model_leaves = prepared.model_leaves
+    self._treedef = prepared.treedef
+    self._state_static = (prepared.state_treedef, prepared.state_spec)
+    self._state_args = prepared.state_args
 
     # Prompts, left-padded to the bucket.
     P = plan.prompt_len
@@ -696,9 +831,10 @@ class Run:
   # Device calls.
 
   def prefill(self) -> None:
-    args = (self._model_leaves, self._state0, *self._prefill_inputs)
+    args = (self._model_leaves, self._state_args, *self._prefill_inputs)
     program, compile_s = _PROGRAMS.get(
-        "prefill", _prefill, (self.plan, self._treedef), args)
+        "prefill", _prefill, (self.plan, self._treedef, self._state_static),
+        args)
     self.timings.compile_s += compile_s
     start = time.perf_counter()
     self.carry = program(*args)

@@ -15,8 +15,8 @@ import pytest
 from penzai import pz
 
 from penzai_lm.model import TransformerConfig
-from penzai_lm.model import build_transformer
-from tests.model.configs import config
+from penzai_lm.model import build_transformer  # pylint: disable=unused-import
+from tests.model.configs import config  # pylint: disable=unused-import
 
 VOCAB = 97
 MAX_NEW = 8  # With prompts of <= 8 tokens: cache bucket 16.

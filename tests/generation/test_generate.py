@@ -266,3 +266,17 @@ def test_timings_are_reported(model):
   assert t.decode_steps == MAX_NEW - 1
   assert t.prefill_tokens_per_s > 0 and t.decode_tokens_per_s > 0
   assert "tok/s" in result.summary()
+
+
+def test_changed_parameters_are_seen():
+  """Prepared (unstacked, converted) models are cached per model identity;
+  assigning a new parameter value must not reuse stale weights."""
+  model = conftest.build_transformer(conftest.config("llama_gqa"), seed=7)
+  rows = prompts([5, 8], seed=15)
+  before = _greedy(model, rows)
+  head = pz.select(model).at_instances_of(pz.Parameter).where(
+      lambda p: "lm_head" in p.label).get_sequence()[0]
+  head.value = -head.value
+  after = _greedy(model, rows)
+  assert after.tokens != before.tokens
+  assert after.tokens == _greedy(model, rows, use_cache=False).tokens
