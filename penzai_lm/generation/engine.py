@@ -35,6 +35,20 @@ weights are arguments of the programs, never constants.
 
 With ``use_cache=False`` the same loop recomputes the whole sequence with the
 uncached model at every step (a reference for the cached path).
+
+Model preparation (host side, cached per model identity and bucket): layer
+stacks are replaced by a Sequential of their blocks (`unstack_layers`; a
+scanned stack slices -- and, with the stack axis stored last, gathers --
+every layer's weights and copies the stacked caches at every decode step),
+the model is converted to cached mode for the bucket, frozen and flattened
+once. Constant initial state (empty caches, positions) is described by its
+shape and fill value and created inside the prefill program. A second
+request for the same model and bucket spends about a millisecond on the
+host before the prefill starts.
+
+Decode programs do not depend on the prompt bucket (output buffers are sized
+by the cache), so prompts of different lengths share one decode program per
+cache bucket and batch size.
 """
 
 from __future__ import annotations
@@ -377,7 +391,7 @@ class Plan:
     prefill_batch: Prefill rows (``B`` unless rows are replicated).
     prompt_len: Prompt bucket ``P``.
     cache_len: Cache slots ``C`` (token buffer length without a cache).
-    out_len: Length of the per-row output buffers.
+    out_len: Length of the per-row output buffers (``C``).
     queue_len: Forced-token queue length per row and call.
     stop_width: Stop ids per row.
     top_n: Top alternatives recorded per token.
@@ -496,7 +510,10 @@ def plan_request(model, request: requests_lib.GenerationRequest,
       if prompt_len + max_new - 1 > cache_len:
         prompt_len = longest
 
-  out_len = max(1, cache_len - prompt_len + 1)
+  # Rows can generate at most cache_len - prompt_len + 1 tokens; sizing the
+  # output buffers by the cache alone keeps the decode program independent
+  # of the prompt bucket (prompts of any length share it).
+  out_len = cache_len
   queue = max(len(f) for f in request.forced_tokens)
   stops = max(len(s) for s in request.stop_tokens)
   plan = Plan(

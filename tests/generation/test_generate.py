@@ -280,3 +280,14 @@ def test_changed_parameters_are_seen():
   after = _greedy(model, rows)
   assert after.tokens != before.tokens
   assert after.tokens == _greedy(model, rows, use_cache=False).tokens
+
+
+def test_decode_program_is_shared_across_prompt_buckets(model):
+  _greedy(model, prompts([5, 8], seed=16))  # Prompt bucket 8, cache 16.
+  decode = engine._cache_size("decode")
+  # Prompt bucket 16 with the same cache bucket: only a new prefill.
+  result = _greedy(model, prompts([12, 3], seed=16), max_new_tokens=1)
+  assert engine._cache_size("decode") == decode
+  assert result.lengths == [1, 1]
+  assert result.tokens[1] == _greedy(
+      model, prompts([12, 3], seed=16)[1]).tokens[0][:1]
