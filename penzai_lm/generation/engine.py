@@ -992,16 +992,15 @@ class Run:
             v["out_forced"][row, start:end].tolist())
 
   def result(self) -> GenerationResult:
-    if self.view is None:  # Cancelled before the prefill.
-      self.cancel()
+    v = self.view
+    if v is None:  # Nothing ran (e.g. cancelled before the prefill).
       B, T, n = self.plan.batch, self.plan.out_len, max(1, self.plan.top_n)
-      self.view = dict(
+      v = dict(
           step=np.zeros((B,), np.int32), out_tokens=np.zeros((B, T), np.int32),
           out_logprobs=np.zeros((B, T), np.float32),
           out_forced=np.zeros((B, T), bool),
           out_top_ids=np.zeros((B, T, n), np.int32),
           out_top_logprobs=np.zeros((B, T, n), np.float32))
-    v = self.view
     n = self.request.num_samples
     tokens, logprobs, forced, reasons = [], [], [], []
     top = [] if self.plan.top_n else None
@@ -1010,8 +1009,7 @@ class Run:
       tokens.append(v["out_tokens"][r, :end].tolist())
       logprobs.append(v["out_logprobs"][r, :end].tolist())
       forced.append(v["out_forced"][r, :end].tolist())
-      reason = self.finish_reason(r)
-      reasons.append(reason if reason is not None else "cancelled")
+      reasons.append(self.finish_reason(r))  # None: still running.
       if top is not None:
         ids = v["out_top_ids"][r, :end].tolist()
         lps = v["out_top_logprobs"][r, :end].tolist()

@@ -61,7 +61,8 @@ class GenerationResult:
     lengths: ``len(tokens[r])``.
     finish_reasons: Per row: ``"stop"`` (stop token or stop string),
       ``"length"`` (max_new_tokens), ``"cache_full"`` (the KV cache had no
-      room left) or ``"cancelled"``.
+      room left) or ``"cancelled"``; None for a row still running (only in
+      a streamed result taken before the stream ended).
     logprobs: Per row and token, the log-probability of the chosen token
       under the model's raw distribution (``log_softmax`` of the logits,
       before penalties, bias and filters).

@@ -161,10 +161,8 @@ class GenerationStream:
 
   @property
   def result(self) -> GenerationResult:
-    """The result so far (final once iteration is over or closed)."""
-    if self.run.view is None:
-      raise RuntimeError(
-          "nothing has run yet: iterate the stream (or close it) first.")
+    """The result so far: final once iteration is over or the stream is
+    closed; before that, rows still running have finish reason None."""
     return self.run.result()
 
   def run_to_end(self) -> GenerationResult:

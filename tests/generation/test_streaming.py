@@ -94,6 +94,13 @@ def test_close_the_stream(model):
   assert result.lengths == [1, 1]
   assert s.run.finished
   assert list(s) == []  # Closed: nothing more comes.
+  # Closed before it started: nothing ran at all.
+  unstarted = stream(model, rows, **SETTINGS)
+  assert unstarted.result.finish_reasons == [None, None]  # Not started yet.
+  unstarted.close()
+  assert unstarted.result.finish_reasons == ["cancelled", "cancelled"]
+  assert unstarted.result.tokens == [[], []]
+  assert unstarted.run.view is None
 
 
 def test_stop_finishes_rows_before_cancel(model):
