@@ -60,12 +60,19 @@ def _computations(hlo: str) -> dict[str, list[str]]:
   return comps
 
 
-def _called(lines):
+_INSTR = re.compile(
+    r"^\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[([0-9,]*)\]\S* ([\w\-]+)\(")
+
+
+def _called(lines, include_fusions):
+  """Computations called by these instructions (fusion bodies optional)."""
   out = set()
   for line in lines:
-    for key in ("calls=", "body=", "condition=", "to_apply=",
-                "branch_computations={", "true_computation=",
-                "false_computation="):
+    keys = ["body=", "condition=", "to_apply=", "branch_computations={",
+            "true_computation=", "false_computation="]
+    if include_fusions or " fusion(" not in line:
+      keys.append("calls=")
+    for key in keys:
       for m in re.finditer(re.escape(key) + r"%?([\w.\-]+(?:, %?[\w.\-]+)*)",
                            line):
         out.update(x.strip().lstrip("%") for x in m.group(1).split(","))
@@ -73,80 +80,50 @@ def _called(lines):
 
 
 def inspect_loop_body(hlo: str, threshold: int = 1 << 20):
-  """Large copy/transpose/dus/concatenate ops reachable from the outer while
-  body (the decode step), with their byte sizes."""
+  """Materialized large copies / transposes / concatenates / in-place
+  updates executed by each decode step (the outer while loop's body).
+
+  Only top-level instructions count (and fusions, by their root op): a
+  transpose inside a fusion that only feeds a gather or a dot is computed
+  element by element and never written out.
+  """
   comps = _computations(hlo)
-  bodies = []
-  for lines in comps.values():
-    for line in lines:
-      m = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
-      if m:
-        bodies.append(m.group(1))
+  entry = next((n for n in comps if n.startswith("main")), None)
+  bodies = [re.search(r"body=%?([\w.\-]+)", l).group(1)
+            for l in comps.get(entry, []) if " while(" in l]
   if not bodies:
     return {}
-  # The decode loop is the while whose body reaches the most computations.
-  def reach(root):
-    seen, todo = set(), [root]
-    while todo:
-      c = todo.pop()
-      if c in seen or c not in comps:
-        continue
-      seen.add(c)
-      todo.extend(_called(comps[c]))
-    return seen
-  body = max(bodies, key=lambda b: len(reach(b)))
-  found = collections.Counter()
-  sizes = collections.defaultdict(int)
-  for c in reach(body):
+  body = max(bodies, key=lambda b: len(comps.get(b, [])))
+  seen, todo = set(), [body]
+  while todo:
+    c = todo.pop()
+    if c in seen or c not in comps:
+      continue
+    seen.add(c)
+    todo.extend(_called(comps[c], include_fusions=False))
+  found, sizes = collections.Counter(), {}
+  for c in seen:
     for line in comps[c]:
-      for op in ("copy(", "transpose(", "dynamic-update-slice(",
-                 "concatenate(", "copy-start("):
-        if f" {op}" in line or f"={op}" in line.replace(" ", ""):
-          b = _op_bytes(line)
-          if b >= threshold:
-            key = f"{op[:-1]} {_SHAPE.search(line.split('=', 1)[1]).group(0)}"
-            found[key] += 1
-            sizes[key] = b
+      m = _INSTR.match(line)
+      if not m:
+        continue
+      dtype, dims, op = m.groups()
+      if op == "fusion":
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        roots = [l for l in comps.get(called.group(1), [])
+                 if l.strip().startswith("ROOT")] if called else []
+        root = _INSTR.match(roots[0]) if roots else None
+        op = f"fusion({root.group(3)})" if root else "fusion"
+      if not any(k in op for k in ("copy", "transpose", "concatenate",
+                                   "dynamic-update-slice")):
+        continue
+      shape = [int(d) for d in dims.split(",") if d]
+      nbytes = int(np.prod(shape or [1])) * _BYTES.get(dtype, 4)
+      if nbytes >= threshold:
+        key = f"{op} {dtype}{shape}"
+        found[key] += 1
+        sizes[key] = nbytes
   return {k: (n, sizes[k]) for k, n in found.most_common()}
-
-
-def measure_stream(model, batch, prompt_len, new, chunk_size):
-  """Streaming: wall-clock decode tok/s per row, host work included."""
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(3, 49152, prompt_len).tolist() for _ in range(batch)]
-  settings = dict(max_new_tokens=new, temperature=0.0, stop_tokens=[])
-  stream(model, prompts, chunk_size=chunk_size, **settings).run_to_end()
-  s = stream(model, prompts, chunk_size=chunk_size, **settings)
-  start = time.perf_counter()
-  first = None
-  for _ in s:
-    if first is None:
-      first = time.perf_counter()
-  end = time.perf_counter()
-  result = s.result
-  steps = max(result.lengths) - 1
-  return dict(
-      stream_chunk=chunk_size,
-      stream_ttft_ms=(first - start) * 1e3,
-      stream_decode_tok_s_per_row=steps / (end - first),
-  )
-
-
-def measure(model, batch, prompt_len, new, repeats):
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(3, 49152, prompt_len).tolist() for _ in range(batch)]
-  settings = dict(max_new_tokens=new, temperature=0.0, stop_tokens=[])
-  first = generate(model, prompts, **settings)
-  runs = [generate(model, prompts, **settings) for _ in range(repeats)]
-  med = lambda f: statistics.median(f(r.timings) for r in runs)  # noqa: E731
-  return dict(
-      compile_s=first.timings.compile_s,
-      ttft_ms=med(lambda t: t.time_to_first_token_s) * 1e3,
-      prefill_tok_s=med(lambda t: t.prefill_tokens_per_s),
-      decode_tok_s_per_row=med(lambda t: t.decode_tokens_per_s),
-      decode_tok_s_total=med(lambda t: t.decode_tokens_per_s) * batch,
-      steps=runs[0].timings.decode_steps,
-  )
 
 
 def blocks_first(model, axis="blocks"):
@@ -215,8 +192,8 @@ def main():
           with open(path, "w") as f:
             f.write(hlo)
         big = inspect_loop_body(hlo)
-        print("  large copy/transpose/update ops in the decode step (count,"
-              " bytes):")
+        print("  materialized copy/transpose/update ops >= 1 MiB per decode"
+              " step (dynamic-update-slice = in-place cache write):")
         for k, (n, b) in big.items():
           print(f"    {n:3d} x {k}  ({b / 2**20:.1f} MiB each)")
 
