@@ -2,10 +2,16 @@
 
 >>> import penzai_lm
 >>> model, tokenizer = penzai_lm.load()           # SmolLM2-135M-Instruct
+>>> penzai_lm.generate_text(model, tokenizer, "The capital of France is",
+...                         temperature=0.0, max_new_tokens=8).texts[0]
 >>> cached = penzai_lm.KVCachingTransformerLM.from_uncached(
 ...     model, cache_len=256, batch_axes={"batch": 1})
 """
 
+from penzai_lm.generation import generate
+from penzai_lm.generation import generate_text
+from penzai_lm.generation import stream
+from penzai_lm.generation import stream_text
 from penzai_lm.loading import load
 from penzai_lm.loading import load_model
 from penzai_lm.model import CacheOverflowError
