@@ -47,7 +47,11 @@ def random_parameters(
   parameters = []
   for value in shapes:
     label, named = value.label, value.value
-    shape = dict(named.named_shape)
+    # Layer-stack axis first, as loaders lay it out: each block's slice of a
+    # stacked weight is then contiguous.
+    shape = dict(
+        sorted(named.named_shape.items(), key=lambda item: item[0] != "blocks")
+    )
     sizes = tuple(shape.values())
     rng = np.random.default_rng([seed, zlib.crc32(label.encode())])
     if label.endswith("/scale.weights"):
