@@ -2,8 +2,8 @@
 
 Values come from numpy (one generator per parameter, seeded by the model seed
 and the parameter label), which avoids compiling an initialisation program:
-norm scales start at 1, biases at 0, embeddings at N(0, 1) and other weights
-at N(0, 1/fan_in).
+norm scales start at 1, biases at 0, token embeddings at N(0, 1/hidden),
+position embeddings at N(0, 0.02^2) and other weights at N(0, 1/fan_in).
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ def random_parameters(
     elif label.endswith(".bias"):
       data = np.zeros(sizes)
     elif label.endswith(".embeddings"):
-      data = rng.standard_normal(sizes) * (0.02 if "position" in label else 1.0)
+      # Like penzai's EmbeddingTable init (fan-out variance scaling).
+      scale = 0.02 if "position" in label else shape["embedding"] ** -0.5
+      data = rng.standard_normal(sizes) * scale
     else:
       fan_in = math.prod(shape[a] for a in input_axes.get(label, ()) if a in shape)
       data = rng.standard_normal(sizes) / math.sqrt(max(fan_in, 1))
