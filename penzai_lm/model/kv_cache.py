@@ -129,11 +129,12 @@ class KVCachingTransformerLM(pz.nn.Layer):
     self._check_room(end, new)
 
     slots = self.kv_positions.value
-    seen_real = pz.nx.nmap(jnp.max)(slots.untag("seq")) >= 0
-    if is_padding is None:
-      is_padding = leading_padding(tokens, self.pad_id) & ~seen_real
-    real = ~is_padding
     next_position = pz.nx.nmap(jnp.max)(slots.untag("seq")) + 1
+    if is_padding is None:
+      is_padding = leading_padding(tokens, self.pad_id) & (next_position == 0)
+    else:
+      _check_padding_mask(is_padding, tokens)
+    real = ~is_padding
     count = pz.nx.nmap(jnp.cumsum)(real.untag("seq"), dtype=jnp.int32).tag("seq")
     positions = pz.nx.nmap(jnp.where)(real, next_position + count - 1, -1)
 
@@ -271,6 +272,19 @@ class KVCachingTransformerLM(pz.nn.Layer):
         cache_len=cache_len,
         batch_axes=dict(batch_axes),
         pad_id=pad_id,
+    )
+
+
+def _check_padding_mask(is_padding, tokens) -> None:
+  if (
+      not isinstance(is_padding, pz.nx.NamedArrayBase)
+      or dict(is_padding.named_shape) != dict(tokens.named_shape)
+      or is_padding.positional_shape
+      or is_padding.dtype != jnp.bool_
+  ):
+    raise ValueError(
+        "is_padding must be a boolean NamedArray with the axes of tokens"
+        f" {dict(tokens.named_shape)}; got {is_padding!r:.200}."
     )
 
 

@@ -161,6 +161,11 @@ def test_bad_inputs_give_clear_errors():
     KVCachingTransformerLM.from_uncached(model, 0, {"batch": 2})
   with pytest.raises(ValueError, match="used by the model"):
     KVCachingTransformerLM.from_uncached(model, 8, {"seq": 2})
+  with pytest.raises(ValueError, match="is_padding must be a boolean"):
+    cached(
+        _named(random_tokens((2, 2)), "batch", "seq"),
+        is_padding=_named(np.zeros((2, 3)), "batch", "seq"),
+    )
   with pytest.raises(ValueError, match="pad_id"):
     KVCachingTransformerLM.from_uncached(model, 8, {"batch": 2}, pad_id=-1)
   assert int(cached.cache_end_index.value) == 0
