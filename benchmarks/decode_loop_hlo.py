@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from penzai_lm.generation import engine
+from penzai_lm.generation import prepare
 from penzai_lm.generation import generate
 from penzai_lm.generation import stream
 from penzai_lm.model import TransformerConfig
@@ -126,6 +127,45 @@ def inspect_loop_body(hlo: str, threshold: int = 1 << 20):
   return {k: (n, sizes[k]) for k, n in found.most_common()}
 
 
+def measure_stream(model, batch, prompt_len, new, chunk_size):
+  """Streaming: wall-clock decode tok/s per row, host work included."""
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 49152, prompt_len).tolist() for _ in range(batch)]
+  settings = dict(max_new_tokens=new, temperature=0.0, stop_tokens=[])
+  stream(model, prompts, chunk_size=chunk_size, **settings).run_to_end()
+  s = stream(model, prompts, chunk_size=chunk_size, **settings)
+  start = time.perf_counter()
+  first = None
+  for _ in s:
+    if first is None:
+      first = time.perf_counter()
+  end = time.perf_counter()
+  result = s.result
+  steps = max(result.lengths) - 1
+  return dict(
+      stream_chunk=chunk_size,
+      stream_ttft_ms=(first - start) * 1e3,
+      stream_decode_tok_s_per_row=steps / (end - first),
+  )
+
+
+def measure(model, batch, prompt_len, new, repeats):
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 49152, prompt_len).tolist() for _ in range(batch)]
+  settings = dict(max_new_tokens=new, temperature=0.0, stop_tokens=[])
+  first = generate(model, prompts, **settings)
+  runs = [generate(model, prompts, **settings) for _ in range(repeats)]
+  med = lambda f: statistics.median(f(r.timings) for r in runs)  # noqa: E731
+  return dict(
+      compile_s=first.timings.compile_s,
+      ttft_ms=med(lambda t: t.time_to_first_token_s) * 1e3,
+      prefill_tok_s=med(lambda t: t.prefill_tokens_per_s),
+      decode_tok_s_per_row=med(lambda t: t.decode_tokens_per_s),
+      decode_tok_s_total=med(lambda t: t.decode_tokens_per_s) * batch,
+      steps=runs[0].timings.decode_steps,
+  )
+
+
 def blocks_first(model, axis="blocks"):
   """The same model with every stacked array stored with ``axis`` first."""
   from penzai import pz  # pylint: disable=g-import-not-at-top
@@ -158,7 +198,7 @@ def main():
       help="decode with the model's layer stack as is (no unstacking)")
   args = parser.parse_args()
   if args.keep_stacks:
-    engine.UNSTACK_LAYER_STACKS = False
+    prepare.UNSTACK_LAYER_STACKS = False
   stacks = {"both": [True, False], "stacked": [True],
             "unstacked": [False]}[args.stack]
   for stacked in stacks:
