@@ -23,6 +23,18 @@ def _unsupported(architecture: str, what: str) -> ValueError:
   )
 
 
+def _require_one_of(
+    arch: str, c: dict[str, Any], key: str, allowed: tuple[str, ...]
+) -> None:
+  """Raises `_unsupported` unless option ``key`` of ``c`` is in ``allowed``.
+
+  An absent key counts as ``allowed[0]`` (the default).
+  """
+  value = c.get(key, allowed[0])
+  if value not in allowed:
+    raise _unsupported(arch, f"{key}={value!r}")
+
+
 def _eos_ids(config: dict[str, Any]) -> tuple[int, ...]:
   eos = config.get("eos_token_id")
   if eos is None:
@@ -47,8 +59,7 @@ def _rope_scaling(arch: str, config: dict[str, Any]) -> RopeScaling | None:
 
 
 def _llama_family(arch: str, c: dict[str, Any]) -> dict[str, Any]:
-  if c.get("hidden_act", "silu") != "silu":
-    raise _unsupported(arch, f"hidden_act={c['hidden_act']!r}")
+  _require_one_of(arch, c, "hidden_act", ("silu",))
   if c.get("mlp_bias"):
     raise _unsupported(arch, "MLP biases (mlp_bias=True)")
   if arch == "llama" and c.get("attention_bias"):
@@ -76,10 +87,9 @@ def _gemma3(arch: str, c: dict[str, Any]) -> dict[str, Any]:
       raise _unsupported(arch, f"{key}={c[key]}")
   if c.get("use_bidirectional_attention"):
     raise _unsupported(arch, "bidirectional attention")
-  if c.get("hidden_activation", "gelu_pytorch_tanh") not in (
-      "gelu_pytorch_tanh", "gelu_new",
-  ):
-    raise _unsupported(arch, f"hidden_activation={c['hidden_activation']!r}")
+  _require_one_of(
+      arch, c, "hidden_activation", ("gelu_pytorch_tanh", "gelu_new")
+  )
   kinds = {"sliding_attention": "local", "full_attention": "global"}
   return dict(
       family="gemma3",
@@ -96,8 +106,9 @@ def _gemma3(arch: str, c: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gpt2(arch: str, c: dict[str, Any]) -> dict[str, Any]:
-  if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-    raise _unsupported(arch, f"activation_function={c['activation_function']!r}")
+  _require_one_of(
+      arch, c, "activation_function", ("gelu_new", "gelu_pytorch_tanh")
+  )
   if c.get("scale_attn_by_inverse_layer_idx") or c.get("reorder_and_upcast_attn"):
     raise _unsupported(arch, "layer-index attention scaling")
   hidden = c["n_embd"]

@@ -1,0 +1,157 @@
+"""GGUF tensors -> Hugging Face ``state_dict`` tensors.
+
+Maps llama.cpp tensor names to HF names, dequantizes each tensor once with
+``gguf.quants.dequantize`` and converts it to HF's value conventions:
+
+* GGUF lists shapes as ``[in, out]``; the numpy arrays are ``(out, in)``, which
+  is already HF's ``nn.Linear`` layout.
+* llama.cpp permutes the rows of llama q/k projections (and biases) for its
+  interleaved-pair RoPE; they are un-permuted here to HF's rotate-half layout.
+* gemma3 files store RMSNorm weights as ``1 + w``; HF's Gemma3RMSNorm stores
+  ``w`` (and computes ``x * (1 + w)``), so 1 is subtracted (in float32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+import re
+
+import numpy as np
+
+from penzai_lm.checkpoints.checkpoint import CORRUPT_HINT
+from penzai_lm.checkpoints.checkpoint import CheckpointError
+
+_TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_BLOCK_NAMES = {
+    "llama": {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+    "gemma3": {
+        "attn_norm": "input_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([A-Za-z0-9_]+)\.(weight|bias)$")
+_TOP_RE = re.compile(r"^([A-Za-z0-9_]+)\.(weight|bias)$")
+
+
+def hf_tensor_name(architecture: str, gguf_name: str) -> str | None:
+  """HF state_dict name of a GGUF tensor, or None if it has no HF counterpart."""
+  m = _BLOCK_RE.match(gguf_name)
+  if m:
+    layer, kind, suffix = m.groups()
+    hf = _BLOCK_NAMES[architecture].get(kind)
+    return None if hf is None else f"model.layers.{layer}.{hf}.{suffix}"
+  m = _TOP_RE.match(gguf_name)
+  if m and m.group(1) in _TOP_LEVEL_NAMES:
+    return f"{_TOP_LEVEL_NAMES[m.group(1)]}.{m.group(2)}"
+  return None
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+  """Undoes llama.cpp's ``permute`` of q/k rows (weights or biases).
+
+  llama.cpp writes ``w.reshape(n, 2, d//n//2, ...).swapaxes(1, 2)``; this is
+  its inverse.
+  """
+  d = w.shape[0]
+  if d % (2 * n_head):
+    raise CheckpointError(
+        f"cannot un-permute a q/k tensor with {d} rows into {n_head} heads"
+    )
+  return (
+      w.reshape(n_head, d // n_head // 2, 2, *w.shape[1:])
+      .swapaxes(1, 2)
+      .reshape(w.shape)
+  )
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+  """llama.cpp's ``permute`` (HF layout -> GGUF layout), for tests and writers."""
+  d = w.shape[0]
+  return (
+      w.reshape(n_head, 2, d // n_head // 2, *w.shape[1:])
+      .swapaxes(1, 2)
+      .reshape(w.shape)
+  )
+
+
+def dequantize(t, path: Path) -> np.ndarray:
+  """A GGUF tensor as a float32 array of its (out, in) numpy shape.
+
+  Args:
+    t: A ``gguf.ReaderTensor``.
+    path: The file it belongs to, for error messages.
+
+  Returns:
+    A new array, not a view of the memory-mapped file.
+
+  Raises:
+    CheckpointError: a type gguf-py cannot dequantize, or undecodable data.
+  """
+  import gguf  # pylint: disable=g-import-not-at-top
+
+  try:
+    arr = gguf.quants.dequantize(t.data, t.tensor_type)
+  except NotImplementedError as e:
+    raise CheckpointError(
+        f"GGUF file {path}: tensor {t.name!r} has type"
+        f" {t.tensor_type.name}, which gguf-py cannot dequantize"
+    ) from e
+  except Exception as e:
+    raise CheckpointError(
+        f"GGUF file {path}: cannot decode tensor {t.name!r}: {e};"
+        f" {CORRUPT_HINT}"
+    ) from e
+  want = tuple(int(d) for d in reversed(t.shape.tolist()))
+  if arr.dtype != np.float32:
+    arr = arr.astype(np.float32)
+  elif arr.base is not None or not arr.flags.writeable:
+    arr = np.array(arr)  # detach F32 views from the memory-mapped file
+  if tuple(arr.shape) != want:
+    arr = arr.reshape(want)
+  return arr
+
+
+def to_hf_values(
+    arch: str,
+    gguf_name: str,
+    hf_name: str,
+    arr: np.ndarray,
+    heads: int,
+    kv_heads: int,
+) -> np.ndarray:
+  """Converts a dequantized tensor to HF's value conventions (see above)."""
+  if arch == "llama":
+    if ".self_attn.q_proj." in hf_name:
+      arr = unpermute_rows(arr, heads)
+    elif ".self_attn.k_proj." in hf_name:
+      arr = unpermute_rows(arr, kv_heads)
+  elif arch == "gemma3" and gguf_name.endswith("norm.weight"):
+    arr = arr - np.float32(1.0)
+  return arr
