@@ -4,10 +4,14 @@
 >>> model, tokenizer = penzai_lm.load()           # SmolLM2-135M-Instruct
 >>> penzai_lm.generate_text(model, tokenizer, "The capital of France is",
 ...                         temperature=0.0, max_new_tokens=8).texts[0]
+>>> chat = penzai_lm.ChatSession(model, tokenizer)  # Keeps its KV cache.
+>>> chat.reply("Name a prime number.", temperature=0.0)
 >>> cached = penzai_lm.KVCachingTransformerLM.from_uncached(
 ...     model, cache_len=256, batch_axes={"batch": 1})
 """
 
+from penzai_lm.generation import ChatSession
+from penzai_lm.generation import Session
 from penzai_lm.generation import generate
 from penzai_lm.generation import generate_text
 from penzai_lm.generation import stream

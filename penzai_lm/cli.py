@@ -130,33 +130,40 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-  from penzai_lm import generation  # pylint: disable=g-import-not-at-top
+  from penzai_lm.generation.chat import ChatSession  # pylint: disable=g-import-not-at-top
 
   model, tokenizer = _load(args)
+  chat = ChatSession(model, tokenizer, system=args.system)
   settings = _settings(args)
-  messages = []
-  print("[chat: empty line or Ctrl-D to quit, Ctrl-C stops a reply]", file=sys.stderr)
+  print("[chat: empty line or Ctrl-D quits, /reset starts over, Ctrl-C stops"
+        " a reply]", file=sys.stderr)
+  turn = 0
   while True:
     try:
       line = input("> ")
-    except EOFError:
+    except (EOFError, KeyboardInterrupt):
+      print()
       break
     if not line.strip():
       break
-    messages.append({"role": "user", "content": line})
-    stream = generation.stream_text(model, tokenizer, messages, **settings)
-    reply = []
+    if line.strip() == "/reset":
+      chat.reset()
+      print("[conversation cleared]", file=sys.stderr)
+      continue
+    turn_settings = dict(settings, seed=settings["seed"] + turn)
+    turn += 1
+    stream = chat.send(line, stop_strings=args.stop or None, **turn_settings)
     try:
       for event in stream:
-        reply.append(event.text)
         sys.stdout.write(event.text)
         sys.stdout.flush()
     except KeyboardInterrupt:
       stream.close()
     print()
-    messages.append({"role": "assistant", "content": "".join(reply)})
-    print(_stats_line(stream.result.timings, stream.result.finish_reasons),
-          file=sys.stderr)
+    result = chat.last_result
+    print(_stats_line(result.timings, result.finish_reasons)[:-1]
+          + f"; {chat.session.cached_tokens} tokens cached, "
+          f"{chat.rereads} re-reads]", file=sys.stderr)
   return 0
 
 
@@ -174,8 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--no-stream", action="store_true")
   gen.add_argument("--json", action="store_true", help="print a JSON result")
   gen.set_defaults(func=cmd_generate)
-  chat = commands.add_parser("chat", help="interactive multi-turn chat")
+  chat = commands.add_parser(
+      "chat", help="interactive multi-turn chat (the KV cache is kept"
+      " between turns)")
   _sampling_args(chat)
+  chat.add_argument("--system", default=None, help="system message")
   chat.set_defaults(func=cmd_chat)
   return parser
 

@@ -46,8 +46,12 @@ def start_run(model, prompts, *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
               frequency_penalty=0.0, logit_bias=None, banned_tokens=None,
               seed=None, stop_tokens=None, num_samples=1, use_cache=True,
               logprobs_top_n=0, forced_tokens=None, tool=None,
-              default_stop_tokens=None) -> run_lib.Run:
-  """Validates a request and prepares (but does not start) a `Run`."""
+              default_stop_tokens=None, continuation=None) -> run_lib.Run:
+  """Validates a request and prepares (but does not start) a `Run`.
+
+  ``continuation`` (a `plan.Continuation`, used by `Session`) appends the
+  prompt to a previous run's state instead of starting from empty caches.
+  """
   kind = plan_lib.model_kind(model)
   if not isinstance(use_cache, bool):
     raise ValueError(f"use_cache must be True or False, got {use_cache!r}.")
@@ -81,7 +85,8 @@ def start_run(model, prompts, *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
       presence_penalty=presence_penalty,
       frequency_penalty=frequency_penalty,
   )
-  return run_lib.Run(model, request, use_cache=use_cache, tool=tool)
+  return run_lib.Run(model, request, use_cache=use_cache, tool=tool,
+                     continuation=continuation)
 
 
 def generate(
@@ -159,7 +164,21 @@ def generate(
       logit_bias=logit_bias, banned_tokens=banned_tokens, seed=seed,
       stop_tokens=stop_tokens, num_samples=num_samples, use_cache=use_cache,
       logprobs_top_n=logprobs_top_n, forced_tokens=forced_tokens, tool=tool)
+  return run_to_end(run, cancel=cancel, chunk_size=chunk_size)
+
+
+def run_to_end(run: run_lib.Run, *, cancel: threading.Event | None = None,
+               chunk_size: int = 8) -> GenerationResult:
+  """Prefills and decodes a run until every row has finished.
+
+  The first decode call runs one step (so the time to first token is
+  measured), the rest one call to the end, or chunks of ``chunk_size``
+  steps between which ``cancel`` is checked.
+  """
   _check_chunk_size(chunk_size)
+  if cancel is not None and cancel.is_set():
+    run.cancel()
+    return run.result()
   run.prefill()
   run.decode(1)
   while not run.finished:

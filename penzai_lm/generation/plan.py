@@ -40,6 +40,8 @@ class Plan:
     top_n: Top alternatives recorded per token.
     vocab: Vocabulary size.
     gather: Whether decode rows are gathered from prefill rows.
+    continued: Whether the prefill continues a previous run's state (see
+      `Continuation`) instead of starting from empty caches.
   """
 
   use_cache: bool
@@ -54,6 +56,26 @@ class Plan:
   top_n: int
   vocab: int
   gather: bool
+  continued: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Continuation:
+  """The device state a run continues from (a `Session`'s previous turn).
+
+  Attributes:
+    state: Leaves of the cached model's state after the previous run (the
+      caches, positions and any patch state), on device.
+    start_slot: Cache slot where the new tokens go. Slots from here on are
+      discarded (tokens the previous run generated past what it kept).
+    positions: Real tokens already in the cache (the next token position).
+    cache_len: Cache slots of ``state``; the new run may grow the cache.
+  """
+
+  state: list
+  start_slot: int
+  positions: int
+  cache_len: int
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -82,8 +104,49 @@ def _empty_cache_check(model: KVCachingTransformerLM) -> None:
         " KVCachingTransformerLM.from_uncached(model, cache_len, batch_axes).")
 
 
+def _check_context(request, limit: int, history: int) -> None:
+  for r, n_new in enumerate(request.max_new_tokens):
+    length = len(request.prompts[request.prompt_of_row(r)])
+    if history + length + int(n_new) <= limit:
+      continue
+    if history:
+      raise ValueError(
+          f"the session holds {history} cached tokens; {length} more and"
+          f" max_new_tokens={int(n_new)} exceed the model's context of"
+          f" {limit} tokens (config.max_position_embeddings). Start a new"
+          " session (reset()) or lower max_new_tokens.")
+    raise ValueError(
+        f"prompt {request.prompt_of_row(r)} has {length} tokens and"
+        f" max_new_tokens is {int(n_new)}: {length + int(n_new)} tokens"
+        f" exceed the model's context of {limit} tokens"
+        " (config.max_position_embeddings). Shorten the prompt or lower"
+        " max_new_tokens.")
+
+
+def _plan_continuation(model, request, use_cache: bool,
+                       continuation: Continuation):
+  """(prompt_len, cache_len) of a run that appends to a previous state."""
+  if model_kind(model) != "uncached" or request.num_rows != 1 or not use_cache:
+    raise ValueError(
+        "a continuation needs the uncached TransformerLM, one row and"
+        " use_cache=True.")
+  prompt_len = bucket(len(request.prompts[0]), MIN_PROMPT_BUCKET)
+  needed = continuation.start_slot + prompt_len - 1 + int(
+      request.max_new_tokens.max())
+  cache_len = max(continuation.cache_len, bucket(needed))
+  limit = model.config.max_position_embeddings
+  if model.config.family == "gpt2" and cache_len > limit:
+    cache_len = max(limit, continuation.cache_len)
+    if continuation.start_slot + prompt_len > cache_len:
+      raise ValueError(
+          f"the conversation fills this GPT-2 model's {limit} cache slots;"
+          " start a new session (reset()).")
+  return prompt_len, cache_len
+
+
 def plan_request(model, request: requests_lib.GenerationRequest,
-                 use_cache: bool) -> Plan:
+                 use_cache: bool,
+                 continuation: Continuation | None = None) -> Plan:
   """Chooses the bucket shapes of a request.
 
   Raises:
@@ -96,18 +159,15 @@ def plan_request(model, request: requests_lib.GenerationRequest,
   longest = max(lengths)
   max_new = int(request.max_new_tokens.max())
   limit = config.max_position_embeddings
-  for r, n_new in enumerate(request.max_new_tokens):
-    length = lengths[request.prompt_of_row(r)]
-    if length + int(n_new) > limit:
-      raise ValueError(
-          f"prompt {request.prompt_of_row(r)} has {length} tokens and"
-          f" max_new_tokens is {int(n_new)}: {length + int(n_new)} tokens"
-          f" exceed the model's context of {limit} tokens"
-          " (config.max_position_embeddings). Shorten the prompt or lower"
-          " max_new_tokens.")
+  _check_context(request, limit,
+                 continuation.positions if continuation else 0)
   gather = request.num_samples > 1
 
-  if kind == "cached":
+  if continuation is not None:
+    axis, batch, prefill_batch = "batch", 1, 1
+    prompt_len, cache_len = _plan_continuation(
+        model, request, use_cache, continuation)
+  elif kind == "cached":
     if not use_cache:
       raise ValueError(
           "use_cache=False needs the uncached TransformerLM; pass the model"
@@ -164,5 +224,6 @@ def plan_request(model, request: requests_lib.GenerationRequest,
       top_n=request.logprobs_top_n,
       vocab=config.vocab_size,
       gather=gather,
+      continued=continuation is not None,
   )
   return plan

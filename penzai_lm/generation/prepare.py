@@ -185,6 +185,9 @@ class Prepared:
       array (built inside the program, so nothing cache-sized is kept or
       transferred) or None for an array passed in ``state_args``.
     state_args: The non-constant initial state arrays.
+    state_shapes: The shape of every state leaf.
+    cache_labels: Labels of the cached model's ``(cache_end_index,
+      kv_positions, previous_tokens)`` state, or None without a cache.
   """
 
   model_leaves: list
@@ -192,6 +195,14 @@ class Prepared:
   state_treedef: Any
   state_spec: tuple
   state_args: list
+  state_shapes: tuple = ()
+  cache_labels: tuple | None = None
+
+  @property
+  def state_static(self) -> tuple:
+    """The state's part of the prefill program's static arguments."""
+    return (self.state_treedef, self.state_spec, self.state_shapes,
+            self.cache_labels)
 
 
 def _constant_fill(x):
@@ -219,7 +230,12 @@ def _prepare_runnable(runnable) -> Prepared:
       args.append(x)
     else:
       spec.append((tuple(np.shape(x)), np.dtype(x.dtype), fill))
-  return Prepared(model_leaves, treedef, state_treedef, tuple(spec), args)
+  labels = None
+  if isinstance(runnable, KVCachingTransformerLM):
+    labels = (runnable.cache_end_index.label, runnable.kv_positions.label,
+              runnable.previous_tokens.label)
+  return Prepared(model_leaves, treedef, state_treedef, tuple(spec), args,
+                  tuple(tuple(np.shape(x)) for x in state_leaves), labels)
 
 
 def prepare_model(model, kind: str, plan) -> Prepared:

@@ -66,18 +66,57 @@ def _logprob_of(logits, token):
 
 
 def _initial_state(state_static, state_args):
-  state_treedef, spec = state_static
+  state_treedef, spec, _, _ = state_static
   args = iter(state_args)
   leaves = [next(args) if s is None else jnp.full(s[0], s[2], s[1])
             for s in spec]
   return jax.tree_util.tree_unflatten(state_treedef, leaves)
 
 
-def prefill_program(static, model_leaves, state_args, tokens, padding, src, real):
-  """Prefill program: returns the initial decode-loop carry."""
+def _continued_state(state_static, state_args, start):
+  """A previous run's state (grown to this plan's cache), cut at ``start``.
+
+  Slots from ``start`` on are discarded: the cache end index goes back to
+  ``start`` and their positions to -1, so no token attends to them and the
+  next tokens overwrite them.
+  """
+  state_treedef, _, _, labels = state_static
+  state = jax.tree_util.tree_unflatten(state_treedef, list(state_args))
+  end_label, positions_label, _ = labels
+  out = []
+  for v in state:
+    if v.label == end_label:
+      v = dataclasses.replace(v, value=jnp.asarray(start, v.value.dtype))
+    elif v.label == positions_label:
+      slots = pz.nx.arange("seq", v.value.named_shape["seq"])
+      cut = pz.nx.nmap(jnp.where)(slots >= start, -1, v.value)
+      v = dataclasses.replace(v, value=pz.nx.order_like(cut, v.value))
+    out.append(v)
+  return out
+
+
+def _history(mstate, labels, axis):
+  """(tokens, mask) of everything in the cache, for the sampler's penalties."""
+  values = {v.label: v.value for v in mstate}
+  _, positions_label, tokens_label = labels
+  tokens = values[tokens_label].unwrap(axis, "seq")
+  positions = values[positions_label].unwrap(axis, "seq")
+  return tokens, positions >= 0
+
+
+def prefill_program(static, model_leaves, state_args, tokens, padding, src,
+                    real, start):
+  """Prefill program: returns the initial decode-loop carry.
+
+  ``start`` is the first cache slot of this prompt: 0, or where a
+  continuation (``plan.continued``) appends to the previous state.
+  """
   plan, treedef, state_static = static
   model = jax.tree_util.tree_unflatten(treedef, model_leaves)
-  state0 = _initial_state(state_static, state_args)
+  if plan.continued:
+    state0 = _continued_state(state_static, state_args, start)
+  else:
+    state0 = _initial_state(state_static, state_args)
   axis, P = plan.batch_axis, plan.prompt_len
   if plan.gather:
     gather = lambda a: a[src]  # noqa: E731
@@ -111,15 +150,22 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src, real
     mstate = dict(tokens=buf, positions=pos, state=state0)
 
   B, T, V = plan.batch, plan.out_len, plan.vocab
+  if plan.continued:
+    # Penalties see the whole conversation, not just the new tokens.
+    seen, seen_mask = _history(mstate, state_static[3], axis)
+    seen = jnp.concatenate([seen, dtokens[:, P - 1:]], axis=1)
+    seen_mask = jnp.concatenate([seen_mask, ~dpadding[:, P - 1:]], axis=1)
+  else:
+    seen, seen_mask = dtokens, ~dpadding
   carry = dict(
       mstate=mstate,
-      slots=jnp.asarray(P - 1, jnp.int32),
+      slots=jnp.asarray(start + P - 1, jnp.int32),
       next_token=dtokens[:, P - 1],
       feed=real,
       step=jnp.zeros((B,), jnp.int32),
       reason=jnp.where(real, RUNNING, PADDING_ROW).astype(jnp.int32),
       waiting=jnp.zeros((B,), bool),
-      sampler=sampling.init_sampler_state(dtokens, ~dpadding, vocab_size=V),
+      sampler=sampling.init_sampler_state(seen, seen_mask, vocab_size=V),
       out_tokens=jnp.zeros((B, T), jnp.int32),
       out_logprobs=jnp.zeros((B, T), jnp.float32),
       out_forced=jnp.zeros((B, T), bool),

@@ -207,7 +207,7 @@ def expand_rows(
       f" a list of length {expected}.")
 
 
-def _token_list(name: str, ids: Any, vocab_size: int) -> tuple[int, ...]:
+def token_list(name: str, ids: Any, vocab_size: int) -> tuple[int, ...]:
   out = []
   for token in ids:
     if isinstance(token, np.generic):
@@ -251,7 +251,7 @@ def token_lists(
         f"{name} mixes token ids and lists; pass one list of ids for every"
         " row or one list per prompt/row.")
   rows = expand_rows(name, items, num_prompts, num_samples, _is_flat_ids)
-  return [_token_list(f"{name}[{r}]", ids, vocab_size)
+  return [token_list(f"{name}[{r}]", ids, vocab_size)
           for r, ids in enumerate(rows)]
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from penzai_lm import sampling
@@ -29,6 +30,40 @@ from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.results import Timings
 
 
+def _grown_state(prepared, continuation) -> list:
+  """A previous run's state leaves, grown to ``prepared``'s cache size.
+
+  Grown slots take the fill of an empty cache (positions -1: unwritten).
+  Growing is a copy outside the prefill program, so the prefill compiles
+  once per cache size, not once per pair of sizes.
+  """
+  _check_continuation(prepared, continuation)
+  leaves = []
+  for x, shape, s in zip(continuation.state, prepared.state_shapes,
+                         prepared.state_spec):
+    if tuple(x.shape) != shape:
+      x = jnp.pad(x, [(0, n - o) for o, n in zip(x.shape, shape)],
+                  constant_values=s[2])
+    leaves.append(x)
+  return leaves
+
+
+def _check_continuation(prepared, continuation) -> None:
+  """The previous state must fit this model's state, grown at most."""
+  shapes, spec = prepared.state_shapes, prepared.state_spec
+  ok = prepared.cache_labels is not None and len(continuation.state) == len(
+      shapes)
+  for x, shape, s in zip(continuation.state, shapes, spec) if ok else ():
+    old = tuple(np.shape(x))
+    if old != shape and (s is None or len(old) != len(shape) or any(
+        o > n for o, n in zip(old, shape))):
+      ok = False
+  if not ok:
+    raise ValueError(
+        "the previous state does not belong to this model (different"
+        " structure or shapes); start a new session for this model.")
+
+
 def _row_lists(values, rows, fill):
   return list(values) + [fill] * (rows - len(values))
 
@@ -37,23 +72,30 @@ class Run:
   """One request in flight: owns the device state and the host bookkeeping.
 
   Used by `generate` (one decode call, or chunks when the host must take
-  part) and by the streaming helpers (chunks of ``k`` steps).
+  part) and by the streaming helpers (chunks of ``k`` steps). With a
+  `plan.Continuation` the prompt is appended to a previous run's state
+  (see `penzai_lm.generation.session`).
   """
 
   def __init__(self, model, request: requests_lib.GenerationRequest, *,
-               use_cache: bool = True, tool=None):
+               use_cache: bool = True, tool=None,
+               continuation: plan_lib.Continuation | None = None):
     self._start = time.perf_counter()
     self.request = request
     self.tool = tool
-    plan = plan_lib.plan_request(model, request, use_cache)
+    plan = plan_lib.plan_request(model, request, use_cache, continuation)
     self.plan = plan
     rows, B = request.num_rows, plan.batch
     self.rows = rows
     prepared = prepare.prepare_model(model, plan_lib.model_kind(model), plan)
     self._model_leaves = prepared.model_leaves
     self._treedef = prepared.treedef
-    self._state_static = (prepared.state_treedef, prepared.state_spec)
+    self._state_static = prepared.state_static
     self._state_args = prepared.state_args
+    self.start_slot = 0
+    if continuation is not None:
+      self._state_args = _grown_state(prepared, continuation)
+      self.start_slot = continuation.start_slot
 
     # Prompts, left-padded to the bucket.
     P = plan.prompt_len
@@ -123,10 +165,11 @@ class Run:
   # Device calls.
 
   def prefill(self) -> None:
-    args = (self._model_leaves, self._state_args, *self._prefill_inputs)
+    args = (self._model_leaves, self._state_args, *self._prefill_inputs,
+            np.asarray(self.start_slot, np.int32))
     program, compile_s = PROGRAMS.get(
-        "prefill", programs.prefill_program, (self.plan, self._treedef, self._state_static),
-        args)
+        "prefill", programs.prefill_program,
+        (self.plan, self._treedef, self._state_static), args)
     self.timings.compile_s += compile_s
     start = time.perf_counter()
     self.carry = program(*args)
@@ -155,7 +198,8 @@ class Run:
             self._end_reason, self._resume, q_tokens, q_len, q_more)
     # The decode program does not depend on how the prefill was batched.
     plan = dataclasses.replace(
-        self.plan, prefill_batch=0, gather=False, prompt_len=0)
+        self.plan, prefill_batch=0, gather=False, prompt_len=0,
+        continued=False)
     program, compile_s = PROGRAMS.get(
         "decode", programs.decode_program, (plan, self._treedef), args, donate=(1,))
     self.timings.compile_s += compile_s
@@ -229,7 +273,7 @@ class Run:
     """Queues forced tokens for a row (consumed before sampling)."""
     if not 0 <= row < self.rows:
       raise IndexError(f"row {row} is outside [0, {self.rows}).")
-    ids = requests_lib._token_list("forced tokens", tokens, self.plan.vocab)  # pylint: disable=protected-access
+    ids = requests_lib.token_list("forced tokens", tokens, self.plan.vocab)
     self.queues[row].extend(ids)
 
   def cancel(self) -> None:
@@ -238,6 +282,39 @@ class Run:
       if self.finish_reason(r) is None:
         self.host_reason[r] = "cancelled"
     self.finished = True
+
+  def next_continuation(self, previous: plan_lib.Continuation | None):
+    """Where a one-row run leaves the conversation, for its next turn.
+
+    Args:
+      previous: The continuation this run started from (None if fresh).
+
+    Returns:
+      ``(continuation, pending)``: the state to continue from and the
+      tokens that are part of the conversation but not in the cache yet
+      (fed first next turn): the last kept token, or the whole prompt if
+      nothing ran.
+
+    Raises:
+      RuntimeError: if the device state is gone (a decode call was
+        interrupted after taking it over).
+    """
+    if self.rows != 1 or not self.plan.use_cache:
+      raise ValueError("only a one-row cached run can be continued.")
+    prompt = self.request.prompts[0].tolist()
+    if self.carry is None:  # Cancelled before the prefill: nothing changed.
+      return previous, prompt
+    kept = self.tokens_of(0)
+    pending = kept[-1:] or prompt[-1:]
+    in_cache = len(prompt) + len(kept) - 1  # Real tokens this run added.
+    end = self.start_slot + self.plan.prompt_len - 1 + len(kept)
+    positions = (previous.positions if previous else 0) + in_cache
+    state = jax.tree_util.tree_leaves(self.carry["mstate"])
+    if any(x.is_deleted() for x in state if hasattr(x, "is_deleted")):
+      raise RuntimeError("the run's device state was released.")
+    return plan_lib.Continuation(
+        state=state, start_slot=end, positions=positions,
+        cache_len=self.plan.cache_len), pending
 
   # Reading.
 

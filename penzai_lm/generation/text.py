@@ -238,6 +238,7 @@ class TextStream:
                  skip_special_tokens)
         for r in range(run.rows)
     ]
+    self.done = False  # Iteration is over (or the stream was closed).
     self._events = self._generate()
 
   def __iter__(self) -> Iterator[TextEvent]:
@@ -256,6 +257,7 @@ class TextStream:
     """Stops generation; running rows finish with ``"cancelled"``."""
     self._events.close()
     self.tokens.close()
+    self.done = True
 
   def cancel(self) -> None:
     """Asks generation to stop at the next chunk boundary."""
@@ -278,6 +280,7 @@ class TextStream:
         else:
           yield TextEvent(event.row, text, kept, event.finish_reason)
     finally:
+      self.done = True
       self.tokens.close()
 
   def run_to_end(self) -> GenerationResult:
@@ -299,7 +302,10 @@ class TextStream:
     return result
 
 
-def _stop_strings(stop_strings, num_prompts, num_samples) -> list[list[str]]:
+def stop_string_rows(stop_strings, num_prompts: int,
+                     num_samples: int) -> list[list[str]]:
+  """Validates ``stop_strings`` and expands it to one list per row."""
+
   def is_scalar(v):
     return v is None or isinstance(v, str) or (
         isinstance(v, Sequence) and all(isinstance(x, str) for x in v))
@@ -334,13 +340,17 @@ def _tool(tokenizer, calculator, tool):
   return tool
 
 
+def default_stop_tokens(model, tokenizer) -> list[int]:
+  """The model's EOS ids plus the tokenizer's stop ids (end of turn, ...)."""
+  ids = dict.fromkeys([*model.config.eos_token_ids, *tokenizer.stop_ids])
+  return [t for t in ids if t < model.config.vocab_size]
+
+
 def _text_run(model, tokenizer, prompt_or_prompts, settings, calculator, tool):
   prompts = encode_prompts(tokenizer, prompt_or_prompts)
   if settings.get("stop_tokens") is None:
-    defaults = list(dict.fromkeys(
-        [*model.config.eos_token_ids, *tokenizer.stop_ids]))
-    settings = dict(settings, default_stop_tokens=[
-        t for t in defaults if t < model.config.vocab_size])
+    settings = dict(settings,
+                    default_stop_tokens=default_stop_tokens(model, tokenizer))
   if tokenizer.vocab_size > model.config.vocab_size:
     raise ValueError(
         f"the tokenizer has {tokenizer.vocab_size} tokens but the model's"
@@ -348,6 +358,18 @@ def _text_run(model, tokenizer, prompt_or_prompts, settings, calculator, tool):
         " together.")
   return engine.start_run(
       model, prompts, tool=_tool(tokenizer, calculator, tool), **settings)
+
+
+def _text_stream(model, tokenizer, prompt_or_prompts, stop_strings,
+                 skip_special_tokens, calculator, tool, chunk_size, cancel,
+                 settings) -> TextStream:
+  run = _text_run(model, tokenizer, prompt_or_prompts, settings, calculator,
+                  tool)
+  stops = stop_string_rows(stop_strings, run.request.num_prompts,
+                           run.request.num_samples)
+  token_stream = streaming.GenerationStream(
+      run, chunk_size=chunk_size, cancel=cancel)
+  return TextStream(token_stream, tokenizer, stops, skip_special_tokens)
 
 
 def stream_text(
@@ -382,13 +404,9 @@ def stream_text(
   Returns:
     A `TextStream` of `TextEvent`s; ``.result`` has ``texts``.
   """
-  run = _text_run(model, tokenizer, prompt_or_prompts, settings, calculator,
-                  tool)
-  stops = _stop_strings(stop_strings, run.request.num_prompts,
-                        run.request.num_samples)
-  token_stream = streaming.GenerationStream(
-      run, chunk_size=chunk_size, cancel=cancel)
-  return TextStream(token_stream, tokenizer, stops, skip_special_tokens)
+  return _text_stream(model, tokenizer, prompt_or_prompts, stop_strings,
+                      skip_special_tokens, calculator, tool, chunk_size, cancel,
+                      settings)
 
 
 def generate_text(
@@ -410,20 +428,15 @@ def generate_text(
     A `GenerationResult` with ``texts`` (``.text`` for a single row) and
     ``stop_strings_matched``.
   """
-  run = _text_run(model, tokenizer, prompt_or_prompts, settings, calculator,
-                  tool)
-  stops = _stop_strings(stop_strings, run.request.num_prompts,
-                        run.request.num_samples)
-  if any(stops) or cancel is not None:
-    token_stream = streaming.GenerationStream(
-        run, chunk_size=chunk_size, cancel=cancel)
-    return TextStream(token_stream, tokenizer, stops,
-                      skip_special_tokens).run_to_end()
-  run.prefill()
-  run.decode(1)
-  while not run.finished:
-    run.decode(None)
-  result = run.result()
+  text_stream = _text_stream(
+      model, tokenizer, prompt_or_prompts, stop_strings, skip_special_tokens,
+      calculator, tool, chunk_size, cancel, settings)
+  if (any(row.matcher.stop_strings for row in text_stream._rows)  # pylint: disable=protected-access
+      or cancel is not None):
+    return text_stream.run_to_end()
+  # Nothing to check on the host between steps: one compiled loop.
+  run = text_stream.tokens.run
+  result = engine.run_to_end(run)
   texts = []
   for r, tokens in enumerate(result.tokens):
     if (result.finish_reasons[r] == "stop" and tokens

@@ -1,0 +1,175 @@
+"""`Session`: a one-row conversation whose KV cache is kept between calls.
+
+Each call appends its tokens to everything the session already holds (the
+earlier prompts and generated tokens) and generates; only the new tokens are
+prefilled, the rest is read from the cache::
+
+    session = Session(model)
+    first = session.generate(prompt_ids, max_new_tokens=64)
+    second = session.generate(more_ids, max_new_tokens=64)  # no re-reading
+    session.tokens  # the whole conversation: prompts and generated tokens
+
+The cache lives on device between calls, sized in powers of two and grown
+(copied into a larger buffer) when a turn needs more room, up to the model's
+context. What the model sees is exactly ``session.tokens``: a row ended by a
+stop string keeps only the tokens of its kept text, and a cancelled reply
+keeps what was generated. Generated tokens past the kept ones are dropped
+from the cache (their slots are reused), and the last kept token is fed at
+the start of the next call (``pending``), so the model state always matches
+the conversation.
+
+Sampling settings are per call, as in `penzai_lm.generation.generate`;
+repetition and presence penalties see the whole conversation. Prompt-bucket
+padding takes cache slots (never positions): a turn of ``n`` tokens uses at
+most ``max(8, 2n)`` slots.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from penzai_lm.generation import engine
+from penzai_lm.generation import requests as requests_lib
+from penzai_lm.generation import streaming
+from penzai_lm.generation.results import GenerationResult
+from penzai_lm.model import TransformerLM
+
+
+class Session:
+  """A conversation with one model and a KV cache kept between calls.
+
+  Attributes:
+    model: The uncached `TransformerLM` (the session converts it).
+    tokens: The conversation so far: every prompt and generated token, in
+      order. All but ``pending`` are in the cache.
+    pending: Tokens of the conversation not yet in the cache (fed first by
+      the next call: the last generated token, or more after a call that
+      was cancelled before it started).
+  """
+
+  def __init__(self, model: TransformerLM):
+    if not isinstance(model, TransformerLM):
+      raise TypeError(
+          "Session needs the uncached TransformerLM (it manages its own"
+          f" cache), got {type(model).__name__}.")
+    self.model = model
+    self._tokens: list[int] = []
+    self._pending: list[int] = []
+    self._continuation = None
+    self._run = None  # The latest run, until its state is taken over.
+    self._new: list[int] = []  # Its new (non-pending) prompt tokens.
+
+  # Calls.
+
+  def stream(self, tokens: Any = (), *, chunk_size: int = 8,
+             cancel: threading.Event | None = None,
+             **settings) -> streaming.GenerationStream:
+    """Appends ``tokens`` and streams the reply (`GenerationStream`).
+
+    Starting another call ends a reply that is still streaming (its finish
+    reason becomes ``"cancelled"``, its tokens so far are kept).
+
+    Args:
+      tokens: New token ids (may be empty to continue the last reply).
+      chunk_size: Decode steps per compiled call.
+      cancel: ``threading.Event`` that stops generation when set.
+      **settings: Keywords of `penzai_lm.generation.generate` except
+        ``num_samples``, ``use_cache`` and ``prompts``.
+    """
+    run = self._start(tokens, settings)
+    return streaming.GenerationStream(run, chunk_size=chunk_size,
+                                      cancel=cancel)
+
+  def generate(self, tokens: Any = (), *, chunk_size: int = 8,
+               cancel: threading.Event | None = None,
+               **settings) -> GenerationResult:
+    """Appends ``tokens`` and generates a reply; see `stream`."""
+    run = self._start(tokens, settings)
+    return engine.run_to_end(run, cancel=cancel, chunk_size=chunk_size)
+
+  def reset(self) -> None:
+    """Forgets the conversation (the next call starts an empty cache)."""
+    self._finish_run()
+    self._tokens, self._pending = [], []
+    self._continuation = None
+
+  # State.
+
+  @property
+  def tokens(self) -> list[int]:
+    """The conversation so far (a copy)."""
+    self._finish_run()
+    return list(self._tokens)
+
+  @property
+  def pending(self) -> list[int]:
+    """Conversation tokens not in the cache yet (a copy)."""
+    self._finish_run()
+    return list(self._pending)
+
+  @property
+  def cached_tokens(self) -> int:
+    """Tokens of the conversation held in the cache."""
+    self._finish_run()
+    return len(self._tokens) - len(self._pending)
+
+  @property
+  def cache_len(self) -> int:
+    """Slots of the cache (0 before the first call)."""
+    self._finish_run()
+    return self._continuation.cache_len if self._continuation else 0
+
+  @property
+  def slots_used(self) -> int:
+    """Cache slots in use (tokens plus prompt-bucket padding)."""
+    self._finish_run()
+    return self._continuation.start_slot if self._continuation else 0
+
+  # Internals.
+
+  def _start(self, tokens, settings):
+    for key in ("num_samples", "use_cache", "prompts"):
+      if key in settings:
+        raise ValueError(
+            f"Session calls do not take {key}=: a session is one cached row.")
+    ids = list(requests_lib.token_list(
+        "tokens", _flat(tokens), self.model.config.vocab_size))
+    self._finish_run()
+    prompt = self._pending + ids
+    if not prompt:
+      raise ValueError(
+          "the session is empty: give at least one token to start it.")
+    run = engine.start_run(self.model, [prompt],
+                           continuation=self._continuation, **settings)
+    self._run, self._new = run, ids
+    return run
+
+  def _finish_run(self) -> None:
+    """Takes over the latest run's state (ending it if still running)."""
+    run, self._run = self._run, None
+    if run is None:
+      return
+    if not run.finished:
+      run.cancel()
+    kept = run.tokens_of(0) if run.view is not None else []
+    self._tokens = self._tokens + self._new + kept
+    try:
+      self._continuation, self._pending = run.next_continuation(
+          self._continuation)
+    except RuntimeError:
+      # The device state is gone (e.g. interrupted while its buffers were
+      # handed to a program): re-read the whole conversation next time.
+      self._continuation, self._pending = None, list(self._tokens)
+
+
+def _flat(tokens: Any) -> list:
+  if hasattr(tokens, "tolist"):
+    tokens = tokens.tolist()
+  if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+    raise TypeError(
+        f"tokens must be a list of token ids, got {type(tokens).__name__}.")
+  tokens = list(tokens)
+  if any(isinstance(t, (list, tuple)) for t in tokens):
+    raise ValueError("a Session holds one row: pass one flat list of ids.")
+  return tokens
