@@ -19,6 +19,14 @@ import jax
 import numpy as np
 
 
+# XLA options for every program on CPU. XLA's YNNPACK fusions run the decode
+# step's small attention products slowly: without them SmolLM2 decodes 12%
+# faster at a 2048-token cache and 16% faster at batch 8 (equal at batch 1).
+CPU_COMPILER_OPTIONS: dict[str, Any] = {
+    "xla_cpu_experimental_ynn_fusion_type": "",
+}
+
+
 class ProgramCache:
   """Compiled programs keyed on (name, static plan, argument structure and
   shapes). Thread-safe; compile time is measured per call."""
@@ -50,7 +58,7 @@ class ProgramCache:
       return program, 0.0
     start = time.perf_counter()
     jitted = jax.jit(functools.partial(fn, static), donate_argnums=donate)
-    program = jitted.lower(*args).compile()
+    program = _compile(jitted.lower(*args))
     elapsed = time.perf_counter() - start
     with self._lock:
       if key is not None:
@@ -65,6 +73,18 @@ class ProgramCache:
   def clear(self) -> None:
     with self._lock:
       self._programs.clear()
+
+
+def _compile(lowered):
+  options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else {}
+  if options:
+    try:
+      return lowered.compile(compiler_options=dict(options))
+    except Exception as e:  # pylint: disable=broad-except
+      # An XLA without these options: compile with its defaults.
+      warnings.warn(f"XLA rejected the CPU options {options}: {e}")
+      CPU_COMPILER_OPTIONS.clear()
+  return lowered.compile()
 
 
 def _aval_key(x):

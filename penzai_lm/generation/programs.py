@@ -95,6 +95,26 @@ def _continued_state(state_static, state_args, start):
   return out
 
 
+def pack_state(state) -> list:
+  """The state's arrays without their size-1 dimensions (the loop's carry).
+
+  With a batch of one row, every cache has a size-1 dimension. XLA drops it
+  (a bitcast) where attention reads the cache, and then fuses the in-place
+  cache write once per differently shaped user, copying the whole cache for
+  each (at a 2048-slot cache that made SmolLM2's decode 2x slower). Carrying
+  the arrays already squeezed gives every user the same shape.
+  """
+  return [x.reshape([d for d in x.shape if d != 1])
+          for x in jax.tree_util.tree_leaves(state)]
+
+
+def unpack_state(leaves, state_static):
+  """Inverse of `pack_state` (``state_static`` as in `Prepared`)."""
+  state_treedef, _, shapes, _ = state_static
+  return jax.tree_util.tree_unflatten(
+      state_treedef, [x.reshape(s) for x, s in zip(leaves, shapes)])
+
+
 def _history(mstate, labels, axis):
   """(tokens, mask) of everything in the cache, for the sampler's penalties."""
   values = {v.label: v.value for v in mstate}
@@ -158,7 +178,7 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
   else:
     seen, seen_mask = dtokens, ~dpadding
   carry = dict(
-      mstate=mstate,
+      mstate=pack_state(mstate) if plan.use_cache else mstate,
       slots=jnp.asarray(start + P - 1, jnp.int32),
       next_token=dtokens[:, P - 1],
       feed=real,
@@ -178,19 +198,21 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
   return carry
 
 
-def _feed_fn(plan, model):
+def _feed_fn(plan, model, state_static):
   """Returns feed(mstate, slots, token, mask) -> (logits (B, V) f32, mstate)."""
   axis = plan.batch_axis
 
   if plan.use_cache:
 
-    def feed(mstate, slots, token, mask):
+    def feed(packed, slots, token, mask):
       del slots
+      mstate = unpack_state(packed, state_static)
       logits, new = model.stateless_call(
           mstate, _named(token[:, None], axis),
           is_padding=_named(~mask[:, None], axis))
       logits = logits.unwrap(axis, "seq", "vocabulary")[:, 0]
-      return logits.astype(jnp.float32), pz.nx.order_like(list(new), mstate)
+      new = pz.nx.order_like(list(new), mstate)
+      return logits.astype(jnp.float32), pack_state(new)
 
     return feed
 
@@ -217,9 +239,9 @@ def decode_program(static, model_leaves, carry, settings, max_new, stop_ids,
             pause_id, stop_at, end_rows, end_reason, resume, q_tokens, q_len,
             q_more):
   """Decode program: runs the loop until done, paused or ``t == stop_at``."""
-  plan, treedef = static
+  plan, treedef, state_static = static
   model = jax.tree_util.tree_unflatten(treedef, model_leaves)
-  feed_model = _feed_fn(plan, model)
+  feed_model = _feed_fn(plan, model, state_static)
   B, T, Q = plan.batch, plan.out_len, plan.queue_len
   rows = jnp.arange(B)
 

@@ -91,6 +91,7 @@ class Run:
     self._model_leaves = prepared.model_leaves
     self._treedef = prepared.treedef
     self._state_static = prepared.state_static
+    self._state_shapes = prepared.state_shapes
     self._state_args = prepared.state_args
     self.start_slot = 0
     if continuation is not None:
@@ -201,7 +202,8 @@ class Run:
         self.plan, prefill_batch=0, gather=False, prompt_len=0,
         continued=False)
     program, compile_s = PROGRAMS.get(
-        "decode", programs.decode_program, (plan, self._treedef), args, donate=(1,))
+        "decode", programs.decode_program,
+        (plan, self._treedef, self._state_static), args, donate=(1,))
     self.timings.compile_s += compile_s
     start = time.perf_counter()
     self.carry = program(*args)
@@ -309,9 +311,10 @@ class Run:
     in_cache = len(prompt) + len(kept) - 1  # Real tokens this run added.
     end = self.start_slot + self.plan.prompt_len - 1 + len(kept)
     positions = (previous.positions if previous else 0) + in_cache
-    state = jax.tree_util.tree_leaves(self.carry["mstate"])
-    if any(x.is_deleted() for x in state if hasattr(x, "is_deleted")):
+    packed = self.carry["mstate"]
+    if any(x.is_deleted() for x in packed if hasattr(x, "is_deleted")):
       raise RuntimeError("the run's device state was released.")
+    state = [x.reshape(shape) for x, shape in zip(packed, self._state_shapes)]
     return plan_lib.Continuation(
         state=state, start_slot=end, positions=positions,
         cache_len=self.plan.cache_len), pending

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from penzai import pz
 
 from penzai_lm.model.build import head_axes
+from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
+from penzai_lm.model.cache_attention import write_at
 from penzai_lm.model.config import TransformerConfig
 from penzai_lm.model.transformer import TransformerLM
 from penzai_lm.model.transformer import check_tokens
@@ -139,9 +141,7 @@ class KVCachingTransformerLM(pz.nn.Layer):
     positions = pz.nx.nmap(jnp.where)(real, next_position + count - 1, -1)
 
     def write(buffer, update):
-      return pz.nx.nmap(jax.lax.dynamic_update_slice)(
-          buffer.untag("seq"), update.untag("seq"), (end,)
-      ).tag("seq")
+      return write_at(buffer, update, "seq", end)
 
     kv_positions = write(slots, positions.astype(jnp.int32))
     logits = self.body(
@@ -183,8 +183,9 @@ class KVCachingTransformerLM(pz.nn.Layer):
   ) -> KVCachingTransformerLM:
     """Converts a `TransformerLM` to cached sampling mode.
 
-    Every `pz.nn.Attention` is swapped for a `pz.nn.KVCachingAttention` whose
-    mask reads cache positions; everything else, including patches and their
+    Every `pz.nn.Attention` is swapped for a `pz.nn.KVCachingAttention` (an
+    `InPlaceKVCachingAttention`, which writes its cache in place) whose mask
+    reads cache positions; everything else, including patches and their
     state variables, is kept as is.
 
     Args:
@@ -247,12 +248,20 @@ class KVCachingTransformerLM(pz.nn.Layer):
       )
       # A layer stack returns per-layer state with the stack axes first; start
       # in that layout so the state's pytree never changes between calls.
-      empty = pz.nx.zeros(
-          {**stack_axes, **caching.kv_cache.value[0].named_shape},
-          dtype=config.activation_dtype,
+      # The axis each attention product contracts comes last (keys:
+      # "projection", values: "seq"), so XLA reads the caches as they are
+      # instead of transposing them at every step.
+      shape = dict(caching.kv_cache.value[0].named_shape)
+      slots = shape.pop("seq")
+      projection = shape.pop("projection")
+      shape = {**stack_axes, **shape}
+      caching.kv_cache.value = (
+          pz.nx.zeros({**shape, "seq": slots, "projection": projection},
+                      dtype=config.activation_dtype),
+          pz.nx.zeros({**shape, "projection": projection, "seq": slots},
+                      dtype=config.activation_dtype),
       )
-      caching.kv_cache.value = (empty, empty)
-      cached[keypath] = caching
+      cached[keypath] = InPlaceKVCachingAttention.from_penzai(caching)
     slots = {**batch_axes, "seq": cache_len}
     return cls(
         body=selection.set_by_path(cached),
