@@ -81,7 +81,10 @@ def _load(args):
   import penzai_lm  # pylint: disable=g-import-not-at-top
 
   start = time.perf_counter()
-  model, tokenizer = penzai_lm.load(args.model, dtype=args.dtype)
+  # Generation decodes on per-layer weights; loading them that way saves the
+  # copy the engine would otherwise make of a layer stack.
+  model, tokenizer = penzai_lm.load(args.model, dtype=args.dtype,
+                                    use_layer_stack=False)
   print(f"[loaded in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
   return model, tokenizer
 
