@@ -136,7 +136,8 @@ def cmd_chat(args) -> int:
   from penzai_lm.generation.chat import ChatSession  # pylint: disable=g-import-not-at-top
 
   model, tokenizer = _load(args)
-  chat = ChatSession(model, tokenizer, system=args.system)
+  chat = ChatSession(model, tokenizer, system=args.system,
+                     min_cache_len=args.cache_len)
   settings = _settings(args)
   print("[chat: empty line or Ctrl-D quits, /reset starts over, Ctrl-C stops"
         " a reply]", file=sys.stderr)
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
       " between turns)")
   _sampling_args(chat)
   chat.add_argument("--system", default=None, help="system message")
+  chat.add_argument("--cache-len", type=int, default=512,
+                    help="initial KV cache size; the cache grows (and new"
+                    " programs compile) when the conversation needs more")
   chat.set_defaults(func=cmd_chat)
   return parser
 

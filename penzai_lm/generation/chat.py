@@ -40,20 +40,23 @@ class ChatSession:
     last_prefill_tokens: Tokens the latest turn prefilled.
   """
 
-  def __init__(self, model, tokenizer, *, system: str | None = None):
+  def __init__(self, model, tokenizer, *, system: str | None = None,
+               min_cache_len: int = 512):
     """Starts an empty chat.
 
     Args:
       model: The uncached `TransformerLM`.
       tokenizer: Its `penzai_lm.tokenizer.Tokenizer`.
       system: Optional system message that opens the conversation.
+      min_cache_len: Initial cache size (see `Session`): a few turns fit
+        before the cache grows, and each growth compiles new programs.
     """
     if tokenizer.vocab_size > model.config.vocab_size:
       raise ValueError(
           f"the tokenizer has {tokenizer.vocab_size} tokens but the model's"
           f" vocabulary has {model.config.vocab_size}; they do not belong"
           " together.")
-    self.session = Session(model)
+    self.session = Session(model, min_cache_len=min_cache_len)
     self.tokenizer = tokenizer
     self.system = system
     self._messages: list[dict[str, Any]] = []

@@ -65,14 +65,15 @@ class Continuation:
 
   Attributes:
     state: Leaves of the cached model's state after the previous run (the
-      caches, positions and any patch state), on device.
+      caches, positions and any patch state), on device; None for an empty
+      cache of at least ``cache_len`` slots (a session's first call).
     start_slot: Cache slot where the new tokens go. Slots from here on are
       discarded (tokens the previous run generated past what it kept).
     positions: Real tokens already in the cache (the next token position).
     cache_len: Cache slots of ``state``; the new run may grow the cache.
   """
 
-  state: list
+  state: list | None
   start_slot: int
   positions: int
   cache_len: int
@@ -136,7 +137,7 @@ def _plan_continuation(model, request, use_cache: bool,
   cache_len = max(continuation.cache_len, bucket(needed))
   limit = model.config.max_position_embeddings
   if model.config.family == "gpt2" and cache_len > limit:
-    cache_len = max(limit, continuation.cache_len)
+    cache_len = limit  # A state never holds more (from_uncached refuses).
     if continuation.start_slot + prompt_len > cache_len:
       raise ValueError(
           f"the conversation fills this GPT-2 model's {limit} cache slots;"

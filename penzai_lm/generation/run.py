@@ -37,6 +37,10 @@ def _grown_state(prepared, continuation) -> list:
   Growing is a copy outside the prefill program, so the prefill compiles
   once per cache size, not once per pair of sizes.
   """
+  if continuation.state is None:  # An empty cache.
+    args = iter(prepared.state_args)
+    return [next(args) if s is None else jnp.full(shape, s[2], s[1])
+            for shape, s in zip(prepared.state_shapes, prepared.state_spec)]
   _check_continuation(prepared, continuation)
   leaves = []
   for x, shape, s in zip(continuation.state, prepared.state_shapes,

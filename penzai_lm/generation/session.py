@@ -9,9 +9,10 @@ prefilled, the rest is read from the cache::
     second = session.generate(more_ids, max_new_tokens=64)  # no re-reading
     session.tokens  # the whole conversation: prompts and generated tokens
 
-The cache lives on device between calls, sized in powers of two and grown
-(copied into a larger buffer) when a turn needs more room, up to the model's
-context. What the model sees is exactly ``session.tokens``: a row ended by a
+The cache lives on device between calls, sized in powers of two (at least
+``min_cache_len``) and grown (copied into a larger buffer) when a turn needs
+more room, up to the model's context. Every call, the first included, runs
+the same continuation prefill, so turns in the same buckets never compile. What the model sees is exactly ``session.tokens``: a row ended by a
 stop string keeps only the tokens of its kept text, and a cancelled reply
 keeps what was generated. Generated tokens past the kept ones are dropped
 from the cache (their slots are reused), and the last kept token is fed at
@@ -30,6 +31,7 @@ import threading
 from typing import Any
 
 from penzai_lm.generation import engine
+from penzai_lm.generation import plan as plan_lib
 from penzai_lm.generation import requests as requests_lib
 from penzai_lm.generation import streaming
 from penzai_lm.generation.results import GenerationResult
@@ -48,15 +50,31 @@ class Session:
       was cancelled before it started).
   """
 
-  def __init__(self, model: TransformerLM):
+  def __init__(self, model: TransformerLM, *, min_cache_len: int = 0):
+    """Starts an empty session.
+
+    Args:
+      model: The uncached `TransformerLM`.
+      min_cache_len: Cache slots to allocate at least (rounded up to a power
+        of two). The cache grows when a call needs more, and each new size
+        compiles new programs; a conversation that stays inside this size
+        compiles once per prompt bucket. Attention reads every slot, so a
+        larger cache decodes a little slower.
+    """
     if not isinstance(model, TransformerLM):
       raise TypeError(
           "Session needs the uncached TransformerLM (it manages its own"
           f" cache), got {type(model).__name__}.")
+    if (not isinstance(min_cache_len, int) or isinstance(min_cache_len, bool)
+        or min_cache_len < 0):
+      raise ValueError(
+          f"min_cache_len must be a non-negative integer, got"
+          f" {min_cache_len!r}.")
     self.model = model
+    self.min_cache_len = min_cache_len
     self._tokens: list[int] = []
     self._pending: list[int] = []
-    self._continuation = None
+    self._continuation = self._empty()
     self._run = None  # The latest run, until its state is taken over.
     self._new: list[int] = []  # Its new (non-pending) prompt tokens.
 
@@ -92,7 +110,7 @@ class Session:
     """Forgets the conversation (the next call starts an empty cache)."""
     self._finish_run()
     self._tokens, self._pending = [], []
-    self._continuation = None
+    self._continuation = self._empty()
 
   # State.
 
@@ -118,7 +136,8 @@ class Session:
   def cache_len(self) -> int:
     """Slots of the cache (0 before the first call)."""
     self._finish_run()
-    return self._continuation.cache_len if self._continuation else 0
+    c = self._continuation
+    return 0 if c is None or c.state is None else c.cache_len
 
   @property
   def slots_used(self) -> int:
@@ -127,6 +146,16 @@ class Session:
     return self._continuation.start_slot if self._continuation else 0
 
   # Internals.
+
+  def _empty(self):
+    size = 0
+    if self.min_cache_len:
+      size = requests_lib.next_power_of_two(self.min_cache_len)
+      limit = self.model.config.max_position_embeddings
+      if self.model.config.family == "gpt2":
+        size = min(size, limit)
+    return plan_lib.Continuation(
+        state=None, start_slot=0, positions=0, cache_len=size)
 
   def _start(self, tokens, settings):
     for key in ("num_samples", "use_cache", "prompts"):
@@ -160,7 +189,7 @@ class Session:
     except RuntimeError:
       # The device state is gone (e.g. interrupted while its buffers were
       # handed to a program): re-read the whole conversation next time.
-      self._continuation, self._pending = None, list(self._tokens)
+      self._continuation, self._pending = self._empty(), list(self._tokens)
 
 
 def _flat(tokens: Any) -> list:

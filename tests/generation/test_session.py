@@ -167,3 +167,16 @@ def test_errors(model):
   with pytest.raises(ValueError, match="holds 4 cached tokens"):
     session.generate([4] * (limit - 10), max_new_tokens=20)
   assert len(session.tokens) == 5  # Nothing changed.
+
+
+def test_min_cache_len_avoids_growth(model):
+  a, b = prompts([5, 6], seed=50)
+  session = Session(model, min_cache_len=40)
+  first = session.generate(a, max_new_tokens=3, **GREEDY)
+  assert session.cache_len == 64
+  second = session.generate(b, max_new_tokens=20, **GREEDY)
+  assert session.cache_len == 64  # 8 + 3 + 8 + 20 slots fit.
+  _same_as_one_call(model, a + first.tokens[0] + b, second,
+                    max_new_tokens=20, **GREEDY)
+  with pytest.raises(ValueError, match="min_cache_len"):
+    Session(model, min_cache_len=-1)
