@@ -116,33 +116,33 @@ class Session:
 
   @property
   def tokens(self) -> list[int]:
-    """The conversation so far (a copy)."""
-    self._finish_run()
+    """The conversation so far (a copy; a reply joins once finished)."""
+    self._finish_run(only_if_finished=True)
     return list(self._tokens)
 
   @property
   def pending(self) -> list[int]:
     """Conversation tokens not in the cache yet (a copy)."""
-    self._finish_run()
+    self._finish_run(only_if_finished=True)
     return list(self._pending)
 
   @property
   def cached_tokens(self) -> int:
     """Tokens of the conversation held in the cache."""
-    self._finish_run()
+    self._finish_run(only_if_finished=True)
     return len(self._tokens) - len(self._pending)
 
   @property
   def cache_len(self) -> int:
     """Slots of the cache (0 before the first call)."""
-    self._finish_run()
+    self._finish_run(only_if_finished=True)
     c = self._continuation
     return 0 if c is None or c.state is None else c.cache_len
 
   @property
   def slots_used(self) -> int:
     """Cache slots in use (tokens plus prompt-bucket padding)."""
-    self._finish_run()
+    self._finish_run(only_if_finished=True)
     return self._continuation.start_slot if self._continuation else 0
 
   # Internals.
@@ -174,11 +174,13 @@ class Session:
     self._run, self._new = run, ids
     return run
 
-  def _finish_run(self) -> None:
-    """Takes over the latest run's state (ending it if still running)."""
-    run, self._run = self._run, None
-    if run is None:
+  def _finish_run(self, only_if_finished: bool = False) -> None:
+    """Takes over the latest run's state, ending it if still running (or,
+    with ``only_if_finished``, leaving a running one alone)."""
+    run = self._run
+    if run is None or (only_if_finished and not run.finished):
       return
+    self._run = None
     if not run.finished:
       run.cancel()
     kept = run.tokens_of(0) if run.view is not None else []

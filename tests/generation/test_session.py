@@ -180,3 +180,14 @@ def test_min_cache_len_avoids_growth(model):
                     max_new_tokens=20, **GREEDY)
   with pytest.raises(ValueError, match="min_cache_len"):
     Session(model, min_cache_len=-1)
+
+
+def test_reading_the_state_mid_stream_leaves_the_reply_running(model):
+  a, = prompts([5], seed=51)
+  session = Session(model)
+  s = session.stream(a, chunk_size=2, max_new_tokens=6, **GREEDY)
+  next(s)
+  assert session.tokens == [] and session.cached_tokens == 0
+  result = s.run_to_end()
+  assert result.finish_reasons == ["length"] and len(result.tokens[0]) == 6
+  assert session.tokens == a + result.tokens[0]
