@@ -59,14 +59,25 @@ def _settings(args) -> dict:
   )
 
 
-def _stats_line(timings, reasons) -> str:
+def _stats_line(timings, reasons, extra: str = "") -> str:
   return (
       f"[{timings.prompt_tokens} prompt tokens, {timings.generated_tokens}"
       f" generated; time to first token {timings.time_to_first_token_s:.2f}s,"
       f" prefill {timings.prefill_tokens_per_s:.0f} tok/s, decode"
       f" {timings.decode_tokens_per_s:.1f} tok/s, compile"
-      f" {timings.compile_s:.1f}s; finish: {', '.join(reasons)}]"
+      f" {timings.compile_s:.1f}s; finish: {', '.join(reasons)}{extra}]"
   )
+
+
+def _print_stream(stream) -> None:
+  """Writes a text stream to stdout; Ctrl-C ends it and keeps the text."""
+  try:
+    for event in stream:
+      sys.stdout.write(event.text)
+      sys.stdout.flush()
+  except KeyboardInterrupt:
+    stream.close()
+  print()
 
 
 def _read_prompt(args) -> str:
@@ -120,13 +131,7 @@ def cmd_generate(args) -> int:
   )
   if not args.chat:
     sys.stdout.write(prompt)
-  try:
-    for event in stream:
-      sys.stdout.write(event.text)
-      sys.stdout.flush()
-  except KeyboardInterrupt:
-    stream.close()
-  print()
+  _print_stream(stream)
   result = stream.result
   print(_stats_line(result.timings, result.finish_reasons), file=sys.stderr)
   return 0
@@ -156,18 +161,13 @@ def cmd_chat(args) -> int:
       continue
     turn_settings = dict(settings, seed=settings["seed"] + turn)
     turn += 1
-    stream = chat.send(line, stop_strings=args.stop or None, **turn_settings)
-    try:
-      for event in stream:
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
-    except KeyboardInterrupt:
-      stream.close()
-    print()
+    _print_stream(
+        chat.send(line, stop_strings=args.stop or None, **turn_settings))
     result = chat.last_result
-    print(_stats_line(result.timings, result.finish_reasons)[:-1]
-          + f"; {chat.session.cached_tokens} tokens cached, "
-          f"{chat.rereads} re-reads]", file=sys.stderr)
+    print(_stats_line(
+        result.timings, result.finish_reasons,
+        f"; {chat.session.cached_tokens} tokens cached,"
+        f" {chat.rereads} re-reads"), file=sys.stderr)
   return 0
 
 
