@@ -30,18 +30,26 @@ from penzai_lm.sampling.sample import row_keys
 from penzai_lm.sampling.sample import sample_next
 from penzai_lm.sampling.sample import top_logprobs
 from penzai_lm.sampling.settings import DEFAULT_TOP_K_CAP
+from penzai_lm.sampling.settings import FIELD_NAMES
+from penzai_lm.sampling.settings import FIELDS
+from penzai_lm.sampling.settings import SamplingField
 from penzai_lm.sampling.settings import SamplingSettings
+from penzai_lm.sampling.settings import top_k_cap_for
 
 __all__ = [
     "DEFAULT_TOP_K_CAP",
+    "FIELDS",
+    "FIELD_NAMES",
     "MIN_TEMPERATURE",
     "SamplerState",
+    "SamplingField",
     "SamplingSettings",
     "apply_penalties",
     "init_sampler_state",
     "penalize",
     "row_keys",
     "sample_next",
+    "top_k_cap_for",
     "top_logprobs",
     "update_sampler_state",
 ]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,8 +34,68 @@ import numpy as np
 # Default static number of top-k candidates; see benchmarks/sampling_filters.py.
 DEFAULT_TOP_K_CAP = 256
 
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty")
+
+@dataclasses.dataclass(frozen=True)
+class SamplingField:
+  """One per-row sampling setting: how it is given, checked and padded.
+
+  Attributes:
+    name: Keyword of `SamplingSettings.make` (and of ``generate``) and
+      attribute of `SamplingSettings`.
+    neutral: The value that turns the filter off (padding rows get it).
+    kind: ``"float"`` or ``"int"`` (one number per row), ``"token_bias"``
+      (a ``{token_id: float}`` dict per row, stored dense) or
+      ``"token_set"`` (a list of token ids per row, stored as a mask).
+    ok: For numbers, a predicate every row's value must satisfy.
+    requirement: What ``ok`` demands, for the error message.
+  """
+
+  name: str
+  neutral: Any
+  kind: str
+  ok: Callable[[Any], bool] | None = None
+  requirement: str = ""
+
+  def is_row_value(self, value: Any) -> bool:
+    """Whether ``value`` is one row's value (not a list of per-row values)."""
+    if self.kind == "token_bias":
+      return value is None or isinstance(value, Mapping)
+    if self.kind == "token_set":
+      return value is None or (_is_sequence(value) and not any(
+          _is_sequence(v) for v in value))
+    return not _is_sequence(value)
+
+
+# Every per-row setting, in filter order. Adding a filter means one entry
+# here and its field below, the filter in filters.py and its call in
+# sample.py; `make`, padding and `generate`'s keywords follow this table.
+FIELDS: tuple[SamplingField, ...] = (
+    SamplingField("repetition_penalty", 1.0, "float", lambda p: p > 0,
+                  "must be > 0 (1 turns it off)"),
+    SamplingField("presence_penalty", 0.0, "float"),
+    SamplingField("frequency_penalty", 0.0, "float"),
+    SamplingField("logit_bias", None, "token_bias"),
+    SamplingField("banned_tokens", None, "token_set"),
+    SamplingField("temperature", 1.0, "float", lambda t: t >= 0,
+                  "must be >= 0 and finite (0 means greedy)"),
+    SamplingField("top_k", 0, "int"),  # Checked against top_k_cap.
+    SamplingField("top_p", 1.0, "float", lambda p: 0 < p <= 1,
+                  "must be in (0, 1] (1 turns top-p off)"),
+    SamplingField("min_p", 0.0, "float", lambda p: 0 <= p < 1,
+                  "must be in [0, 1) (0 turns min-p off)"),
+)
+FIELD_NAMES = tuple(f.name for f in FIELDS)
+
+
+def top_k_cap_for(top_k: Any, vocab_size: int) -> int:
+  """The static top-k candidate count that serves ``top_k`` (a value or a
+  list per row): `DEFAULT_TOP_K_CAP`, or the next power of two above the
+  largest value (capped at the vocabulary)."""
+  values = [v for v in (top_k if _is_sequence(top_k) else [top_k])
+            if isinstance(v, numbers.Integral) and not isinstance(v, bool)]
+  if not values or max(values) <= DEFAULT_TOP_K_CAP:
+    return DEFAULT_TOP_K_CAP
+  return 1 << (int(min(max(values), vocab_size)) - 1).bit_length()
 
 
 @jax.tree_util.register_dataclass
@@ -88,46 +148,34 @@ class SamplingSettings:
       batch_size: int,
       vocab_size: int,
       *,
-      temperature: Any = 1.0,
-      top_k: Any = 0,
-      top_p: Any = 1.0,
-      min_p: Any = 0.0,
-      repetition_penalty: Any = 1.0,
-      presence_penalty: Any = 0.0,
-      frequency_penalty: Any = 0.0,
       seed: Any = 0,
-      logit_bias: (Mapping[int, float] | Sequence[Mapping[int, float]]
-                   | None) = None,
-      banned_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
       top_k_cap: int = DEFAULT_TOP_K_CAP,
       always_dense: bool = False,
+      **values: Any,
   ) -> SamplingSettings:
     """Builds validated settings on the host.
 
-    Each numeric argument is a scalar (used for every row) or a sequence with
-    one value per row.
+    Each setting of `FIELDS` is a keyword: a scalar (used for every row) or a
+    sequence with one value per row. Omitted (or None) settings are off.
 
     Args:
       batch_size: Number of rows.
       vocab_size: Vocabulary size (last dim of the logits).
-      temperature: >= 0; 0 = greedy.
-      top_k: Integer in [0, top_k_cap]; 0 = off.
-      top_p: In (0, 1]; 1 = off.
-      min_p: In [0, 1); 0 = off.
-      repetition_penalty: > 0; 1 = off.
-      presence_penalty: Finite; 0 = off.
-      frequency_penalty: Finite; 0 = off.
-      seed: Integer in [0, 2**32) or None. ``None`` draws a fresh random seed
-        on the host (independently per row); the drawn value is stored in the
-        returned ``seed`` array so the run can be reproduced.
-      logit_bias: ``{token_id: bias}`` for every row, or a list with one such
-        dict per row, or None.
-      banned_tokens: A list of token ids for every row, or a list with one
-        list per row, or None.
+      seed: Integer in [0, 2**32) or None, or one per row. ``None`` draws a
+        fresh random seed on the host (independently per row); the drawn
+        value is stored in the returned ``seed`` array so the run can be
+        reproduced.
       top_k_cap: Static number of top-k candidates (>= 1).
       always_dense: If True, allocate ``logit_bias`` and ``banned_tokens``
         even when unused, so every request has the same pytree structure and
         reuses one compiled program.
+      **values: The settings: ``temperature`` (>= 0; 0 = greedy), ``top_k``
+        (in [0, top_k_cap]; 0 = off), ``top_p`` (in (0, 1]; 1 = off),
+        ``min_p`` (in [0, 1); 0 = off), ``repetition_penalty`` (> 0; 1 =
+        off), ``presence_penalty`` and ``frequency_penalty`` (finite; 0 =
+        off), ``logit_bias`` (``{token_id: bias}`` for every row, a list of
+        such dicts, or None) and ``banned_tokens`` (a list of ids for every
+        row, a list of lists, or None).
 
     Returns:
       A ``SamplingSettings``.
@@ -135,60 +183,77 @@ class SamplingSettings:
     Raises:
       ValueError: If any value is invalid; the message names the setting, the
         row and the accepted range.
+      TypeError: For a keyword that is not a sampling setting.
     """
+    unknown = sorted(set(values) - set(FIELD_NAMES))
+    if unknown:
+      raise TypeError(
+          f"unknown sampling setting(s) {unknown}; the settings are"
+          f" {list(FIELD_NAMES)}.")
     batch_size = _positive_int("batch_size", batch_size)
     vocab_size = _positive_int("vocab_size", vocab_size)
     top_k_cap = _positive_int("top_k_cap", top_k_cap)
-    rows = lambda name, v: _per_row(name, v, batch_size)
-
-    floats = {n: rows(n, v) for n, v in dict(
-        temperature=temperature, top_p=top_p, min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty).items()}
-    for name in _FLOAT_FIELDS:
-      floats[name] = [_as_float(name, r, v) for r, v in enumerate(floats[name])]
-    _check_rows("temperature", floats["temperature"], lambda t: t >= 0,
-                "must be >= 0 and finite (0 means greedy)")
-    _check_rows("top_p", floats["top_p"], lambda p: 0 < p <= 1,
-                "must be in (0, 1] (1 turns top-p off)")
-    _check_rows("min_p", floats["min_p"], lambda p: 0 <= p < 1,
-                "must be in [0, 1) (0 turns min-p off)")
-    _check_rows("repetition_penalty", floats["repetition_penalty"],
-                lambda p: p > 0, "must be > 0 (1 turns it off)")
-
-    ks = [_as_int("top_k", r, v) for r, v in enumerate(rows("top_k", top_k))]
-    _check_rows("top_k", ks, lambda k: 0 <= k <= top_k_cap,
+    arrays = {}
+    for field in FIELDS:
+      value = values.get(field.name)
+      if value is None:
+        value = field.neutral
+      if field.kind == "token_bias":
+        arrays[field.name] = _logit_bias(value, batch_size, vocab_size)
+        continue
+      if field.kind == "token_set":
+        arrays[field.name] = _banned(value, batch_size, vocab_size)
+        continue
+      rows = _per_row(field.name, value, batch_size)
+      if field.kind == "float":
+        rows = [_as_float(field.name, r, v) for r, v in enumerate(rows)]
+      else:
+        rows = [_as_int(field.name, r, v) for r, v in enumerate(rows)]
+      if field.ok is not None:
+        _check_rows(field.name, rows, field.ok, field.requirement)
+      arrays[field.name] = np.asarray(
+          rows, np.float32 if field.kind == "float" else np.int32)
+    _check_rows("top_k", arrays["top_k"].tolist(),
+                lambda k: 0 <= k <= top_k_cap,
                 f"must be in [0, top_k_cap={top_k_cap}] (0 turns top-k off); "
                 "pass a larger top_k_cap to SamplingSettings.make if you need "
                 "more candidates")
     seeds = [secrets.randbits(32) if v is None else _as_int("seed", r, v)
-             for r, v in enumerate(rows("seed", seed))]
+             for r, v in enumerate(_per_row("seed", seed, batch_size))]
     _check_rows("seed", seeds, lambda s: 0 <= s < 2**32,
                 "must be in [0, 2**32); reduce it modulo 2**32")
-
-    bias = _logit_bias(logit_bias, batch_size, vocab_size)
-    banned = _banned(banned_tokens, batch_size, vocab_size)
     if always_dense:
-      if bias is None:
-        bias = np.zeros((batch_size, vocab_size), np.float32)
-      if banned is None:
-        banned = np.zeros((batch_size, vocab_size), bool)
+      if arrays["logit_bias"] is None:
+        arrays["logit_bias"] = np.zeros((batch_size, vocab_size), np.float32)
+      if arrays["banned_tokens"] is None:
+        arrays["banned_tokens"] = np.zeros((batch_size, vocab_size), bool)
+    arrays = {k: None if v is None else jnp.asarray(v)
+              for k, v in arrays.items()}
+    return cls(seed=jnp.asarray(np.asarray(seeds, np.uint32)),
+               top_k_cap=top_k_cap, **arrays)
 
-    f32 = lambda name: jnp.asarray(floats[name], jnp.float32)
-    return cls(
-        temperature=f32("temperature"),
-        top_k=jnp.asarray(ks, jnp.int32),
-        top_p=f32("top_p"),
-        min_p=f32("min_p"),
-        repetition_penalty=f32("repetition_penalty"),
-        presence_penalty=f32("presence_penalty"),
-        frequency_penalty=f32("frequency_penalty"),
-        seed=jnp.asarray(np.asarray(seeds, np.uint32)),
-        logit_bias=None if bias is None else jnp.asarray(bias),
-        banned_tokens=None if banned is None else jnp.asarray(banned),
-        top_k_cap=top_k_cap,
-    )
+  def pad_rows(self, batch_size: int) -> SamplingSettings:
+    """These settings with neutral rows appended up to ``batch_size`` rows
+    (seed 0, every filter off)."""
+    extra = batch_size - self.batch_size
+    if extra < 0:
+      raise ValueError(
+          f"cannot pad {self.batch_size} rows down to {batch_size}.")
+    if not extra:
+      return self
+    neutral = {f.name: f.neutral for f in FIELDS}
+
+    def pad(name, x):
+      if x is None:
+        return None
+      fill = neutral.get(name)
+      fill = 0 if fill is None else fill
+      tail = jnp.full((extra, *x.shape[1:]), fill, x.dtype)
+      return jnp.concatenate([x, tail])
+
+    return dataclasses.replace(self, **{
+        f.name: pad(f.name, getattr(self, f.name))
+        for f in dataclasses.fields(self) if f.name != "top_k_cap"})
 
 
 def _positive_int(name: str, value: Any) -> int:
