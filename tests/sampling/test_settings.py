@@ -128,3 +128,37 @@ def test_bad_shapes(batch, vocab):
 def test_2d_per_row_array_is_rejected():
   with pytest.raises(ValueError, match="1-D sequence"):
     SamplingSettings.make(2, 10, temperature=np.ones((2, 1)))
+
+
+def test_pad_rows_appends_neutral_rows():
+  s = SamplingSettings.make(2, 6, temperature=[0.0, 0.5], top_k=3,
+                            repetition_penalty=1.5, seed=[4, 5],
+                            logit_bias={1: 2.0}, always_dense=True)
+  padded = s.pad_rows(4)
+  assert padded.batch_size == 4 and padded.top_k_cap == s.top_k_cap
+  np.testing.assert_allclose(padded.temperature, [0.0, 0.5, 1.0, 1.0])
+  np.testing.assert_array_equal(padded.top_k, [3, 3, 0, 0])
+  np.testing.assert_allclose(padded.repetition_penalty, [1.5, 1.5, 1, 1])
+  np.testing.assert_array_equal(padded.seed, [4, 5, 0, 0])
+  np.testing.assert_allclose(padded.logit_bias[:, 1], [2, 2, 0, 0])
+  assert not np.asarray(padded.banned_tokens).any()
+  assert jax.tree.structure(padded) == jax.tree.structure(s)
+  assert s.pad_rows(2) is s
+  with pytest.raises(ValueError, match="cannot pad 2 rows down to 1"):
+    s.pad_rows(1)
+
+
+def test_every_field_is_a_make_keyword_and_unknown_ones_are_refused():
+  from penzai_lm.sampling import FIELDS  # pylint: disable=g-import-not-at-top
+  s = SamplingSettings.make(1, 5, **{f.name: f.neutral for f in FIELDS})
+  assert all(hasattr(s, f.name) for f in FIELDS)
+  with pytest.raises(TypeError, match=r"unknown sampling setting\(s\)"
+                     r" \['temprature'\]"):
+    SamplingSettings.make(1, 5, temprature=0.5)
+
+
+def test_top_k_cap_for_large_top_k():
+  from penzai_lm.sampling import top_k_cap_for  # pylint: disable=g-import-not-at-top
+  assert top_k_cap_for(0, 1000) == DEFAULT_TOP_K_CAP
+  assert top_k_cap_for([5, 300], 1000) == 512
+  assert top_k_cap_for(900, 600) == 1024  # The sampler takes min(cap, vocab).
