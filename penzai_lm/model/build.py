@@ -1,5 +1,9 @@
 """Builds a `TransformerLM` from a `TransformerConfig`.
 
+The structure follows the config's feature fields (``norm_kind``,
+``position_embedding``, ``mlp_kind``, biases, ``qk_norm``, ``post_norms``,
+``embedding_scale``, soft-capping); the family name plays no part.
+
 Parameters get path-like labels such as ``transformer/block_3/attention/query``
 (per-layer blocks) or ``transformer/blocks/attention/query`` with a ``blocks``
 axis (layer stack). With ``init_base_rng=None`` every parameter is a slot for
@@ -16,6 +20,7 @@ from penzai_lm.model import transformer
 from penzai_lm.model.config import TransformerConfig
 from penzai_lm.model.layers import AddLearnedPositionEmbeddings
 from penzai_lm.model.layers import ApplyRotaryEmbedding
+from penzai_lm.model.layers import SoftCap
 from penzai_lm.model.random_init import random_parameters
 from penzai_lm.model.stacking import stack_blocks
 
@@ -57,8 +62,9 @@ def _linear(name, rng, config, input_axes, output_axes, bias=False):
   return layers
 
 
-def _norm(name, rng, config, axes):
-  if config.family == "gpt2":
+def _norm(name, rng, config, axes, kind=None):
+  """A norm of ``config.norm_kind`` (or ``kind``) over ``axes``."""
+  if (kind or config.norm_kind) == "layer":
     return pz.nn.LayerNorm.from_config(
         name=name, init_base_rng=rng, across_axes=axes,
         epsilon=config.norm_eps, dtype=config.parameter_dtype,
@@ -86,25 +92,30 @@ ACTIVATION_FUNCTIONS = {
 
 
 def build_feedforward(name, rng, config) -> transformer.TransformerFeedForward:
-  """The MLP: GLU (llama, gemma3) or plain two-layer GELU (gpt2)."""
+  """The MLP: gated (GLU) or plain two-layer, per ``config.mlp_kind``."""
   embedding = {"embedding": config.hidden_size}
   neurons = {"neurons": config.mlp_hidden_size}
   act = pz.nn.Elementwise(ACTIVATION_FUNCTIONS[config.activation])
-  if config.family == "gpt2":
+  bias = config.mlp_bias
+  if config.mlp_kind == "plain":
     return transformer.TransformerFeedForward([
-        *_linear(f"{name}/in_linear", rng, config, embedding, neurons, True),
+        *_linear(f"{name}/in_linear", rng, config, embedding, neurons, bias),
         act,
-        *_linear(f"{name}/out_linear", rng, config, neurons, embedding, True),
+        *_linear(f"{name}/out_linear", rng, config, neurons, embedding, bias),
     ])
+  value = _linear(f"{name}/value_linear", rng, config, embedding, neurons, bias)
   return transformer.TransformerFeedForward([
       pz.nn.BranchAndMultiplyTogether(branches=[
           pz.nn.NamedGroup("gate", [
-              *_linear(f"{name}/gating_linear", rng, config, embedding, neurons),
+              *_linear(
+                  f"{name}/gating_linear", rng, config, embedding, neurons, bias
+              ),
               act,
           ]),
-          *_linear(f"{name}/value_linear", rng, config, embedding, neurons),
+          # One branch: the projection, or the projection and its bias.
+          value[0] if len(value) == 1 else pz.nn.Sequential(value),
       ]),
-      *_linear(f"{name}/out_linear", rng, config, neurons, embedding),
+      *_linear(f"{name}/out_linear", rng, config, neurons, embedding, bias),
   ])
 
 
@@ -122,7 +133,7 @@ def _attention_mask(config, layer_type, mixed):
 
 
 def _rope(config, layer_type):
-  if config.family == "gpt2":
+  if config.position_embedding != "rope":
     return []
   if layer_type == "local" and config.local_rope_base is not None:
     return [ApplyRotaryEmbedding.from_config(config.head_dim, config.local_rope_base)]
@@ -131,14 +142,23 @@ def _rope(config, layer_type):
   )]
 
 
+def _qk_norm(name, rng, config, axes, enabled):
+  """The per-head query or key RMSNorm, if ``enabled``."""
+  return [_norm(name, rng, config, axes, kind="rms")] if enabled else []
+
+
+def _softcap(cap):
+  """A soft-capping layer, or nothing when ``cap`` is None."""
+  return [] if cap is None else [SoftCap(cap=float(cap))]
+
+
 def build_attention(name, rng, config, layer_type, mixed) -> pz.nn.Attention:
   """One attention layer."""
   common, query_only = head_axes(config)
   embedding = {"embedding": config.hidden_size}
   kv_axes = {**common, "projection": config.head_dim}
   q_axes = {**common, **query_only, "projection": config.head_dim}
-  qkv_bias = config.qkv_bias or config.family == "gpt2"
-  qk_norm = config.family == "gemma3"
+  qkv_bias, qk_norm = config.qkv_bias, config.qk_norm
   projection = {"projection": config.head_dim}
   q_names = {ax: ax for ax in q_axes if ax != "projection"}
   kv_names = {ax: ax for ax in common}
@@ -159,7 +179,7 @@ def build_attention(name, rng, config, layer_type, mixed) -> pz.nn.Attention:
   return pz.nn.Attention(
       input_to_query=pz.nn.Sequential([
           *_linear(f"{name}/query", rng, config, embedding, q_axes, qkv_bias),
-          *([_norm(f"{name}/query_norm", rng, config, projection)] if qk_norm else []),
+          *_qk_norm(f"{name}/query_norm", rng, config, projection, qk_norm),
           *_rope(config, layer_type),
           pz.nn.ConstantRescale(
               by=jnp.array(config.query_scale, config.activation_dtype)
@@ -167,7 +187,7 @@ def build_attention(name, rng, config, layer_type, mixed) -> pz.nn.Attention:
       ]),
       input_to_key=pz.nn.Sequential([
           *_linear(f"{name}/key", rng, config, embedding, kv_axes, qkv_bias),
-          *([_norm(f"{name}/key_norm", rng, config, projection)] if qk_norm else []),
+          *_qk_norm(f"{name}/key_norm", rng, config, projection, qk_norm),
           *_rope(config, layer_type),
       ]),
       input_to_value=pz.nn.Sequential(
@@ -175,6 +195,7 @@ def build_attention(name, rng, config, layer_type, mixed) -> pz.nn.Attention:
       ),
       query_key_to_attn=pz.nn.Sequential([
           query_key,
+          *_softcap(config.attn_logit_softcap),
           _attention_mask(config, layer_type, mixed),
           pz.nn.Softmax("kv_seq"),
       ]),
@@ -182,7 +203,7 @@ def build_attention(name, rng, config, layer_type, mixed) -> pz.nn.Attention:
           weights_value,
           *_linear(
               f"{name}/output", rng, config, q_axes, embedding,
-              config.family == "gpt2",
+              config.attention_output_bias,
           ),
       ]),
   )
@@ -191,7 +212,7 @@ def build_attention(name, rng, config, layer_type, mixed) -> pz.nn.Attention:
 def build_block(name, rng, config, layer_type, mixed) -> transformer.TransformerBlock:
   """One transformer block."""
   embedding = {"embedding": config.hidden_size}
-  post_norms = config.family == "gemma3"
+  post_norms = config.post_norms
   attention = [
       _norm(f"{name}/pre_attention_norm", rng, config, embedding),
       build_attention(f"{name}/attention", rng, config, layer_type, mixed),
@@ -249,11 +270,11 @@ def _build(config, rng, name) -> transformer.TransformerLM:
   layers = [pz.nn.EmbeddingLookup(table)]
   if config.activation_dtype != config.parameter_dtype:
     layers.append(pz.nn.CastToDType(config.activation_dtype))
-  if config.family == "gemma3":
+  if config.embedding_scale is not None and config.embedding_scale != 1:
     layers.append(pz.nn.ConstantRescale(
-        by=jnp.array(config.hidden_size**0.5, config.activation_dtype)
+        by=jnp.array(config.embedding_scale, config.activation_dtype)
     ))
-  if config.family == "gpt2":
+  if config.position_embedding == "learned":
     layers.append(AddLearnedPositionEmbeddings.from_config(
         f"{name}/position_embedder", rng, config.max_position_embeddings,
         config.hidden_size, config.parameter_dtype,
@@ -285,4 +306,5 @@ def _build(config, rng, name) -> transformer.TransformerLM:
         f"{name}/lm_head", rng, config, embedding,
         {"vocabulary": config.vocab_size},
     ))
+  layers.extend(_softcap(config.final_logit_softcap))
   return transformer.TransformerLM(body=pz.nn.Sequential(layers), config=config)

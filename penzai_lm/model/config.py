@@ -1,36 +1,96 @@
-"""Configuration for the `TransformerLM` family.
+"""Configuration of a `TransformerLM`: sizes plus architecture features.
 
-One keyword-only dataclass describes every supported architecture. The
-``family`` field picks the block structure (norm kind, MLP kind, positional
-scheme); the remaining fields are the sizes and options that vary between
-checkpoints of that family.
+One keyword-only dataclass describes every supported architecture. The block
+structure is spelled out as independent feature fields, which the builder
+(`penzai_lm.model.build`) reads one by one; nothing in the model branches on
+the family name. The features:
 
-Families:
+* ``norm_kind``: "rms" (RMSNorm, a scale) or "layer" (LayerNorm, a scale and a
+  bias), for the pre-attention, pre-MLP, post (see ``post_norms``) and final
+  norms.
+* ``position_embedding``: "rope" (rotary embedding of queries and keys in every
+  layer; any context length) or "learned" (a table of absolute positions added
+  to the token embeddings; at most ``max_position_embeddings`` tokens).
+* ``mlp_kind``: "gated" (GLU: ``act(x W_gate) * (x W_value)``, then ``W_out``)
+  or "plain" (``act(x W_in) W_out``).
+* ``qkv_bias`` / ``attention_output_bias`` / ``mlp_bias``: biases on the
+  query/key/value projections, on the attention output projection, and on
+  every MLP projection.
+* ``qk_norm``: a per-head RMSNorm on queries and keys before RoPE.
+* ``post_norms``: a norm after attention and after the MLP, inside their
+  residual branches, besides the usual pre-norms.
+* ``embedding_scale``: a constant factor on the token embeddings.
+* ``attn_logit_softcap`` / ``final_logit_softcap``: ``cap * tanh(x / cap)``
+  on attention logits (before masking) and on the output logits.
 
-* ``"llama"``: Llama 2/3, SmolLM2, Mistral, Qwen2. RMSNorm, RoPE, SwiGLU MLP,
-  grouped-query attention, optional q/k/v biases (Qwen2), optional sliding
-  window (Mistral), tied or untied embeddings.
-* ``"gemma3"``: Gemma 3 text models. GeGLU MLP (tanh GELU), RMSNorm on queries
-  and keys per head, norms before and after both attention and MLP, embeddings
-  scaled by sqrt(hidden), local sliding-window layers interleaved with global
-  layers, each kind with its own RoPE base.
-* ``"gpt2"``: GPT-2. LayerNorm with bias, learned absolute positions, GELU MLP,
-  biases on every projection, tied embeddings.
+``family`` is a descriptive name: which kind of checkpoint the config came
+from. It also selects a preset of feature defaults (`FAMILY_PRESETS`) for
+callers that give only a family and sizes: a feature field left at ``None``
+takes the preset's value when the config is made. The presets:
+
+* ``"llama"``: Llama 2/3, SmolLM2, Mistral, Qwen2. RMSNorm, RoPE, SwiGLU
+  (gated) MLP, no biases (Qwen2 turns ``qkv_bias`` on).
+* ``"gemma3"``: Gemma 3. RMSNorm, RoPE, gated MLP, ``qk_norm``,
+  ``post_norms``, embeddings scaled by sqrt(hidden_size).
+* ``"gpt2"``: GPT-2. LayerNorm, learned positions, plain MLP, biases on every
+  projection.
+
+Any other family name is allowed if every preset feature is given explicitly.
+Loaded checkpoints get explicit features from their family adapter
+(`penzai_lm.loading.families`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import math
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
-Family = Literal["llama", "gemma3", "gpt2"]
 LayerType = Literal["global", "local"]
+NormKind = Literal["rms", "layer"]
+PositionEmbedding = Literal["rope", "learned"]
+MlpKind = Literal["gated", "plain"]
 
-FAMILIES = ("llama", "gemma3", "gpt2")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+NORM_KINDS = ("rms", "layer")
+POSITION_EMBEDDINGS = ("rope", "learned")
+MLP_KINDS = ("gated", "plain")
+
+# Feature fields that a family preset fills when they are left at None.
+_CHOICE_FEATURES = {
+    "norm_kind": NORM_KINDS,
+    "position_embedding": POSITION_EMBEDDINGS,
+    "mlp_kind": MLP_KINDS,
+}
+_BOOL_FEATURES = (
+    "qkv_bias", "attention_output_bias", "mlp_bias", "qk_norm", "post_norms",
+)
+PRESET_FEATURES = (*_CHOICE_FEATURES, *_BOOL_FEATURES, "embedding_scale")
+
+_LLAMA_PRESET: dict[str, Any] = dict(
+    norm_kind="rms", position_embedding="rope", mlp_kind="gated",
+    qkv_bias=False, attention_output_bias=False, mlp_bias=False,
+    qk_norm=False, post_norms=False, embedding_scale=None,
+)
+
+# Feature defaults per family. "sqrt_hidden" stands for sqrt(hidden_size).
+FAMILY_PRESETS: dict[str, dict[str, Any]] = {
+    "llama": _LLAMA_PRESET,
+    "gemma3": {
+        **_LLAMA_PRESET, "qk_norm": True, "post_norms": True,
+        "embedding_scale": "sqrt_hidden",
+    },
+    "gpt2": dict(
+        norm_kind="layer", position_embedding="learned", mlp_kind="plain",
+        qkv_bias=True, attention_output_bias=True, mlp_bias=True,
+        qk_norm=False, post_norms=False, embedding_scale=None,
+    ),
+}
+# The families with a preset (kept for backward compatibility).
+FAMILIES = tuple(FAMILY_PRESETS)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -56,8 +116,12 @@ class RopeScaling:
 class TransformerConfig:
   """Architecture of a `TransformerLM`.
 
+  Feature fields marked "preset" may be left at ``None`` for a family in
+  `FAMILY_PRESETS`; they hold the resolved value once the config is made.
+
   Attributes:
-    family: Block structure; one of ``FAMILIES``.
+    family: Descriptive name of the architecture family (e.g. "llama",
+      "qwen2"); selects the preset of feature defaults, if there is one.
     vocab_size: Number of tokens in the vocabulary.
     hidden_size: Width of the residual stream (the "embedding" axis).
     num_layers: Number of transformer blocks.
@@ -68,8 +132,31 @@ class TransformerConfig:
     mlp_hidden_size: Width of the MLP hidden layer (the "neurons" axis).
     activation: MLP activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU / GPT-2's
       gelu_new) or "gelu" (exact erf GELU).
+    norm_kind: (preset) "rms" for RMSNorm (scale only) or "layer" for
+      LayerNorm (scale and bias). Query/key norms are always RMSNorm.
+    position_embedding: (preset) "rope" for rotary embeddings of queries and
+      keys, or "learned" for a learned absolute position table of
+      ``max_position_embeddings`` entries added to the token embeddings.
+    mlp_kind: (preset) "gated" for a GLU MLP (gating, value and output
+      projections) or "plain" for a two-layer MLP (input and output).
+    qkv_bias: (preset) Whether the query/key/value projections have biases
+      (Qwen2, GPT-2).
+    attention_output_bias: (preset) Whether the attention output projection
+      has a bias (GPT-2).
+    mlp_bias: (preset) Whether every MLP projection has a bias (GPT-2).
+    qk_norm: (preset) Whether queries and keys get a per-head RMSNorm (over
+      ``projection``) before RoPE (Gemma 3).
+    post_norms: (preset) Whether the attention and MLP outputs are normalized
+      before they join the residual stream (Gemma 3).
+    embedding_scale: (preset) Factor applied to the token embeddings (Gemma:
+      sqrt(hidden_size)); ``None`` after resolution means no scaling.
+    attn_logit_softcap: If set, attention logits ``x`` (after query scaling,
+      before masking) become ``cap * tanh(x / cap)``; ``None`` is off.
+    final_logit_softcap: If set, the output logits are soft-capped the same
+      way; ``None`` is off.
     norm_eps: Epsilon of every normalization layer.
-    rope_base: RoPE base (theta) of global layers. Unused by GPT-2.
+    rope_base: RoPE base (theta) of global layers. Unused with learned
+      positions.
     local_rope_base: RoPE base of local (sliding-window) layers; defaults to
       ``rope_base``.
     rope_scaling: Optional Llama 3 style frequency scaling (global layers).
@@ -78,13 +165,12 @@ class TransformerConfig:
     layer_types: Per-layer attention kind, "global" or "local". ``None`` means
       every layer is global, or every layer is local if ``sliding_window`` is
       set (Mistral).
-    qkv_bias: Whether the query/key/value projections have biases (Qwen2).
     tie_embeddings: Whether the output projection reuses the input embedding
       table.
     query_pre_attn_scalar: Queries are scaled by ``query_pre_attn_scalar **
       -0.5``; defaults to ``head_dim``.
     max_position_embeddings: Longest context the model supports (the size of
-      GPT-2's learned position table).
+      the learned position table, with learned positions).
     parameter_dtype: Dtype of the weights.
     activation_dtype: Dtype of activations and of key/value caches.
     use_layer_stack: Scan over the blocks with a layer stack (fast to compile)
@@ -94,7 +180,7 @@ class TransformerConfig:
     pad_token_id: Padding token, if the checkpoint names one.
   """
 
-  family: Family
+  family: str = "custom"
   vocab_size: int
   hidden_size: int
   num_layers: int
@@ -103,13 +189,23 @@ class TransformerConfig:
   head_dim: int
   mlp_hidden_size: int
   activation: str = "silu"
+  norm_kind: NormKind | None = None
+  position_embedding: PositionEmbedding | None = None
+  mlp_kind: MlpKind | None = None
+  qkv_bias: bool | None = None
+  attention_output_bias: bool | None = None
+  mlp_bias: bool | None = None
+  qk_norm: bool | None = None
+  post_norms: bool | None = None
+  embedding_scale: float | None = None
+  attn_logit_softcap: float | None = None
+  final_logit_softcap: float | None = None
   norm_eps: float = 1e-5
   rope_base: float = 10_000.0
   local_rope_base: float | None = None
   rope_scaling: RopeScaling | None = None
   sliding_window: int | None = None
   layer_types: tuple[LayerType, ...] | None = None
-  qkv_bias: bool = False
   tie_embeddings: bool = False
   query_pre_attn_scalar: float | None = None
   max_position_embeddings: int = 8192
@@ -121,10 +217,38 @@ class TransformerConfig:
   pad_token_id: int | None = None
 
   def __post_init__(self):
-    if self.family not in FAMILIES:
+    self._resolve_features()
+    self._check_sizes()
+    self._check_features()
+    self._check_layers()
+
+  def _resolve_features(self) -> None:
+    """Fills feature fields left at None from the family's preset."""
+    if not isinstance(self.family, str) or not self.family:
       raise ValueError(
-          f"Unknown family {self.family!r}; expected one of {FAMILIES}."
+          f"family must be a non-empty string, got {self.family!r}."
       )
+    preset = FAMILY_PRESETS.get(self.family)
+    if preset is None:
+      missing = [
+          name for name in PRESET_FEATURES
+          if name != "embedding_scale" and getattr(self, name) is None
+      ]
+      if missing:
+        raise ValueError(
+            f"Unknown family {self.family!r}: it has no preset of feature"
+            f" defaults (presets exist for {FAMILIES}), so set these feature"
+            f" fields explicitly: {', '.join(missing)}."
+        )
+      return
+    for name in PRESET_FEATURES:
+      if getattr(self, name) is None:
+        value = preset[name]
+        if value == "sqrt_hidden":
+          value = float(self.hidden_size) ** 0.5
+        object.__setattr__(self, name, value)
+
+  def _check_sizes(self) -> None:
     if self.activation not in ACTIVATIONS:
       raise ValueError(
           f"Unknown activation {self.activation!r}; expected one of"
@@ -145,8 +269,34 @@ class TransformerConfig:
       )
     if self.rope_base <= 0:
       raise ValueError(f"rope_base must be positive, got {self.rope_base}.")
-    if self.family != "gpt2" and self.head_dim % 2:
+
+  def _check_features(self) -> None:
+    for name, allowed in _CHOICE_FEATURES.items():
+      if getattr(self, name) not in allowed:
+        raise ValueError(
+            f"Unknown {name} {getattr(self, name)!r}; expected one of"
+            f" {allowed}."
+        )
+    for name in _BOOL_FEATURES:
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(
+            f"{name} must be True or False, got {getattr(self, name)!r}."
+        )
+    for name in ("embedding_scale", "attn_logit_softcap", "final_logit_softcap"):
+      value = getattr(self, name)
+      if value is not None and (
+          isinstance(value, bool)
+          or not isinstance(value, (int, float))
+          or not math.isfinite(value)
+          or value <= 0
+      ):
+        raise ValueError(
+            f"{name} must be a positive number or None, got {value!r}."
+        )
+    if self.position_embedding == "rope" and self.head_dim % 2:
       raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}.")
+
+  def _check_layers(self) -> None:
     if self.layer_types is not None:
       if len(self.layer_types) != self.num_layers:
         raise ValueError(
@@ -165,8 +315,17 @@ class TransformerConfig:
           f"sliding_window must be a positive integer, got"
           f" {self.sliding_window}."
       )
-    if self.family == "gpt2" and (self.sliding_window or self.layer_types):
-      raise ValueError("GPT-2 models have no sliding-window layers.")
+
+  @property
+  def max_cache_len(self) -> int | None:
+    """The longest KV cache (and sequence) the model can hold.
+
+    ``max_position_embeddings`` with learned positions, whose table ends
+    there; ``None`` (unbounded) with RoPE.
+    """
+    if self.position_embedding == "learned":
+      return self.max_position_embeddings
+    return None
 
   @property
   def resolved_layer_types(self) -> tuple[LayerType, ...]:
@@ -183,5 +342,9 @@ class TransformerConfig:
     return float(scalar) ** -0.5
 
   def replace(self, **changes) -> TransformerConfig:
-    """Returns a copy with some fields changed."""
+    """Returns a copy with some fields changed.
+
+    Feature fields keep their resolved values unless changed: replacing
+    ``family`` alone does not apply the new family's preset.
+    """
     return dataclasses.replace(self, **changes)

@@ -190,7 +190,8 @@ class KVCachingTransformerLM(pz.nn.Layer):
 
     Args:
       uncached: The model.
-      cache_len: Number of tokens each cache holds (prompt plus generated).
+      cache_len: Number of tokens each cache holds (prompt plus generated);
+        at most ``config.max_cache_len`` when that is set.
       batch_axes: Names and sizes of the batch axes, e.g. ``{"batch": 4}``.
       pad_id: Token id of left padding; defaults to the model's pad token (or
         0 if it has none).
@@ -206,10 +207,10 @@ class KVCachingTransformerLM(pz.nn.Layer):
     config = uncached.config
     if not isinstance(cache_len, int) or cache_len < 1:
       raise ValueError(f"cache_len must be a positive integer, got {cache_len!r}.")
-    if config.family == "gpt2" and cache_len > config.max_position_embeddings:
+    if config.max_cache_len is not None and cache_len > config.max_cache_len:
       raise ValueError(
-          f"cache_len {cache_len} exceeds this GPT-2 model's"
-          f" {config.max_position_embeddings} learned positions."
+          f"cache_len {cache_len} exceeds this model's"
+          f" {config.max_cache_len} learned positions (config.max_cache_len)."
       )
     _check_batch_axes(batch_axes)
     if pad_id is None:

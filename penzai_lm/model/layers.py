@@ -1,8 +1,8 @@
-"""Layers that penzai does not provide: RoPE variants and learned positions.
+"""Layers that penzai does not provide: RoPE, learned positions, soft-caps.
 
-Axis conventions follow `penzai_lm.model.transformer`. Both layers read token
-positions from the ``token_positions`` side input (an integer named array with
-the ``seq`` axis and any batch axes; -1 marks padding).
+Axis conventions follow `penzai_lm.model.transformer`. The position layers
+read token positions from the ``token_positions`` side input (an integer named
+array with the ``seq`` axis and any batch axes; -1 marks padding).
 """
 
 from __future__ import annotations
@@ -150,3 +150,18 @@ class AddLearnedPositionEmbeddings(pz.nn.Layer):
             distribution="normal",
         )
     )
+
+
+@pz.pytree_dataclass
+class SoftCap(pz.nn.Layer):
+  """Soft-caps every value: ``cap * tanh(x / cap)`` (Gemma 2's logit caps).
+
+  Attributes:
+    cap: The bound; outputs lie in (-cap, cap).
+  """
+
+  cap: float = dataclasses.field(metadata={"pytree_node": False})
+
+  def __call__(self, x: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
+    del side_inputs
+    return pz.nx.nmap(jnp.tanh)(x / self.cap) * self.cap

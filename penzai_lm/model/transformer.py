@@ -14,7 +14,7 @@ Axis-name conventions, shared by every layer in penzai_lm:
 * ``neurons``: the MLP hidden layer.
 * ``vocabulary``: token ids of the output logits.
 * ``blocks``: the layer axis of a layer stack.
-* ``positions``: GPT-2's learned position table.
+* ``positions``: the learned position table (``position_embedding="learned"``).
 
 Side inputs: ``token_positions`` gives the position of each token (integer
 named array over ``seq`` and the batch axes); -1 marks padding, which no
@@ -123,12 +123,11 @@ class TransformerLM(pz.nn.Layer):
     """
     check_tokens(tokens, self.config.vocab_size)
     seq_len = tokens.named_shape["seq"]
-    if self.config.family == "gpt2" and (
-        seq_len > self.config.max_position_embeddings
-    ):
+    limit = self.config.max_cache_len
+    if limit is not None and seq_len > limit:
       raise ValueError(
-          f"The sequence has {seq_len} tokens but this GPT-2 model has only"
-          f" {self.config.max_position_embeddings} learned positions."
+          f"The sequence has {seq_len} tokens but this model has only"
+          f" {limit} learned positions (config.max_cache_len)."
       )
     if token_positions is None:
       token_positions = pz.nx.arange("seq", seq_len)

@@ -15,7 +15,12 @@ jax.config.update("jax_enable_x64", False)
 
 @functools.cache
 def _model(name, stacked):
-  model = build_transformer(config(name, stacked), seed=7)
+  return perturbed_model(config(name, stacked))
+
+
+def perturbed_model(cfg, seed=7):
+  """A random model of ``cfg`` whose every parameter is perturbed."""
+  model = build_transformer(cfg, seed=seed)
   # Random init leaves norm scales at 1 and biases at 0; perturb them so the
   # tests see every parameter.
   def perturb(param):

@@ -89,9 +89,9 @@ def reference_logits(model, tokens: np.ndarray) -> np.ndarray:
       np.float64,
   )
   x = emb[tokens]
-  if config.family == "gemma3":
-    x = x * math.sqrt(config.hidden_size)
-  if config.family == "gpt2":
+  if config.embedding_scale is not None:
+    x = x * config.embedding_scale
+  if config.position_embedding == "learned":
     table = params["transformer/position_embedder.embeddings"]
     x = x + np.asarray(table.unwrap("positions", "embedding"), np.float64)[:seq]
   q_heads, kv_heads = _head_names(config)
@@ -100,7 +100,7 @@ def reference_logits(model, tokens: np.ndarray) -> np.ndarray:
 
   def norm(name, layer, h):
     scale = _layer_param(params, f"{name}/scale.weights", layer, stacked, "embedding")
-    if config.family == "gpt2":
+    if config.norm_kind == "layer":
       bias = _layer_param(params, f"{name}/shift.bias", layer, stacked, "embedding")
       return _layer_norm(h, scale, bias, eps)
     return _rms(h, scale, eps)
@@ -118,15 +118,15 @@ def reference_logits(model, tokens: np.ndarray) -> np.ndarray:
 
   for layer, kind in enumerate(config.resolved_layer_types):
     h = norm("pre_attention_norm", layer, x)
-    bias = config.qkv_bias or config.family == "gpt2"
+    bias = config.qkv_bias
     q = proj("query", layer, h, q_heads, bias)
     k = proj("key", layer, h, kv_heads, bias)
     v = proj("value", layer, h, kv_heads, bias)
-    if config.family == "gemma3":
+    if config.qk_norm:
       qs = _layer_param(params, "attention/query_norm/scale.weights", layer, stacked, "projection")
       ks = _layer_param(params, "attention/key_norm/scale.weights", layer, stacked, "projection")
       q, k = _rms(q, qs, eps), _rms(k, ks, eps)
-    if config.family != "gpt2":
+    if config.position_embedding == "rope":
       base, scaling = config.rope_base, config.rope_scaling
       if kind == "local" and config.local_rope_base is not None:
         base, scaling = config.local_rope_base, None
@@ -139,15 +139,18 @@ def reference_logits(model, tokens: np.ndarray) -> np.ndarray:
       for t in range(seq):
         lo = 0 if kind == "global" else max(0, t - config.sliding_window + 1)
         scores = q[t, head] @ k[lo : t + 1, kv].T
+        if config.attn_logit_softcap is not None:
+          cap = config.attn_logit_softcap
+          scores = np.tanh(scores / cap) * cap
         w = np.exp(scores - scores.max())
         w /= w.sum()
         out[t, head] = w @ v[lo : t + 1, kv]
     wo = _layer_param(params, "attention/output.weights", layer, stacked,
                       *q_heads, "projection", "embedding")
     attn = np.einsum("shp,hpe->se", out, wo.reshape(-1, config.head_dim, wo.shape[-1]))
-    if config.family == "gpt2":
+    if config.attention_output_bias:
       attn = attn + _layer_param(params, "attention/output.bias", layer, stacked, "embedding")
-    if config.family == "gemma3":
+    if config.post_norms:
       attn = norm("post_attention_norm", layer, attn)
     x = x + attn
 
@@ -156,27 +159,40 @@ def reference_logits(model, tokens: np.ndarray) -> np.ndarray:
     def mlp_w(name, *axes):
       return _layer_param(params, f"mlp/{name}.weights", layer, stacked, *axes)
 
-    if config.family == "gpt2":
-      hidden = h @ mlp_w("in_linear", "embedding", "neurons")
-      hidden = hidden + _layer_param(params, "mlp/in_linear.bias", layer, stacked, "neurons")
-      out = _gelu_tanh(hidden) @ mlp_w("out_linear", "neurons", "embedding")
-      out = out + _layer_param(params, "mlp/out_linear.bias", layer, stacked, "embedding")
+    def mlp_b(name, axis):
+      if not config.mlp_bias:
+        return 0.0
+      return _layer_param(params, f"mlp/{name}.bias", layer, stacked, axis)
+
+    def act(z):
+      return z / (1 + np.exp(-z)) if config.activation == "silu" else _gelu_tanh(z)
+
+    if config.mlp_kind == "plain":
+      hidden = h @ mlp_w("in_linear", "embedding", "neurons") + mlp_b("in_linear", "neurons")
+      out = act(hidden) @ mlp_w("out_linear", "neurons", "embedding")
     else:
-      gate = h @ mlp_w("gating_linear", "embedding", "neurons")
-      act = gate / (1 + np.exp(-gate)) if config.activation == "silu" else _gelu_tanh(gate)
-      out = (act * (h @ mlp_w("value_linear", "embedding", "neurons"))) @ mlp_w(
-          "out_linear", "neurons", "embedding")
-    if config.family == "gemma3":
+      gate = act(h @ mlp_w("gating_linear", "embedding", "neurons")
+                 + mlp_b("gating_linear", "neurons"))
+      value = (h @ mlp_w("value_linear", "embedding", "neurons")
+               + mlp_b("value_linear", "neurons"))
+      out = (gate * value) @ mlp_w("out_linear", "neurons", "embedding")
+    out = out + mlp_b("out_linear", "embedding")
+    if config.post_norms:
       out = norm("post_ffw_norm", layer, out)
     x = x + out
 
   final = params["transformer/final_norm/scale.weights"].unwrap("embedding")
-  if config.family == "gpt2":
+  if config.norm_kind == "layer":
     shift = params["transformer/final_norm/shift.bias"].unwrap("embedding")
     x = _layer_norm(x, np.asarray(final, np.float64), np.asarray(shift, np.float64), eps)
   else:
     x = _rms(x, np.asarray(final, np.float64), eps)
   if config.tie_embeddings:
-    return x @ emb.T
-  head = params["transformer/lm_head.weights"].unwrap("embedding", "vocabulary")
-  return x @ np.asarray(head, np.float64)
+    logits = x @ emb.T
+  else:
+    head = params["transformer/lm_head.weights"].unwrap("embedding", "vocabulary")
+    logits = x @ np.asarray(head, np.float64)
+  if config.final_logit_softcap is not None:
+    cap = config.final_logit_softcap
+    logits = np.tanh(logits / cap) * cap
+  return logits
