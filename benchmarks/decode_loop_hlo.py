@@ -24,10 +24,7 @@ import time
 
 import numpy as np
 
-from penzai_lm.generation import engine
-from penzai_lm.generation import prepare
-from penzai_lm.generation import generate
-from penzai_lm.generation import stream
+from penzai_lm.generation import Engine
 from penzai_lm.model import TransformerConfig
 from penzai_lm.model import build_transformer
 
@@ -127,13 +124,13 @@ def inspect_loop_body(hlo: str, threshold: int = 1 << 20):
   return {k: (n, sizes[k]) for k, n in found.most_common()}
 
 
-def measure_stream(model, batch, prompt_len, new, chunk_size):
+def measure_stream(engine, model, batch, prompt_len, new, chunk_size):
   """Streaming: wall-clock decode tok/s per row, host work included."""
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 49152, prompt_len).tolist() for _ in range(batch)]
   settings = dict(max_new_tokens=new, temperature=0.0, stop_tokens=[])
-  stream(model, prompts, chunk_size=chunk_size, **settings).run_to_end()
-  s = stream(model, prompts, chunk_size=chunk_size, **settings)
+  engine.stream(model, prompts, chunk_size=chunk_size, **settings).run_to_end()
+  s = engine.stream(model, prompts, chunk_size=chunk_size, **settings)
   start = time.perf_counter()
   first = None
   for _ in s:
@@ -149,12 +146,12 @@ def measure_stream(model, batch, prompt_len, new, chunk_size):
   )
 
 
-def measure(model, batch, prompt_len, new, repeats):
+def measure(engine, model, batch, prompt_len, new, repeats):
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, 49152, prompt_len).tolist() for _ in range(batch)]
   settings = dict(max_new_tokens=new, temperature=0.0, stop_tokens=[])
-  first = generate(model, prompts, **settings)
-  runs = [generate(model, prompts, **settings) for _ in range(repeats)]
+  first = engine.generate(model, prompts, **settings)
+  runs = [engine.generate(model, prompts, **settings) for _ in range(repeats)]
   med = lambda f: statistics.median(f(r.timings) for r in runs)  # noqa: E731
   return dict(
       compile_s=first.timings.compile_s,
@@ -197,8 +194,6 @@ def main():
       "--keep-stacks", action="store_true",
       help="decode with the model's layer stack as is (no unstacking)")
   args = parser.parse_args()
-  if args.keep_stacks:
-    prepare.UNSTACK_LAYER_STACKS = False
   stacks = {"both": [True, False], "stacked": [True],
             "unstacked": [False]}[args.stack]
   for stacked in stacks:
@@ -209,20 +204,18 @@ def main():
     print(f"\n== use_layer_stack={stacked} (built in"
           f" {time.perf_counter() - start:.1f}s)", flush=True)
     for batch in args.batch:
-      engine.clear_compiled_cache()
-      stats = measure(model, batch, args.prompt, args.new, args.repeats)
+      engine = Engine(unstack_layer_stacks=not args.keep_stacks)
+      stats = measure(engine, model, batch, args.prompt, args.new, args.repeats)
       print(f"batch {batch}: " + ", ".join(
           f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
           for k, v in stats.items()), flush=True)
       if args.stream_chunk:
-        stats = measure_stream(model, batch, args.prompt, args.new,
+        stats = measure_stream(engine, model, batch, args.prompt, args.new,
                                args.stream_chunk)
         print(f"batch {batch} streamed: " + ", ".join(
             f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
             for k, v in stats.items()), flush=True)
-      for key, program in engine._PROGRAMS._programs.items():  # pylint: disable=protected-access
-        if key[0] != "decode":
-          continue
+      for _, program in engine.programs.items("decode"):
         hlo = program.as_text()
         if args.hlo_dir:
           os.makedirs(args.hlo_dir, exist_ok=True)

@@ -11,6 +11,7 @@
 """
 
 from penzai_lm.generation import ChatSession
+from penzai_lm.generation import Engine
 from penzai_lm.generation import Session
 from penzai_lm.generation import generate
 from penzai_lm.generation import generate_text

@@ -2,28 +2,34 @@
 
 Token level (knows nothing about text):
 
-* `generate(model, prompts, **settings) -> GenerationResult`
-* `stream(model, prompts, **settings) -> GenerationStream` of `TokenEvent`s
+* `generate(model, prompts, **options) -> GenerationResult`
+* `stream(model, prompts, **options) -> GenerationStream` of `StreamEvent`s
 
 Text level (takes a `penzai_lm.tokenizer.Tokenizer`):
 
-* `generate_text(model, tokenizer, prompt_or_prompts, **settings)`
+* `generate_text(model, tokenizer, prompt_or_prompts, **options)`
   -> `GenerationResult` with ``texts``
-* `stream_text(model, tokenizer, prompt_or_prompts, **settings)`
-  -> `TextStream` of `TextEvent`s
+* `stream_text(model, tokenizer, prompt_or_prompts, **options)`
+  -> `GenerationStream` whose events carry ``text`` (a `TextView`)
 
 Conversations that keep the KV cache between calls:
 
-* `Session(model)`: token level, ``session.generate(new_ids, **settings)``
+* `Session(model)`: token level, ``session.generate(new_ids, **options)``
 * `ChatSession(model, tokenizer)`: chat messages, ``chat.send(text)``
 
 Tools: `CalculatorTool` (calculator calls answered with forced tokens).
 
-See `penzai_lm.generation.engine` for the design of the compiled loop.
+Every function runs on an `Engine` (`default_engine()` unless ``engine=``
+is given), which owns the compiled programs and prepared models. The data
+path, top to bottom: `request.py` (validate once) -> `engine.py` (prepare,
+cache) -> `run.py` (drive) -> `programs.py` (prefill, decode loop), with
+the typed state in `state.py` and shapes in `shapes.py`.
 """
 
 from penzai_lm.generation.chat import ChatSession
+from penzai_lm.generation.engine import Engine
 from penzai_lm.generation.engine import clear_compiled_cache
+from penzai_lm.generation.engine import default_engine
 from penzai_lm.generation.engine import generate
 from penzai_lm.generation.forcing import CalculatorTool
 from penzai_lm.generation.forcing import Tool
@@ -31,29 +37,29 @@ from penzai_lm.generation.results import FINISH_REASONS
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.results import Timings
 from penzai_lm.generation.session import Session
-from penzai_lm.generation.streaming import GenerationStream
-from penzai_lm.generation.streaming import TokenEvent
-from penzai_lm.generation.streaming import stream
-from penzai_lm.generation.text import StopStringMatcher
-from penzai_lm.generation.text import TextEvent
-from penzai_lm.generation.text import TextStream
+from penzai_lm.generation.stream import GenerationStream
+from penzai_lm.generation.stream import StreamEvent
+from penzai_lm.generation.stream import stream
+from penzai_lm.generation.stop_strings import StopStringMatcher
+from penzai_lm.generation.text import TextView
 from penzai_lm.generation.text import generate_text
 from penzai_lm.generation.text import stream_text
 
 __all__ = [
     "CalculatorTool",
     "ChatSession",
+    "Engine",
     "FINISH_REASONS",
     "GenerationResult",
     "GenerationStream",
     "Session",
     "StopStringMatcher",
-    "TextEvent",
-    "TextStream",
+    "StreamEvent",
+    "TextView",
     "Timings",
-    "TokenEvent",
     "Tool",
     "clear_compiled_cache",
+    "default_engine",
     "generate",
     "generate_text",
     "stream",

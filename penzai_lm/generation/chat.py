@@ -26,6 +26,7 @@ from typing import Any
 from penzai_lm.generation import text as text_lib
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.session import Session
+from penzai_lm.generation.stream import GenerationStream
 
 
 class ChatSession:
@@ -41,7 +42,7 @@ class ChatSession:
   """
 
   def __init__(self, model, tokenizer, *, system: str | None = None,
-               min_cache_len: int = 512):
+               min_cache_len: int = 512, engine=None):
     """Starts an empty chat.
 
     Args:
@@ -50,28 +51,25 @@ class ChatSession:
       system: Optional system message that opens the conversation.
       min_cache_len: Initial cache size (see `Session`): a few turns fit
         before the cache grows, and each growth compiles new programs.
+      engine: The `Engine` to run on (default: `default_engine()`).
     """
-    if tokenizer.vocab_size > model.config.vocab_size:
-      raise ValueError(
-          f"the tokenizer has {tokenizer.vocab_size} tokens but the model's"
-          f" vocabulary has {model.config.vocab_size}; they do not belong"
-          " together.")
-    self.session = Session(model, min_cache_len=min_cache_len)
+    text_lib.check_vocabularies(model, tokenizer)
+    self.session = Session(model, min_cache_len=min_cache_len, engine=engine)
     self.tokenizer = tokenizer
     self.system = system
     self._messages: list[dict[str, Any]] = []
     self.rereads = 0
     self.last_prefill_tokens = 0
     self._text = ""  # The text the session's tokens spell.
-    self._stream: text_lib.TextStream | None = None  # The latest turn.
+    self._stream: GenerationStream | None = None  # The latest turn.
     self._open = False  # Whether its reply is not in `messages` yet.
     self.reset()
 
   def send(self, content: str, *, stop_strings: Any = None,
            chunk_size: int = text_lib.DEFAULT_TEXT_CHUNK_SIZE,
            cancel: threading.Event | None = None,
-           **settings) -> text_lib.TextStream:
-    """Adds a user message and streams the reply as `TextEvent`s.
+           **settings) -> GenerationStream:
+    """Adds a user message and streams the reply (events with ``text``).
 
     The reply joins ``messages`` when the stream ends (or is closed, or the
     next turn starts).
@@ -86,18 +84,18 @@ class ChatSession:
     if not isinstance(content, str):
       raise TypeError(f"content must be a str, got {type(content).__name__}.")
     self._finish_reply()
-    stops = text_lib.stop_string_rows(stop_strings, 1, 1)
+    text_lib.stop_string_rows(stop_strings, 1, 1)  # Checked before anything.
     messages = self._messages + [{"role": "user", "content": content}]
     ids, rendered = self._new_tokens(messages)
     if settings.get("stop_tokens") is None:
       settings["default_stop_tokens"] = text_lib.default_stop_tokens(
           self.session.model, self.tokenizer)
-    tokens = self.session.stream(
-        ids, chunk_size=chunk_size, cancel=cancel, **settings)
+    self._stream = self.session.stream(
+        ids, chunk_size=chunk_size, cancel=cancel,
+        text=lambda request: text_lib.TextView.for_request(
+            self.tokenizer, request, stop_strings), **settings)
     self._messages, self._text = messages, rendered
-    self.last_prefill_tokens = tokens.run.request.row_prompt_lengths[0]
-    self._stream = text_lib.TextStream(tokens, self.tokenizer, stops,
-                                       skip_special_tokens=False)
+    self.last_prefill_tokens = self._stream.run.request.row_prompt_lengths[0]
     self._open = True
     return self._stream
 

@@ -1,118 +1,200 @@
-"""The compiled generation engine: one prefill call, then a `while_loop`.
+"""The generation engine: one compiled prefill, then a `while_loop`.
 
-`generate(model, prompts, **settings)` validates a request
-(`penzai_lm.generation.requests`), plans its bucketed shapes
-(`penzai_lm.generation.plan`), prepares the model (`...prepare`: unstacked,
-cached mode, frozen, flattened) and drives a `Run` (`...run`) through the two
-compiled programs (`...programs`: prefill and the decode loop), which are
-compiled once per plan and cached (`...program_cache`).
+The data path of `generate(model, prompts, **options)`:
+
+1. `request.build_request` validates everything once and returns a frozen
+   `Request`: prompts, per-row limits and stop ids, seeds, the
+   `SamplingSettings` and the bucketed `PrefillShape` / `DecodeShape`.
+2. `Engine.prepare` makes the model ready (layer stacks unstacked, cached
+   mode for the shape, frozen, flattened; `prepare.py`), cached per model
+   identity and shape.
+3. A `Run` (`run.py`) calls the prefill program, then the decode program
+   (`programs.py`) until every row has finished, in one call or in chunks
+   when the host takes part (streaming, cancellation, stop strings, tools).
 
 Everything that varies inside a bucket -- prompt ids and lengths, sampling
 values, seeds, ``max_new_tokens``, stop ids, forced tokens -- is a traced
 array, so one compiled program serves every such request; the weights are
-arguments of the programs, never constants. Decode programs do not depend on
-the prompt bucket (output buffers are sized by the cache), so prompts of
-different lengths share one decode program per cache bucket and batch size.
+arguments of the programs, never constants.
+
+An `Engine` owns its compiled programs and prepared models in bounded LRU
+caches and its compiler options; nothing is module-level state except the
+default engine the plain functions use (`default_engine()`). Make your own
+engine to bound memory differently, to try compiler options, or to keep
+programs apart::
+
+    engine = Engine(max_programs=8)
+    result = engine.generate(model, prompts, max_new_tokens=32)
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
-from penzai_lm.generation import plan as plan_lib
-from penzai_lm.generation import prepare
-from penzai_lm.generation import requests as requests_lib
-from penzai_lm.generation import run as run_lib
-from penzai_lm.generation.program_cache import PROGRAMS as _PROGRAMS
-from penzai_lm.generation.program_cache import cache_size as _cache_size  # noqa: F401  (tests)
+import jax
+
+from penzai_lm.generation import prepare as prepare_lib
+from penzai_lm.generation import request as request_lib
+from penzai_lm.generation.caches import IdentityCache
+from penzai_lm.generation.caches import ProgramCache
 from penzai_lm.generation.results import GenerationResult
-from penzai_lm.model import KVCachingTransformerLM
-from penzai_lm.model import TransformerLM
+from penzai_lm.generation.run import Run
 
-DEFAULT_MAX_NEW_TOKENS = 128
-unstack_layers = prepare.unstack_layers
+CompilerOptions = Callable[[str, Any], dict[str, Any]]
+
+
+def default_compiler_options(program: str, shape) -> dict[str, Any]:
+  """XLA's defaults for every program and shape.
+
+  Measured (`benchmarks/compiler_options.py`, SmolLM2-135M fp32, greedy):
+  turning XLA's YNNPACK fusions off for decode programs on CPU (our earlier
+  default) changed nothing at batch 1 (0.93-1.10x at 64-2048 cache slots)
+  and was 1.3-4x slower at batch 2-8 at every cache size (batch 2, 64
+  slots: 6.5 against 24.5 tok/s; batch 8, 2048 slots: 21.8 against 29.2),
+  so that 2 and 4 rows decoded slower in total than one.
+  """
+  del program, shape
+  return {}
+
+
+class Engine:
+  """Compiles, caches and runs generation programs.
+
+  Attributes:
+    programs: The `ProgramCache` (``programs.compilations`` counts
+      compilations).
+    unstack_layer_stacks: Decode layer stacks as per-layer blocks (see
+      `penzai_lm.generation.prepare`); False decodes the stacks as they are
+      (slow on CPU; for comparisons).
+  """
+
+  def __init__(self, *, max_programs: int = 32, max_models: int = 4,
+               compiler_options: CompilerOptions | None = None,
+               unstack_layer_stacks: bool = True):
+    """Creates an engine.
+
+    Args:
+      max_programs: Compiled programs kept (least recently used evicted).
+      max_models: Prepared models kept (each holds the arrays of one model
+        in decode layout, per batch and cache bucket).
+      compiler_options: ``fn(program_name, shape) -> dict`` of XLA options
+        for programs compiled on CPU ("prefill" with a `PrefillShape`,
+        "decode" with a `DecodeShape`), asked once per compilation; default
+        `default_compiler_options`.
+      unstack_layer_stacks: See the class attribute.
+    """
+    for name, value in (("max_programs", max_programs),
+                        ("max_models", max_models)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if compiler_options is not None and not callable(compiler_options):
+      raise TypeError(
+          "compiler_options must be a function (program name, shape) ->"
+          f" dict, got {type(compiler_options).__name__}.")
+    self.programs = ProgramCache(max_programs)
+    self.unstack_layer_stacks = bool(unstack_layer_stacks)
+    self._compiler_options = compiler_options or default_compiler_options
+    self._prepared = IdentityCache(max_models)
+    # Unstacked models are shared by every bucket of one model (one copy of
+    # the weights in decode layout, not one per bucket).
+    self._unstacked = IdentityCache(2)
+
+  @property
+  def compilations(self) -> int:
+    return self.programs.compilations
+
+  def program_count(self, name: str | None = None) -> int:
+    """Compiled programs held ("prefill", "decode" or all)."""
+    return len(self.programs.items(name))
+
+  def clear(self) -> None:
+    """Drops every compiled program and prepared model."""
+    self.programs.clear()
+    self._prepared.clear()
+    self._unstacked.clear()
+
+  # The data path.
+
+  def start(self, model, prompts: Any, *, tool=None, continuation=None,
+            **options) -> Run:
+    """Validates a request and prepares (but does not start) a `Run`.
+
+    ``continuation`` (a `state.Continuation`, used by `Session`) appends the
+    prompt to a previous turn's state instead of starting from empty
+    caches. Options as in `generate`.
+    """
+    if tool is not None and not (hasattr(tool, "respond")
+                                 and hasattr(tool, "pause_token_id")):
+      raise TypeError(
+          "tool must provide pause_token_id and respond(tokens) (e.g."
+          " penzai_lm.generation.CalculatorTool).")
+    request = request_lib.build_request(model, prompts,
+                                        continuation=continuation, **options)
+    return Run(self, self.prepare(model, request), request, tool=tool,
+               continuation=continuation)
+
+  def generate(self, model, prompts: Any, *,
+               cancel: threading.Event | None = None, chunk_size: int = 8,
+               **options) -> GenerationResult:
+    """`generate` on this engine."""
+    return self.start(model, prompts, **options).run_to_end(
+        cancel=cancel, chunk_size=chunk_size)
+
+  def stream(self, model, prompts: Any, *, chunk_size: int = 8,
+             cancel: threading.Event | None = None, **options):
+    """`stream` on this engine."""
+    from penzai_lm.generation.stream import GenerationStream  # pylint: disable=g-import-not-at-top
+    return GenerationStream(self.start(model, prompts, **options),
+                            chunk_size=chunk_size, cancel=cancel)
+
+  def prepare(self, model, request) -> prepare_lib.PreparedModel:
+    """The model ready for ``request``'s programs (cached)."""
+    cached = request_lib.is_cached_model(model)
+    shape = request.decode
+
+    def unstacked():
+      return self._unstacked.get_or_make(
+          model, None, lambda: prepare_lib.unstack_layers(model))
+
+    def make():
+      return prepare_lib.prepare_model(
+          model, cached_model=cached, use_cache=shape.use_cache,
+          batch_axis=shape.batch_axis, batch=shape.batch,
+          cache_len=shape.cache_len,
+          unstacked=unstacked() if self.unstack_layer_stacks and (
+              shape.use_cache) else None)
+
+    return self._prepared.get_or_make(
+        model, (cached, shape.use_cache, shape.batch_axis, shape.batch,
+                shape.cache_len, self.unstack_layer_stacks), make)
+
+  def program(self, name: str, fn, static, args, *, shape, donate=()):
+    """``(compiled program, compile seconds)`` for ``fn`` (cached)."""
+    def options():
+      if jax.default_backend() != "cpu":
+        return {}
+      return self._compiler_options(name, shape)
+
+    return self.programs.get(name, fn, static, args, options, donate)
+
+
+_DEFAULT_ENGINE = Engine()
+
+
+def default_engine() -> Engine:
+  """The engine the module-level functions use."""
+  return _DEFAULT_ENGINE
 
 
 def clear_compiled_cache() -> None:
-  """Drops every compiled program and prepared model (rebuilt on demand)."""
-  _PROGRAMS.clear()
-  prepare.clear_caches()
+  """Drops the default engine's compiled programs and prepared models."""
+  _DEFAULT_ENGINE.clear()
 
 
-def start_run(model, prompts, *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
-              temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-              repetition_penalty=1.0, presence_penalty=0.0,
-              frequency_penalty=0.0, logit_bias=None, banned_tokens=None,
-              seed=None, stop_tokens=None, num_samples=1, use_cache=True,
-              logprobs_top_n=0, forced_tokens=None, tool=None,
-              default_stop_tokens=None, continuation=None) -> run_lib.Run:
-  """Validates a request and prepares (but does not start) a `Run`.
-
-  ``continuation`` (a `plan.Continuation`, used by `Session`) appends the
-  prompt to a previous run's state instead of starting from empty caches.
-  """
-  kind = plan_lib.model_kind(model)
-  if not isinstance(use_cache, bool):
-    raise ValueError(f"use_cache must be True or False, got {use_cache!r}.")
-  if default_stop_tokens is None:
-    default_stop_tokens = model.config.eos_token_ids
-  batch_axis = None
-  if kind == "cached" and len(model.batch_axes) == 1:
-    batch_axis = next(iter(model.batch_axes))
-  if tool is not None and not hasattr(tool, "respond"):
-    raise TypeError(
-        "tool must provide pause_token_id and respond(tokens) (e.g."
-        " penzai_lm.generation.CalculatorTool).")
-  request = requests_lib.build_request(
-      prompts,
-      vocab_size=model.config.vocab_size,
-      default_stop_tokens=default_stop_tokens,
-      max_new_tokens=max_new_tokens,
-      num_samples=num_samples,
-      seed=seed,
-      stop_tokens=stop_tokens,
-      forced_tokens=forced_tokens,
-      logprobs_top_n=logprobs_top_n,
-      logit_bias=logit_bias,
-      banned_tokens=banned_tokens,
-      batch_axis=batch_axis,
-      temperature=temperature,
-      top_k=top_k,
-      top_p=top_p,
-      min_p=min_p,
-      repetition_penalty=repetition_penalty,
-      presence_penalty=presence_penalty,
-      frequency_penalty=frequency_penalty,
-  )
-  return run_lib.Run(model, request, use_cache=use_cache, tool=tool,
-                     continuation=continuation)
-
-
-def generate(
-    model: TransformerLM | KVCachingTransformerLM,
-    prompts: Any,
-    *,
-    max_new_tokens: int | list[int] = DEFAULT_MAX_NEW_TOKENS,
-    temperature: float | list[float] = 1.0,
-    top_k: int | list[int] = 0,
-    top_p: float | list[float] = 1.0,
-    min_p: float | list[float] = 0.0,
-    repetition_penalty: float | list[float] = 1.0,
-    presence_penalty: float | list[float] = 0.0,
-    frequency_penalty: float | list[float] = 0.0,
-    logit_bias: dict[int, float] | list[dict[int, float]] | None = None,
-    banned_tokens: list[int] | list[list[int]] | None = None,
-    seed: int | list[int] | None = None,
-    stop_tokens: list[int] | list[list[int]] | None = None,
-    num_samples: int = 1,
-    use_cache: bool = True,
-    logprobs_top_n: int = 0,
-    forced_tokens: list[int] | list[list[int]] | None = None,
-    tool: Any = None,
-    cancel: threading.Event | None = None,
-    chunk_size: int = 8,
-) -> GenerationResult:
+def generate(model, prompts: Any, *, engine: Engine | None = None,
+             cancel: threading.Event | None = None, chunk_size: int = 8,
+             **options) -> GenerationResult:
   """Generates tokens for one prompt or a batch, in compiled JAX.
 
   Token level: knows nothing about text (see `generate_text` for that).
@@ -125,30 +207,36 @@ def generate(
     prompts: One prompt (a list of ids or a 1-D array), a ragged list of
       prompts, a 2-D array, or a ``pz.nx.NamedArray`` with a ``seq`` axis and
       at most one batch axis. Prompts are taken whole (no padding is guessed).
-    max_new_tokens: Maximum tokens generated per row (forced ones included).
-    temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
-      frequency_penalty, logit_bias, banned_tokens: Sampling settings (see
-      `penzai_lm.sampling.SamplingSettings`); each may be one value or a list
-      per prompt / per row. ``temperature=0`` is greedy.
-    seed: Int, list per prompt, or None for a fresh random seed (reported in
-      ``result.seeds``). Sample ``j > 0`` of a prompt uses a seed derived
-      from the prompt's seed.
-    stop_tokens: Ids that end a row (included in its output); default
-      ``model.config.eos_token_ids``; ``[]`` disables. Per-row lists allowed.
-    num_samples: Samples per prompt: one prefill per prompt, then the cache
-      is replicated to ``num_samples`` independent rows.
-    use_cache: False recomputes the whole sequence each step with the
-      uncached model (slow; a reference for the cached path).
-    logprobs_top_n: Record the top-n alternatives of every token (static:
-      changing it compiles a new program).
-    forced_tokens: Tokens forced at the start of every row's output (or per
-      prompt / per row lists); marked in ``result.forced``.
-    tool: A tool such as `CalculatorTool`: rows pause on its end marker and
-      the host injects its reply as forced tokens.
+    engine: The `Engine` to run on (default: `default_engine()`).
     cancel: A ``threading.Event``; when set, generation stops at the next
       chunk boundary (``chunk_size`` steps) with finish reason
       ``"cancelled"``.
     chunk_size: Steps per compiled call when ``cancel`` is given.
+    **options: The request:
+
+      * ``max_new_tokens``: tokens generated per row at most (forced ones
+        included); default 128.
+      * sampling settings, each one value or a list per prompt / per row:
+        ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``min_p``,
+        ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+        ``logit_bias`` and ``banned_tokens`` (see
+        `penzai_lm.sampling.SamplingSettings`).
+      * ``seed``: int, list per prompt, or None for a fresh random seed
+        (reported in ``result.seeds``). Sample ``j > 0`` of a prompt uses a
+        seed derived from the prompt's seed.
+      * ``stop_tokens``: ids that end a row (included in its output);
+        default ``model.config.eos_token_ids``; ``[]`` disables. Per-row
+        lists allowed.
+      * ``num_samples``: samples per prompt: one prefill per prompt, then
+        the cache is replicated to ``num_samples`` independent rows.
+      * ``use_cache``: False recomputes the whole sequence each step with
+        the uncached model (slow; a reference for the cached path).
+      * ``logprobs_top_n``: record the top-n alternatives of every token
+        (static: changing it compiles a new program).
+      * ``forced_tokens``: tokens forced at the start of every row's output
+        (or per prompt / per row lists); marked in ``result.forced``.
+      * ``tool``: a tool such as `CalculatorTool`: rows pause on its end
+        marker and the host injects its reply as forced tokens.
 
   Returns:
     A `GenerationResult`.
@@ -156,44 +244,5 @@ def generate(
   Raises:
     ValueError / TypeError: for invalid requests, before anything runs.
   """
-  run = start_run(
-      model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-      top_k=top_k, top_p=top_p, min_p=min_p,
-      repetition_penalty=repetition_penalty,
-      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-      logit_bias=logit_bias, banned_tokens=banned_tokens, seed=seed,
-      stop_tokens=stop_tokens, num_samples=num_samples, use_cache=use_cache,
-      logprobs_top_n=logprobs_top_n, forced_tokens=forced_tokens, tool=tool)
-  return run_to_end(run, cancel=cancel, chunk_size=chunk_size)
-
-
-def run_to_end(run: run_lib.Run, *, cancel: threading.Event | None = None,
-               chunk_size: int = 8) -> GenerationResult:
-  """Prefills and decodes a run until every row has finished.
-
-  The first decode call runs one step (so the time to first token is
-  measured), the rest one call to the end, or chunks of ``chunk_size``
-  steps between which ``cancel`` is checked.
-  """
-  _check_chunk_size(chunk_size)
-  if cancel is not None and cancel.is_set():
-    run.cancel()
-    return run.result()
-  run.prefill()
-  run.decode(1)
-  while not run.finished:
-    if cancel is not None:
-      if cancel.is_set():
-        run.cancel()
-        break
-      run.decode(chunk_size)
-    else:
-      run.decode(None)
-  return run.result()
-
-
-def _check_chunk_size(chunk_size) -> None:
-  if (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
-      or chunk_size < 1):
-    raise ValueError(
-        f"chunk_size must be a positive integer, got {chunk_size!r}.")
+  return (engine or _DEFAULT_ENGINE).generate(
+      model, prompts, cancel=cancel, chunk_size=chunk_size, **options)

@@ -3,19 +3,21 @@
 `prepare_model` turns a user's model into what the programs take: layer
 stacks unstacked (see below), converted to cached mode for the request's
 batch and cache size (an uncached `TransformerLM`), frozen, split into
-stateless layers and state, and flattened. Results are cached per model
-identity and bucket, so a second request spends about a millisecond here.
-Constant initial state (empty caches, positions) is described by shape and
-fill value and created inside the programs, so nothing cache-sized is kept
-or transferred.
+stateless layers and state, and flattened. The `Engine` caches the results
+per model identity and shape (`penzai_lm.generation.caches`).
+
+Layer stacks are unstacked for decoding. A scanned LayerStack slices every
+stacked weight inside its loop body, and XLA on CPU materializes each slice:
+every decode step copies all the weights once more (SmolLM2-sized, batch 1:
+8 tok/s stacked against 34 unstacked), and the per-layer caches are sliced
+and re-stacked too. Decoding therefore runs on an equivalent model whose
+stacks are replaced by a Sequential of per-layer blocks (per-layer state
+variables get one variable per layer).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import threading
-import weakref
 from typing import Any
 
 import jax
@@ -23,78 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.generation.state import CacheLabels
+from penzai_lm.generation.state import LeafSpec
+from penzai_lm.generation.state import StateLayout
 from penzai_lm.model import KVCachingTransformerLM
-
-
-# Layer stacks are unstacked for decoding.
-#
-# A scanned LayerStack slices every stacked weight inside its loop body, and
-# XLA on CPU materializes each slice: every decode step copies all the
-# weights once more (SmolLM2-sized, batch 1: 8 tok/s stacked against 34
-# unstacked), and the per-layer caches are sliced and re-stacked too.
-# Decoding therefore runs on an equivalent model whose stacks are replaced by
-# a Sequential of per-layer blocks (per-layer state variables get one
-# variable per layer). The unstacked weights are cached for the most recent
-# models (keyed on the identity of their arrays).
-
-# Set to False to decode with the model's layer stacks as they are (for
-# benchmarks comparing the two).
-UNSTACK_LAYER_STACKS = True
-
-class _IdentityCache:
-  """A small LRU cache keyed on a model's identity (see `_model_key`).
-
-  Entries hold weak references to the model's leaves (strong ones where
-  weak ones are impossible): an entry whose model has been garbage collected
-  is dropped, so the cache never keeps an old model alive.
-  """
-
-  def __init__(self, size: int):
-    self.size = size
-    self._entries: collections.OrderedDict = collections.OrderedDict()
-    self._lock = threading.Lock()
-
-  @staticmethod
-  def _refs(leaves):
-    refs = []
-    for x in leaves:
-      try:
-        refs.append(weakref.ref(x))
-      except TypeError:
-        refs.append(lambda x=x: x)
-    return refs
-
-  @staticmethod
-  def _alive(refs, leaves=None):
-    if leaves is None:
-      return all(r() is not None for r in refs)
-    return all(r() is x for r, x in zip(refs, leaves))
-
-  def get(self, key, leaves):
-    with self._lock:
-      entry = self._entries.get(key)
-      if entry is None:
-        return None
-      if not self._alive(entry[0], leaves):
-        del self._entries[key]
-        return None
-      self._entries.move_to_end(key)
-      return entry[1]
-
-  def put(self, key, leaves, value) -> None:
-    with self._lock:
-      for k in [k for k, e in self._entries.items() if not self._alive(e[0])]:
-        del self._entries[k]
-      self._entries[key] = (self._refs(leaves), value)
-      while len(self._entries) > self.size:
-        self._entries.popitem(last=False)
-
-  def clear(self) -> None:
-    with self._lock:
-      self._entries.clear()
-
-
-_UNSTACKED = _IdentityCache(2)
 
 
 def _slice_axis(tree, axis: str, index: int):
@@ -138,71 +72,28 @@ def _unstack(stack: pz.nn.LayerStack) -> pz.nn.Sequential:
   return pz.nn.Sequential(blocks)
 
 
-def _model_key(model):
-  """A hashable key identifying a model's structure and current arrays.
-
-  Variables (parameters, state) are pytree leaves: their identity and the
-  identity of their current value are part of the key, so assigning a new
-  value to a parameter gives a new key. Returns ``(key, leaves)``; keep the
-  leaves alive as long as the key is used (ids are only unique then).
-  """
-  leaves, treedef = jax.tree_util.tree_flatten(model)
-  ids = tuple((id(x), id(x.value)) if isinstance(x, pz.AbstractVariable)
-              else id(x) for x in leaves)
-  return (treedef, ids), leaves
-
-
 def unstack_layers(model):
   """Replaces every `pz.nn.LayerStack` of a model by a Sequential of its
-  blocks (the same computation; parameters are frozen). Cached."""
-  if not UNSTACK_LAYER_STACKS:
-    return model
-  key, leaves = _model_key(model)
-  hit = _UNSTACKED.get(key, leaves)
-  if hit is not None:
-    return hit
+  blocks (the same computation; parameters are frozen)."""
   selection = pz.select(model).at_instances_of(pz.nn.LayerStack)
-  unstacked = selection.apply(_unstack) if selection.count() else model
-  _UNSTACKED.put(key, leaves, unstacked)
-  return unstacked
-
-
-# Prepared (converted, frozen, flattened) models, cached per bucket.
-
-_PREPARED = _IdentityCache(4)
+  return selection.apply(_unstack) if selection.count() else model
 
 
 @dataclasses.dataclass(frozen=True)
-class Prepared:
+class PreparedModel:
   """A model ready for the compiled programs.
 
   Attributes:
     model_leaves: Arrays of the stateless model (weights first of all).
     treedef: Its pytree structure (static in the programs).
-    state_treedef: Structure of the initial state (a list of
-      StateVariableValue).
-    state_spec: Per state leaf, ``(shape, dtype, fill)`` for a constant
-      array (built inside the program, so nothing cache-sized is kept or
-      transferred) or None for an array passed in ``state_args``.
-    state_args: The non-constant initial state arrays.
-    state_shapes: The shape of every state leaf.
-    cache_labels: Labels of the cached model's ``(cache_end_index,
-      kv_positions, previous_tokens)`` state, or None without a cache.
+    layout: The layout of its state.
+    state_args: The non-constant leaves of its initial state.
   """
 
   model_leaves: list
   treedef: Any
-  state_treedef: Any
-  state_spec: tuple
+  layout: StateLayout
   state_args: list
-  state_shapes: tuple = ()
-  cache_labels: tuple | None = None
-
-  @property
-  def state_static(self) -> tuple:
-    """The state's part of the prefill program's static arguments."""
-    return (self.state_treedef, self.state_spec, self.state_shapes,
-            self.cache_labels)
 
 
 def _constant_fill(x):
@@ -217,49 +108,121 @@ def _constant_fill(x):
   return None
 
 
-def _prepare_runnable(runnable) -> Prepared:
+def _carried_state(state0, user_labels, example_call):
+  """The initial state in the shapes the decode loop carries.
+
+  A patch's state variable may take its shape from the call that sets it
+  (penzai's ``SaveIntermediate`` starts as None and holds the last value it
+  saw). Such a variable (one whose value after a decode step,
+  ``example_call(state)``, differs in structure or shape from its value
+  now) starts as zeros of its decode-step shape; the others keep their
+  values. Only the user's variables (``user_labels``) can be such.
+  """
+  if not user_labels:
+    return state0
+  after = example_call(state0)
+  out = []
+  for v, new in zip(state0, after):
+    if v.label in user_labels and not _same_shapes(v.value, new.value):
+      v = dataclasses.replace(v, value=jax.tree_util.tree_map(
+          lambda s: jnp.zeros(s.shape, s.dtype), new.value))
+    out.append(v)
+  return out
+
+
+def _same_shapes(value, struct) -> bool:
+  leaves, structs = (jax.tree_util.tree_leaves(value),
+                     jax.tree_util.tree_leaves(struct))
+  return (jax.tree_util.tree_structure(value) == jax.tree_util.tree_structure(
+      struct) and all(np.shape(a) == tuple(b.shape) and np.dtype(
+          a.dtype) == b.dtype for a, b in zip(leaves, structs)))
+
+
+def _example_call(stateless, cached: bool, batch_axis: str, batch: int,
+                  cache_len: int):
+  """``fn(state)``: the shapes of the state after one decode step."""
+  seq = 1 if cached else cache_len
+  tokens = pz.nx.wrap(jnp.zeros((batch, seq), jnp.int32)).tag(
+      batch_axis, "seq")
+  if cached:
+    side = dict(is_padding=pz.nx.wrap(jnp.zeros((batch, 1), bool)).tag(
+        batch_axis, "seq"))
+  else:
+    side = dict(token_positions=pz.nx.wrap(jnp.zeros(
+        (batch, cache_len), jnp.int32)).tag(batch_axis, "seq"))
+  call = lambda state, tokens, side: list(  # noqa: E731
+      stateless.stateless_call(state, tokens, **side)[1])
+  # Inputs as arguments: traced, so the model's eager id checks stay off.
+  return lambda state: jax.eval_shape(call, state, tokens, side)
+
+
+def _prepare_runnable(runnable, user_labels, batch_axis, batch,
+                      cache_len) -> PreparedModel:
   stateless, state0 = pz.unbind_state_vars(
       pz.freeze_params(runnable), freeze=True)
+  cached = isinstance(runnable, KVCachingTransformerLM)
+  state0 = _carried_state(list(state0), user_labels, _example_call(
+      stateless, cached, batch_axis, batch, cache_len))
   model_leaves, treedef = jax.tree_util.tree_flatten(stateless)
   state_leaves, state_treedef = jax.tree_util.tree_flatten(list(state0))
-  spec, args = [], []
+  specs, args = [], []
   for x in state_leaves:
     fill = _constant_fill(x) if hasattr(x, "shape") else None
+    specs.append(LeafSpec(tuple(np.shape(x)), np.dtype(x.dtype), fill))
     if fill is None:
-      spec.append(None)
       args.append(x)
-    else:
-      spec.append((tuple(np.shape(x)), np.dtype(x.dtype), fill))
   labels = None
-  if isinstance(runnable, KVCachingTransformerLM):
-    labels = (runnable.cache_end_index.label, runnable.kv_positions.label,
-              runnable.previous_tokens.label)
-  return Prepared(model_leaves, treedef, state_treedef, tuple(spec), args,
-                  tuple(tuple(np.shape(x)) for x in state_leaves), labels)
+  if cached:
+    labels = CacheLabels(end=runnable.cache_end_index.label,
+                         positions=runnable.kv_positions.label,
+                         tokens=runnable.previous_tokens.label)
+  layout = StateLayout(state_treedef, tuple(specs), labels,
+                       frozenset(user_labels))
+  return PreparedModel(model_leaves, treedef, layout, args)
 
 
-def prepare_model(model, kind: str, plan) -> Prepared:
-  """Converts (cached mode, unstacked layers, no overflow callback), freezes
-  and flattens a model for a plan's batch and cache size. Cached."""
-  key, leaves = _model_key(model)
-  key = (key, kind, plan.use_cache, plan.cache_len, plan.batch,
-         plan.batch_axis, UNSTACK_LAYER_STACKS)
-  hit = _PREPARED.get(key, leaves)
-  if hit is not None:
-    return hit
+def prepare_model(model, *, cached_model: bool, use_cache: bool,
+                  batch_axis: str, batch: int, cache_len: int,
+                  unstacked=None) -> PreparedModel:
+  """Converts (cached mode, no overflow callback), freezes and flattens a
+  model for a batch and cache size.
+
+  Args:
+    model: The user's model.
+    cached_model: Whether it is a `KVCachingTransformerLM` already.
+    use_cache: Decode with a KV cache (else the uncached model is used).
+    batch_axis: Name of the batch axis.
+    batch: Rows of the cache to build.
+    cache_len: Slots of the cache to build.
+    unstacked: ``model`` with its layer stacks unstacked (`unstack_layers`),
+      or None to decode on the model as it is.
+  """
   _check_bound(model)
-  if kind == "cached":
-    runnable = _without_overflow_callback(unstack_layers(model))
-  elif plan.use_cache:
+  decoded = model if unstacked is None else unstacked
+  user_labels = _user_labels(decoded)
+  if cached_model:
+    runnable = _without_overflow_callback(decoded)
+  elif use_cache:
     runnable = _without_overflow_callback(
         KVCachingTransformerLM.from_uncached(
-            unstack_layers(model), plan.cache_len,
-            {plan.batch_axis: plan.batch}))
+            decoded, cache_len, {batch_axis: batch}))
   else:
     runnable = model
-  prepared = _prepare_runnable(runnable)
-  _PREPARED.put(key, leaves, prepared)
-  return prepared
+  return _prepare_runnable(runnable, user_labels, batch_axis, batch,
+                           cache_len)
+
+
+def _user_labels(model) -> list:
+  """Labels of a model's own state variables: those of its patches, not the
+  caches and bookkeeping of a `KVCachingTransformerLM`."""
+  caches = set()
+  if isinstance(model, KVCachingTransformerLM):
+    caches = {model.cache_end_index.label, model.kv_positions.label,
+              model.previous_tokens.label}
+    caches |= {layer.kv_cache.label for layer in pz.select(model)
+               .at_instances_of(pz.nn.KVCachingAttention).get_sequence()}
+  return [v.label for v in pz.unbind_state_vars(model)[1]
+          if v.label not in caches]
 
 
 def _check_bound(model) -> None:
@@ -279,9 +242,3 @@ def _without_overflow_callback(cached):
   if "runtime_overflow_check" in names and cached.runtime_overflow_check:
     return dataclasses.replace(cached, runtime_overflow_check=False)
   return cached
-
-
-def clear_caches() -> None:
-  """Drops the cached unstacked and prepared models."""
-  _UNSTACKED.clear()
-  _PREPARED.clear()

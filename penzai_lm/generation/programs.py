@@ -3,10 +3,10 @@
 1. **Prefill** (`prefill_program`): writes the first ``P - 1`` prompt
    columns to the cache with ``stateless_call`` and an explicit
    ``is_padding`` mask (the logits are unused, so XLA drops the output
-   projection), and returns the decode loop's carry. With ``num_samples >
-   1`` the prefill runs once per prompt at the prompt batch and the resulting
-   state (caches, positions and any patch state with the batch axis) is
-   gathered to the decode rows.
+   projection), and returns the decode loop's `LoopState`. With
+   ``num_samples > 1`` the prefill runs once per prompt at the prompt batch
+   and the resulting state (caches, positions and any patch state with the
+   batch axis) is gathered to the decode rows.
 2. **Decode loop** (`decode_program`, a `jax.lax.while_loop`): each
    iteration feeds every row's pending token (the last prompt token first)
    through the functional cached model, then picks each row's next token:
@@ -18,15 +18,15 @@
    when the cache has no free slot (``cache_full``); finished rows feed
    padding from then on, which no row attends to. The loop exits as soon as
    no row needs another token, when a row waits for the host (a tool call
-   marker, or its forced queue continues on the host), or after ``stop_at``
-   iterations -- which is how streaming runs the same program in chunks of k
-   steps, keeping the state on device between chunks.
+   marker, or its forced queue continues on the host), or when ``t`` reaches
+   ``stop_at`` -- which is how streaming runs the same program in chunks of
+   k steps, keeping the state on device between chunks.
 
 With ``use_cache=False`` the same loop recomputes the whole sequence with the
 uncached model at every step (a reference for the cached path).
 
 Both programs take the weights as arguments (never constants) and a static
-``(plan, treedef, ...)`` tuple; see `penzai_lm.generation.program_cache`.
+``(shape, treedef, layout)`` triple; see `penzai_lm.generation.caches`.
 """
 
 from __future__ import annotations
@@ -38,11 +38,18 @@ import jax.numpy as jnp
 from penzai import pz
 
 from penzai_lm import sampling
-
-# Row status codes on device.
-RUNNING, STOP, LENGTH, CACHE_FULL, CANCELLED, PADDING_ROW = range(6)
-REASON_NAMES = {STOP: "stop", LENGTH: "length", CACHE_FULL: "cache_full",
-                CANCELLED: "cancelled"}
+from penzai_lm.generation.shapes import DecodeShape
+from penzai_lm.generation.shapes import PrefillShape
+from penzai_lm.generation.state import CACHE_FULL
+from penzai_lm.generation.state import DecodeInputs
+from penzai_lm.generation.state import LENGTH
+from penzai_lm.generation.state import LoopState
+from penzai_lm.generation.state import Outputs
+from penzai_lm.generation.state import PADDING_ROW
+from penzai_lm.generation.state import RecomputeState
+from penzai_lm.generation.state import RUNNING
+from penzai_lm.generation.state import STOP
+from penzai_lm.generation.state import StateLayout
 
 
 def _map_batch_arrays(tree, axis: str, fn):
@@ -65,29 +72,18 @@ def _logprob_of(logits, token):
   return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
-def _initial_state(state_static, state_args):
-  state_treedef, spec, _, _ = state_static
-  args = iter(state_args)
-  leaves = [next(args) if s is None else jnp.full(s[0], s[2], s[1])
-            for s in spec]
-  return jax.tree_util.tree_unflatten(state_treedef, leaves)
-
-
-def _continued_state(state_static, state_args, start):
-  """A previous run's state (grown to this plan's cache), cut at ``start``.
+def _continued_state(layout: StateLayout, state_args, start):
+  """A previous turn's state (grown to this cache), cut at slot ``start``.
 
   Slots from ``start`` on are discarded: the cache end index goes back to
   ``start`` and their positions to -1, so no token attends to them and the
   next tokens overwrite them.
   """
-  state_treedef, _, _, labels = state_static
-  state = jax.tree_util.tree_unflatten(state_treedef, list(state_args))
-  end_label, positions_label, _ = labels
   out = []
-  for v in state:
-    if v.label == end_label:
+  for v in layout.unflatten(state_args):
+    if v.label == layout.labels.end:
       v = dataclasses.replace(v, value=jnp.asarray(start, v.value.dtype))
-    elif v.label == positions_label:
+    elif v.label == layout.labels.positions:
       slots = pz.nx.arange("seq", v.value.named_shape["seq"])
       cut = pz.nx.nmap(jnp.where)(slots >= start, -1, v.value)
       v = dataclasses.replace(v, value=pz.nx.order_like(cut, v.value))
@@ -95,223 +91,208 @@ def _continued_state(state_static, state_args, start):
   return out
 
 
-def pack_state(state) -> list:
-  """The state's arrays without their size-1 dimensions (the loop's carry).
-
-  With a batch of one row, every cache has a size-1 dimension. XLA drops it
-  (a bitcast) where attention reads the cache, and then fuses the in-place
-  cache write once per differently shaped user, copying the whole cache for
-  each (at a 2048-slot cache that made SmolLM2's decode 2x slower). Carrying
-  the arrays already squeezed gives every user the same shape.
-  """
-  return [x.reshape([d for d in x.shape if d != 1])
-          for x in jax.tree_util.tree_leaves(state)]
-
-
-def unpack_state(leaves, state_static):
-  """Inverse of `pack_state` (``state_static`` as in `Prepared`)."""
-  state_treedef, _, shapes, _ = state_static
-  return jax.tree_util.tree_unflatten(
-      state_treedef, [x.reshape(s) for x, s in zip(leaves, shapes)])
-
-
-def _history(mstate, labels, axis):
+def _history(state, labels, axis):
   """(tokens, mask) of everything in the cache, for the sampler's penalties."""
-  values = {v.label: v.value for v in mstate}
-  _, positions_label, tokens_label = labels
-  tokens = values[tokens_label].unwrap(axis, "seq")
-  positions = values[positions_label].unwrap(axis, "seq")
+  values = {v.label: v.value for v in state}
+  tokens = values[labels.tokens].unwrap(axis, "seq")
+  positions = values[labels.positions].unwrap(axis, "seq")
   return tokens, positions >= 0
 
 
+def _prefill_cache(shape: PrefillShape, model, state0, tokens, padding, src):
+  """Writes the prompts but their last token to the cache; returns the
+  state of every decode row."""
+  axis, P = shape.decode.batch_axis, shape.prompt_len
+  if shape.gather:
+    model = dataclasses.replace(model, batch_axes={axis: shape.batch})
+    state = _map_batch_arrays(state0, axis, lambda a: a[:shape.batch])
+  else:
+    state = state0
+  if P > 1:
+    _, state = model.stateless_call(
+        state, _named(tokens[:, :P - 1], axis),
+        is_padding=_named(padding[:, :P - 1], axis))
+    state = list(state)
+  if shape.gather:
+    state = _map_batch_arrays(state, axis, lambda a: a[src])
+  return state
+
+
+def _recompute_state(shape: PrefillShape, state0, tokens, padding):
+  """The ``use_cache=False`` loop's initial model state."""
+  B, C, P = shape.decode.batch, shape.decode.cache_len, shape.prompt_len
+  buf = jnp.zeros((B, C), jnp.int32).at[:, :P - 1].set(tokens[:, :P - 1])
+  real_cols = ~padding[:, :P - 1]
+  count = jnp.cumsum(real_cols, axis=1, dtype=jnp.int32)
+  pos = jnp.full((B, C), -1, jnp.int32).at[:, :P - 1].set(
+      jnp.where(real_cols, count - 1, -1))
+  return RecomputeState(tokens=buf, positions=pos, state=state0)
+
+
 def prefill_program(static, model_leaves, state_args, tokens, padding, src,
-                    real, start):
-  """Prefill program: returns the initial decode-loop carry.
+                    real, start) -> LoopState:
+  """Prefill program: returns the initial decode-loop state.
 
-  ``start`` is the first cache slot of this prompt: 0, or where a
-  continuation (``plan.continued``) appends to the previous state.
+  Args:
+    static: ``(PrefillShape, treedef, StateLayout)``.
+    model_leaves: The stateless model's arrays.
+    state_args: Non-constant initial state leaves (all leaves of a
+      continued state).
+    tokens, padding: (prefill rows, P) left-padded prompts and their mask.
+    src: (B,) prefill row of each decode row.
+    real: (B,) whether each decode row belongs to the request.
+    start: The first cache slot of this prompt: 0, or where a continuation
+      appends to the previous state.
   """
-  plan, treedef, state_static = static
+  shape, treedef, layout = static
+  decode = shape.decode
   model = jax.tree_util.tree_unflatten(treedef, model_leaves)
-  if plan.continued:
-    state0 = _continued_state(state_static, state_args, start)
+  if shape.continued:
+    state0 = _continued_state(layout, state_args, start)
   else:
-    state0 = _initial_state(state_static, state_args)
-  axis, P = plan.batch_axis, plan.prompt_len
-  if plan.gather:
-    gather = lambda a: a[src]  # noqa: E731
-    dtokens, dpadding = tokens[src], padding[src]
+    state0 = layout.initial(state_args)
+  P = shape.prompt_len
+  dtokens, dpadding = (tokens[src], padding[src]) if shape.gather else (
+      tokens, padding)
+  if decode.use_cache:
+    state = _prefill_cache(shape, model, state0, tokens, padding, src)
+    state = pz.nx.order_like(layout.conform(state), state0)
+    model_state = layout.pack(state)
   else:
-    gather = None
-    dtokens, dpadding = tokens, padding
-  if plan.use_cache:
-    if plan.gather:
-      pmodel = dataclasses.replace(
-          model, batch_axes={axis: plan.prefill_batch})
-      pstate = _map_batch_arrays(
-          state0, axis, lambda a: a[:plan.prefill_batch])
-    else:
-      pmodel, pstate = model, state0
-    if P > 1:
-      _, pstate = pmodel.stateless_call(
-          pstate, _named(tokens[:, :P - 1], axis),
-          is_padding=_named(padding[:, :P - 1], axis))
-      pstate = list(pstate)
-    mstate = _map_batch_arrays(pstate, axis, gather) if gather else pstate
-    mstate = pz.nx.order_like(mstate, state0)
-  else:
-    C = plan.cache_len
-    B = plan.batch
-    buf = jnp.zeros((B, C), jnp.int32).at[:, :P - 1].set(dtokens[:, :P - 1])
-    real_cols = ~dpadding[:, :P - 1]
-    count = jnp.cumsum(real_cols, axis=1, dtype=jnp.int32)
-    pos = jnp.full((B, C), -1, jnp.int32).at[:, :P - 1].set(
-        jnp.where(real_cols, count - 1, -1))
-    mstate = dict(tokens=buf, positions=pos, state=state0)
-
-  B, T, V = plan.batch, plan.out_len, plan.vocab
-  if plan.continued:
+    model_state = _recompute_state(shape, state0, dtokens, dpadding)
+  if shape.continued:
     # Penalties see the whole conversation, not just the new tokens.
-    seen, seen_mask = _history(mstate, state_static[3], axis)
+    seen, seen_mask = _history(state, layout.labels, decode.batch_axis)
     seen = jnp.concatenate([seen, dtokens[:, P - 1:]], axis=1)
     seen_mask = jnp.concatenate([seen_mask, ~dpadding[:, P - 1:]], axis=1)
   else:
     seen, seen_mask = dtokens, ~dpadding
-  carry = dict(
-      mstate=pack_state(mstate) if plan.use_cache else mstate,
+  B = decode.batch
+  zeros = jnp.zeros((B,), jnp.int32)
+  return LoopState(
+      model_state=model_state,
       slots=jnp.asarray(start + P - 1, jnp.int32),
       next_token=dtokens[:, P - 1],
       feed=real,
-      step=jnp.zeros((B,), jnp.int32),
+      step=zeros,
       reason=jnp.where(real, RUNNING, PADDING_ROW).astype(jnp.int32),
       waiting=jnp.zeros((B,), bool),
-      sampler=sampling.init_sampler_state(seen, seen_mask, vocab_size=V),
-      out_tokens=jnp.zeros((B, T), jnp.int32),
-      out_logprobs=jnp.zeros((B, T), jnp.float32),
-      out_forced=jnp.zeros((B, T), bool),
-      q_pos=jnp.zeros((B,), jnp.int32),
+      q_pos=zeros,
       t=jnp.asarray(0, jnp.int32),
+      sampler=sampling.init_sampler_state(seen, seen_mask,
+                                          vocab_size=decode.vocab),
+      out=Outputs.empty(B, decode.cache_len, decode.top_n),
   )
-  if plan.top_n:
-    carry["out_top_logprobs"] = jnp.zeros((B, T, plan.top_n), jnp.float32)
-    carry["out_top_ids"] = jnp.zeros((B, T, plan.top_n), jnp.int32)
-  return carry
 
 
-def _feed_fn(plan, model, state_static):
-  """Returns feed(mstate, slots, token, mask) -> (logits (B, V) f32, mstate)."""
-  axis = plan.batch_axis
+def _feed_fn(shape: DecodeShape, model, layout: StateLayout):
+  """feed(model_state, slots, token, mask) -> (logits (B, V) f32, state)."""
+  axis = shape.batch_axis
 
-  if plan.use_cache:
+  def feed_cached(packed, slots, token, mask):
+    del slots
+    state = layout.unpack(packed)
+    logits, new = model.stateless_call(
+        state, _named(token[:, None], axis),
+        is_padding=_named(~mask[:, None], axis))
+    logits = logits.unwrap(axis, "seq", "vocabulary")[:, 0]
+    new = pz.nx.order_like(list(new), state)
+    return logits.astype(jnp.float32), layout.pack(new)
 
-    def feed(packed, slots, token, mask):
-      del slots
-      mstate = unpack_state(packed, state_static)
-      logits, new = model.stateless_call(
-          mstate, _named(token[:, None], axis),
-          is_padding=_named(~mask[:, None], axis))
-      logits = logits.unwrap(axis, "seq", "vocabulary")[:, 0]
-      new = pz.nx.order_like(list(new), mstate)
-      return logits.astype(jnp.float32), pack_state(new)
-
-    return feed
-
-  def feed(mstate, slots, token, mask):
-    tokens = jax.lax.dynamic_update_slice(
-        mstate["tokens"], token[:, None], (0, slots))
-    positions = mstate["positions"]
-    next_pos = jnp.max(positions, axis=1) + 1
+  def feed_recompute(s: RecomputeState, slots, token, mask):
+    tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None],
+                                          (0, slots))
+    next_pos = jnp.max(s.positions, axis=1) + 1
     positions = jax.lax.dynamic_update_slice(
-        positions, jnp.where(mask, next_pos, -1)[:, None], (0, slots))
+        s.positions, jnp.where(mask, next_pos, -1)[:, None], (0, slots))
     logits, state = model.stateless_call(
-        mstate["state"], _named(tokens, axis),
-        token_positions=_named(positions, axis))
+        s.state, _named(tokens, axis), token_positions=_named(positions, axis))
     logits = logits.unwrap(axis, "seq", "vocabulary")
     logits = jax.lax.dynamic_index_in_dim(logits, slots, 1, keepdims=False)
-    new = dict(tokens=tokens, positions=positions,
-               state=pz.nx.order_like(list(state), mstate["state"]))
+    new = RecomputeState(tokens, positions,
+                         pz.nx.order_like(list(state), s.state))
     return logits.astype(jnp.float32), new
 
-  return feed
+  return feed_cached if shape.use_cache else feed_recompute
 
 
-def decode_program(static, model_leaves, carry, settings, max_new, stop_ids,
-            pause_id, stop_at, end_rows, end_reason, resume, q_tokens, q_len,
-            q_more):
-  """Decode program: runs the loop until done, paused or ``t == stop_at``."""
-  plan, treedef, state_static = static
+def _apply_host_control(c: LoopState, x: DecodeInputs) -> LoopState:
+  """Ends rows the host ended (stop strings, cancellation) and resumes
+  paused rows."""
+  end = x.end_rows & (c.reason == RUNNING)
+  waiting = c.waiting & ~end
+  resumed = x.resume & waiting
+  return dataclasses.replace(
+      c, reason=jnp.where(end, x.end_reason, c.reason),
+      feed=(c.feed & ~end) | resumed, waiting=waiting & ~resumed,
+      q_pos=jnp.zeros_like(c.q_pos))
+
+
+def _loop_step(shape: DecodeShape, feed_model, x: DecodeInputs,
+               c: LoopState) -> LoopState:
+  """One iteration: feed every active row's token, pick the next ones."""
+  Q, T = shape.queue_len, shape.cache_len
+  active = c.feed
+  logits, model_state = feed_model(c.model_state, c.slots, c.next_token,
+                                   active)
+  sampled, logprob = sampling.sample_next(logits, x.settings, c.sampler,
+                                          c.step)
+  queued = jnp.take_along_axis(
+      x.q_tokens, jnp.minimum(c.q_pos, Q - 1)[:, None], axis=1)[:, 0]
+  forced = active & (c.q_pos < x.q_len)
+  token = jnp.where(forced, queued, sampled)
+  logprob = jax.lax.cond(
+      jnp.any(forced),
+      lambda: jnp.where(forced, _logprob_of(logits, token), logprob),
+      lambda: logprob)
+  q_pos = c.q_pos + forced.astype(jnp.int32)
+  top = sampling.top_logprobs(logits, shape.top_n) if shape.top_n else None
+  out = c.out.write(jnp.where(active, c.step, T), token, logprob, forced, top)
+  step = c.step + active.astype(jnp.int32)
+
+  is_stop = active & jnp.any(token[:, None] == x.stop_ids, axis=1)
+  is_len = active & (step >= x.max_new)
+  going = active & ~is_stop & ~is_len
+  # Pause for the host: a tool-call end marker was sampled, or the forced
+  # queue ran out while the host holds more forced tokens for the row.
+  pause = going & ((~forced & (token == x.pause_id))
+                   | (forced & (q_pos >= x.q_len) & x.q_more))
+  return LoopState(
+      model_state=model_state,
+      slots=c.slots + 1,
+      next_token=jnp.where(active, token, c.next_token),
+      feed=going & ~pause,
+      step=step,
+      reason=jnp.where(is_stop, STOP, jnp.where(is_len, LENGTH, c.reason)),
+      waiting=c.waiting | pause,
+      q_pos=q_pos,
+      t=c.t + 1,
+      sampler=sampling.update_sampler_state(c.sampler, token, active),
+      out=out,
+  )
+
+
+def decode_program(static, model_leaves, carry: LoopState,
+                   inputs: DecodeInputs) -> LoopState:
+  """Decode program: runs the loop until done, paused or ``t == stop_at``.
+
+  Args:
+    static: ``(DecodeShape, treedef, StateLayout)``.
+    model_leaves: The stateless model's arrays.
+    carry: The loop state (donated: updated in place).
+    inputs: This call's host inputs.
+  """
+  shape, treedef, layout = static
   model = jax.tree_util.tree_unflatten(treedef, model_leaves)
-  feed_model = _feed_fn(plan, model, state_static)
-  B, T, Q = plan.batch, plan.out_len, plan.queue_len
-  rows = jnp.arange(B)
+  feed_model = _feed_fn(shape, model, layout)
 
-  # Host control: end rows (stop strings, cancellation), resume paused rows.
-  c = dict(carry)
-  end = end_rows & (c["reason"] == RUNNING)
-  c["reason"] = jnp.where(end, end_reason, c["reason"])
-  c["feed"] = c["feed"] & ~end
-  c["waiting"] = c["waiting"] & ~end
-  resumed = resume & c["waiting"]
-  c["feed"] = c["feed"] | resumed
-  c["waiting"] = c["waiting"] & ~resumed
-  c["q_pos"] = jnp.zeros((B,), jnp.int32)
+  def cond(c: LoopState):
+    return ((c.t < inputs.stop_at) & jnp.any(c.feed) & ~jnp.any(c.waiting)
+            & (c.slots < shape.cache_len))
 
-  def cond(c):
-    return ((c["t"] < stop_at) & jnp.any(c["feed"]) & ~jnp.any(c["waiting"])
-            & (c["slots"] < plan.cache_len))
-
-  def body(c):
-    c = dict(c)
-    active = c["feed"]
-    logits, c["mstate"] = feed_model(
-        c["mstate"], c["slots"], c["next_token"], active)
-    c["slots"] = c["slots"] + 1
-
-    sampled, logprob = sampling.sample_next(
-        logits, settings, c["sampler"], c["step"])
-    has_q = c["q_pos"] < q_len
-    queued = jnp.take_along_axis(
-        q_tokens, jnp.minimum(c["q_pos"], Q - 1)[:, None], axis=1)[:, 0]
-    forced = active & has_q
-    token = jnp.where(forced, queued, sampled)
-    logprob = jax.lax.cond(
-        jnp.any(forced),
-        lambda: jnp.where(forced, _logprob_of(logits, token), logprob),
-        lambda: logprob)
-    c["q_pos"] = c["q_pos"] + forced.astype(jnp.int32)
-
-    index = jnp.where(active, c["step"], T)
-    c["out_tokens"] = c["out_tokens"].at[rows, index].set(token, mode="drop")
-    c["out_logprobs"] = c["out_logprobs"].at[rows, index].set(
-        logprob, mode="drop")
-    c["out_forced"] = c["out_forced"].at[rows, index].set(forced, mode="drop")
-    if plan.top_n:
-      top_lp, top_ids = sampling.top_logprobs(logits, plan.top_n)
-      c["out_top_logprobs"] = c["out_top_logprobs"].at[rows, index].set(
-          top_lp, mode="drop")
-      c["out_top_ids"] = c["out_top_ids"].at[rows, index].set(
-          top_ids, mode="drop")
-    c["sampler"] = sampling.update_sampler_state(c["sampler"], token, active)
-    c["step"] = c["step"] + active.astype(jnp.int32)
-
-    is_stop = active & jnp.any(token[:, None] == stop_ids, axis=1)
-    is_len = active & (c["step"] >= max_new)
-    c["reason"] = jnp.where(
-        is_stop, STOP, jnp.where(is_len, LENGTH, c["reason"]))
-    going = active & ~is_stop & ~is_len
-    # Pause for the host: a tool-call end marker was sampled, or the forced
-    # queue ran out while the host holds more forced tokens for the row.
-    pause = going & (
-        (~forced & (token == pause_id))
-        | (forced & (c["q_pos"] >= q_len) & q_more))
-    c["waiting"] = c["waiting"] | pause
-    c["feed"] = going & ~pause
-    c["next_token"] = jnp.where(active, token, c["next_token"])
-    c["t"] = c["t"] + 1
-    return c
-
-  c = jax.lax.while_loop(cond, body, c)
-  full = c["feed"] & (c["slots"] >= plan.cache_len)
-  c["reason"] = jnp.where(full, CACHE_FULL, c["reason"])
-  c["feed"] = c["feed"] & ~full
-  return c
+  c = _apply_host_control(carry, inputs)
+  c = jax.lax.while_loop(
+      cond, lambda c: _loop_step(shape, feed_model, inputs, c), c)
+  full = c.feed & (c.slots >= shape.cache_len)
+  return dataclasses.replace(c, reason=jnp.where(full, CACHE_FULL, c.reason),
+                             feed=c.feed & ~full)

@@ -8,6 +8,7 @@ row; per-token fields hold one entry per generated token of that row.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 FINISH_REASONS = ("stop", "length", "cache_full", "cancelled")
 
@@ -49,6 +50,16 @@ class Timings:
   decode_steps: int = 0
   batch_rows: int = 0
 
+  def add_decode_call(self, seconds: float, steps: int) -> None:
+    """Accounts one decode call of ``steps`` loop iterations. The first
+    iteration of a request produces every row's first token."""
+    if steps and not self.time_to_first_token_s:
+      first = seconds / steps
+      self.time_to_first_token_s = self.prefill_s + first
+      seconds, steps = seconds - first, steps - 1
+    self.decode_s += seconds
+    self.decode_steps += steps
+
 
 @dataclasses.dataclass
 class GenerationResult:
@@ -82,6 +93,12 @@ class GenerationResult:
       token's text and any stop string (with what follows) are removed.
     stop_strings_matched: Text helpers only: the stop string that ended each
       row, or None.
+    state: Once finished, the final values of the model's own state
+      variables (those of patches, e.g. penzai's ``SaveIntermediate``), by
+      label, with the batch axis cut to the result's rows; per-layer
+      variables of a layer stack are labelled ``{label}/blocks_{i}``. A
+      variable without a value before generation holds what the last decode
+      step gave it.
   """
 
   tokens: list[list[int]]
@@ -96,6 +113,7 @@ class GenerationResult:
   top_logprobs: list[list[list[tuple[int, float]]]] | None = None
   texts: list[str] | None = None
   stop_strings_matched: list[str | None] | None = None
+  state: dict[str, Any] | None = None
 
   @property
   def lengths(self) -> list[int]:
@@ -120,6 +138,39 @@ class GenerationResult:
           f"this result has {len(self.texts)} rows; use .texts[i] instead of"
           " .text.")
     return self.texts[0]
+
+  @classmethod
+  def from_outputs(cls, out, lengths: list[int],
+                   finish_reasons: list[str | None], request,
+                   timings: Timings) -> GenerationResult:
+    """A result from a run's host outputs (a `state.Outputs` of numpy
+    arrays), the kept length of every row and the request."""
+    n = request.num_samples
+    rows = range(len(lengths))
+    top = None
+    if request.logprobs_top_n:
+      top = [[list(zip(i, lp)) for i, lp in zip(
+          out.top_ids[r, :lengths[r]].tolist(),
+          out.top_logprobs[r, :lengths[r]].tolist())] for r in rows]
+    tokens = [out.tokens[r, :lengths[r]].tolist() for r in rows]
+    timings.generated_tokens = sum(lengths)
+    if timings.time_to_first_token_s:
+      timings.prefill_tokens_per_s = (
+          timings.prompt_tokens / timings.time_to_first_token_s)
+    if timings.decode_s and timings.decode_steps:
+      timings.decode_tokens_per_s = timings.decode_steps / timings.decode_s
+    return cls(
+        tokens=tokens,
+        finish_reasons=list(finish_reasons),
+        logprobs=[out.logprobs[r, :lengths[r]].tolist() for r in rows],
+        forced=[out.forced[r, :lengths[r]].tolist() for r in rows],
+        prompt_indices=[r // n for r in rows],
+        sample_indices=[r % n for r in rows],
+        seeds=list(request.seeds),
+        prompt_lengths=request.row_prompt_lengths,
+        timings=timings,
+        top_logprobs=top,
+    )
 
   def rows_of_prompt(self, prompt_index: int) -> list[int]:
     """Row indices of all samples of one prompt."""

@@ -1,192 +1,184 @@
-"""`Run`: one request in flight, its device state and host bookkeeping.
+"""`Run`: one request in flight -- a thin driver of the two programs.
 
-A run owns the decode loop's carry (on device between calls) and what the
-host adds: forced-token queues, rows ended from the host (stop strings,
-cancellation), tool replies, timings. `generate` drives it in one decode call
-(or chunks when the host must take part); the streaming helpers drive it in
-chunks of ``k`` steps.
+A run holds the decode loop's `LoopState` (on device between calls), a host
+copy of its small part (`LoopState.host_view`) and what the host adds:
+forced-token queues, rows ended from the host (stop strings, cancellation),
+tool replies and timings. `Engine.generate` drives it in one decode call (or
+chunks when the host must take part), `GenerationStream` in chunks of ``k``
+steps, and `Session` reads the state it leaves for the next turn.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from penzai import pz
 
-from penzai_lm import sampling
-from penzai_lm.generation import plan as plan_lib
-from penzai_lm.generation import prepare
 from penzai_lm.generation import programs
-from penzai_lm.generation import requests as requests_lib
-from penzai_lm.generation.program_cache import PROGRAMS
-from penzai_lm.generation.programs import REASON_NAMES
-from penzai_lm.generation.programs import RUNNING
-from penzai_lm.generation.programs import STOP
-from penzai_lm.generation.programs import CANCELLED
+from penzai_lm.generation.prepare import PreparedModel
+from penzai_lm.generation.prompts import token_list
+from penzai_lm.generation.request import Request
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.results import Timings
+from penzai_lm.generation.state import CANCELLED
+from penzai_lm.generation.state import Continuation
+from penzai_lm.generation.state import DecodeInputs
+from penzai_lm.generation.state import LoopState
+from penzai_lm.generation.state import Outputs
+from penzai_lm.generation.state import REASON_NAMES
+from penzai_lm.generation.state import RUNNING
+from penzai_lm.generation.state import STOP
 
 
-def _grown_state(prepared, continuation) -> list:
-  """A previous run's state leaves, grown to ``prepared``'s cache size.
-
-  Grown slots take the fill of an empty cache (positions -1: unwritten).
-  Growing is a copy outside the prefill program, so the prefill compiles
-  once per cache size, not once per pair of sizes.
-  """
-  if continuation.state is None:  # An empty cache.
-    args = iter(prepared.state_args)
-    return [next(args) if s is None else jnp.full(shape, s[2], s[1])
-            for shape, s in zip(prepared.state_shapes, prepared.state_spec)]
-  _check_continuation(prepared, continuation)
-  leaves = []
-  for x, shape, s in zip(continuation.state, prepared.state_shapes,
-                         prepared.state_spec):
-    if tuple(x.shape) != shape:
-      x = jnp.pad(x, [(0, n - o) for o, n in zip(x.shape, shape)],
-                  constant_values=s[2])
-    leaves.append(x)
-  return leaves
+def _padded(values, rows: int, fill, dtype) -> np.ndarray:
+  return np.asarray(list(values) + [fill] * (rows - len(values)), dtype)
 
 
-def _check_continuation(prepared, continuation) -> None:
-  """The previous state must fit this model's state, grown at most."""
-  shapes, spec = prepared.state_shapes, prepared.state_spec
-  ok = prepared.cache_labels is not None and len(continuation.state) == len(
-      shapes)
-  for x, shape, s in zip(continuation.state, shapes, spec) if ok else ():
-    old = tuple(np.shape(x))
-    if old != shape and (s is None or len(old) != len(shape) or any(
-        o > n for o, n in zip(old, shape))):
-      ok = False
-  if not ok:
+def _prompt_batch(request: Request):
+  """(tokens, padding, src, real): prompts left-padded to the bucket."""
+  shape = request.prefill
+  B, P, rows = shape.decode.batch, shape.prompt_len, request.num_rows
+  if shape.gather:
+    prompts, src = request.prompts, [r // request.num_samples
+                                     for r in range(rows)]
+  else:
+    prompts, src = [request.prompt_of_row(r) for r in range(rows)], range(rows)
+  tokens = np.zeros((shape.batch, P), np.int32)
+  padding = np.ones((shape.batch, P), bool)
+  for i, prompt in enumerate(prompts):
+    tokens[i, P - len(prompt):] = prompt
+    padding[i, P - len(prompt):] = False
+  return (tokens, padding, _padded(src, B, 0, np.int32),
+          np.arange(B) < rows)
+
+
+def check_chunk_size(chunk_size) -> None:
+  if (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+      or chunk_size < 1):
     raise ValueError(
-        "the previous state does not belong to this model (different"
-        " structure or shapes); start a new session for this model.")
-
-
-def _row_lists(values, rows, fill):
-  return list(values) + [fill] * (rows - len(values))
+        f"chunk_size must be a positive integer, got {chunk_size!r}.")
 
 
 class Run:
-  """One request in flight: owns the device state and the host bookkeeping.
+  """One request in flight; see the module docstring.
 
-  Used by `generate` (one decode call, or chunks when the host must take
-  part) and by the streaming helpers (chunks of ``k`` steps). With a
-  `plan.Continuation` the prompt is appended to a previous run's state
-  (see `penzai_lm.generation.session`).
+  Attributes:
+    request: The validated `Request`.
+    rows: Rows of the request (the loop runs ``request.decode.batch``).
+    start_slot: First cache slot of this run's prompt (a session's turn
+      appends after the previous one).
+    view: Host copy of the loop state's small part (None before the
+      prefill).
+    finished: Whether every row has finished.
+    timings: `Timings` so far.
   """
 
-  def __init__(self, model, request: requests_lib.GenerationRequest, *,
-               use_cache: bool = True, tool=None,
-               continuation: plan_lib.Continuation | None = None):
+  def __init__(self, engine, prepared: PreparedModel, request: Request, *,
+               tool=None, continuation: Continuation | None = None):
     self._start = time.perf_counter()
+    self._engine = engine
+    self._prepared = prepared
     self.request = request
     self.tool = tool
-    plan = plan_lib.plan_request(model, request, use_cache, continuation)
-    self.plan = plan
-    rows, B = request.num_rows, plan.batch
-    self.rows = rows
-    prepared = prepare.prepare_model(model, plan_lib.model_kind(model), plan)
-    self._model_leaves = prepared.model_leaves
-    self._treedef = prepared.treedef
-    self._state_static = prepared.state_static
-    self._state_shapes = prepared.state_shapes
-    self._state_args = prepared.state_args
+    self.rows = request.num_rows
     self.start_slot = 0
+    self._state_args = prepared.state_args
     if continuation is not None:
-      self._state_args = _grown_state(prepared, continuation)
+      self._state_args = continuation.state_args(prepared.layout,
+                                                 prepared.state_args)
       self.start_slot = continuation.start_slot
-
-    # Prompts, left-padded to the bucket.
-    P = plan.prompt_len
-    prefill_rows = plan.prefill_batch
-    if plan.gather:
-      prompts = request.prompts
-      src = [request.prompt_of_row(r) for r in range(rows)]
-    else:
-      prompts = [request.prompts[request.prompt_of_row(r)] for r in range(rows)]
-      src = list(range(rows))
-    tokens = np.zeros((prefill_rows, P), np.int32)
-    padding = np.ones((prefill_rows, P), bool)
-    for i, prompt in enumerate(prompts):
-      tokens[i, P - len(prompt):] = prompt
-      padding[i, P - len(prompt):] = False
-    self._prefill_inputs = (
-        tokens, padding, np.asarray(_row_lists(src, B, 0), np.int32),
-        np.asarray([r < rows for r in range(B)], bool))
-
-    # Per-row settings, padded with neutral rows.
-    values = {name: _row_lists(v, B, requests_lib.SAMPLING_DEFAULTS.get(
-        name)) for name, v in request.sampling.items()}
-    for name in ("logit_bias", "banned_tokens"):
-      values[name] = _row_lists(request.sampling[name], B, None)
-    if all(v is None for v in values["logit_bias"]):
-      values["logit_bias"] = None
-    else:
-      values["logit_bias"] = [v or {} for v in values["logit_bias"]]
-    if all(v is None for v in values["banned_tokens"]):
-      values["banned_tokens"] = None
-    else:
-      values["banned_tokens"] = [list(v or ()) for v in values["banned_tokens"]]
-    try:
-      self.settings = sampling.SamplingSettings.make(
-          B, plan.vocab, seed=_row_lists(request.seeds, B, 0),
-          top_k_cap=request.top_k_cap, always_dense=True, **values)
-    except ValueError as e:
-      hint = ""
-      if request.num_samples > 1:
-        hint = (f" (rows are prompt-major: row r is sample r %"
-                f" {request.num_samples} of prompt r // {request.num_samples})")
-      raise ValueError(f"{e}{hint}") from None
-    self._max_new = np.asarray(
-        _row_lists(request.max_new_tokens.tolist(), B, 1), np.int32)
-    stop_ids = np.full((B, plan.stop_width), -1, np.int32)
+    shape = request.decode
+    B = shape.batch
+    stop_ids = np.full((B, shape.stop_width), -1, np.int32)
     for r, ids in enumerate(request.stop_tokens):
       stop_ids[r, :len(ids)] = ids
+    self._settings = request.sampling.pad_rows(B)
+    self._max_new = _padded(request.max_new_tokens, B, 1, np.int32)
     self._stop_ids = stop_ids
-    pause = -1 if tool is None else int(tool.pause_token_id)
-    self._pause_id = np.asarray(pause, np.int32)
-
-    # Host bookkeeping.
+    self._pause_id = np.asarray(
+        -1 if tool is None else int(tool.pause_token_id), np.int32)
     self.queues: list[list[int]] = [list(f) for f in request.forced_tokens]
     self._end_rows = np.zeros((B,), bool)
     self._end_reason = np.zeros((B,), np.int32)
     self._resume = np.zeros((B,), bool)
-    self.host_reason: list[str | None] = [None] * rows
-    self.keep: list[int | None] = [None] * rows  # Truncation (stop strings).
-    self.emitted = [0] * rows
-    self.carry = None
-    self.view: dict[str, np.ndarray] | None = None
-    self.timings = Timings(batch_rows=B)
-    self.timings.prompt_tokens = int(sum(len(p) for p in request.prompts))
-    self._first_token_done = False
+    self.host_reason: list[str | None] = [None] * self.rows
+    self.keep: list[int | None] = [None] * self.rows  # Cut by the host.
+    self.emitted = [0] * self.rows
+    self.carry: LoopState | None = None
+    self.view: LoopState | None = None
+    self.timings = Timings(batch_rows=B, prompt_tokens=int(
+        sum(len(p) for p in request.prompts)))
     self.finished = False
 
   # Device calls.
 
+  def run_to_end(self, *, cancel=None, chunk_size: int = 8
+                 ) -> GenerationResult:
+    """Prefills and decodes until every row has finished.
+
+    The first decode call runs one step (so the time to first token is
+    measured), the rest one call to the end, or chunks of ``chunk_size``
+    steps between which ``cancel`` (a ``threading.Event``) is checked.
+    """
+    check_chunk_size(chunk_size)
+    if cancel is not None and cancel.is_set():
+      self.cancel()
+      return self.result()
+    self.prefill()
+    self.decode(1)
+    while not self.finished:
+      if cancel is None:
+        self.decode(None)
+      elif cancel.is_set():
+        self.cancel()
+      else:
+        self.decode(chunk_size)
+    return self.result()
+
   def prefill(self) -> None:
-    args = (self._model_leaves, self._state_args, *self._prefill_inputs,
-            np.asarray(self.start_slot, np.int32))
-    program, compile_s = PROGRAMS.get(
-        "prefill", programs.prefill_program,
-        (self.plan, self._treedef, self._state_static), args)
-    self.timings.compile_s += compile_s
+    prepared = self._prepared
+    args = (prepared.model_leaves, self._state_args, *_prompt_batch(
+        self.request), np.asarray(self.start_slot, np.int32))
+    program = self._program("prefill", programs.prefill_program,
+                            self.request.prefill, args)
     start = time.perf_counter()
-    self.carry = program(*args)
-    jax.block_until_ready(self.carry)
+    self.carry = jax.block_until_ready(program(*args))
     self.timings.prefill_s = time.perf_counter() - start
-    self._fetch()
+    self.view = self.carry.host_view()
 
   def decode(self, steps: int | None = None) -> None:
     """Runs the loop for at most ``steps`` iterations (None: to the end)."""
     if self.finished:
       return
-    B, Q = self.plan.batch, self.plan.queue_len
+    t = int(self.view.t)
+    inputs = self._decode_inputs(
+        np.iinfo(np.int32).max if steps is None else t + steps)
+    args = (self._prepared.model_leaves, self.carry, inputs)
+    program = self._program("decode", programs.decode_program,
+                            self.request.decode, args, donate=(1,))
+    start = time.perf_counter()
+    self.carry = program(*args)
+    self.view = self.carry.host_view()
+    self.timings.add_decode_call(time.perf_counter() - start,
+                                 int(self.view.t) - t)
+    self._end_rows[:] = False
+    self._resume[:] = False
+    for r in range(self.rows):
+      del self.queues[r][:int(self.view.q_pos[r])]
+    self._handle_waiting()
+    self.finished = self._all_done()
+
+  def _program(self, name, fn, shape, args, donate=()):
+    program, seconds = self._engine.program(
+        name, fn, (shape, self._prepared.treedef, self._prepared.layout),
+        args, shape=shape, donate=donate)
+    self.timings.compile_s += seconds
+    return program
+
+  def _decode_inputs(self, stop_at: int) -> DecodeInputs:
+    B, Q = self.request.decode.batch, self.request.decode.queue_len
     q_tokens = np.zeros((B, Q), np.int32)
     q_len = np.zeros((B,), np.int32)
     q_more = np.zeros((B,), bool)
@@ -195,82 +187,38 @@ class Run:
       q_tokens[r, :n] = queue[:n]
       q_len[r] = n
       q_more[r] = len(queue) > Q
-    t = int(self.view["t"])
-    stop_at = np.asarray(
-        np.iinfo(np.int32).max if steps is None else t + steps, np.int32)
-    args = (self._model_leaves, self.carry, self.settings, self._max_new,
-            self._stop_ids, self._pause_id, stop_at, self._end_rows,
-            self._end_reason, self._resume, q_tokens, q_len, q_more)
-    # The decode program does not depend on how the prefill was batched.
-    plan = dataclasses.replace(
-        self.plan, prefill_batch=0, gather=False, prompt_len=0,
-        continued=False)
-    program, compile_s = PROGRAMS.get(
-        "decode", programs.decode_program,
-        (plan, self._treedef, self._state_static), args, donate=(1,))
-    self.timings.compile_s += compile_s
-    start = time.perf_counter()
-    self.carry = program(*args)
-    self._fetch()
-    elapsed = time.perf_counter() - start
-    steps_run = int(self.view["t"]) - t
-    if not self._first_token_done and steps_run:
-      # The first iteration produces every row's first token.
-      self._first_token_done = True
-      self.timings.time_to_first_token_s = self.timings.prefill_s + (
-          elapsed / steps_run if steps_run > 1 else elapsed)
-      if steps_run > 1:
-        self.timings.decode_s += elapsed * (steps_run - 1) / steps_run
-        self.timings.decode_steps += steps_run - 1
-    else:
-      self.timings.decode_s += elapsed
-      self.timings.decode_steps += steps_run
-    self._end_rows[:] = False
-    self._resume[:] = False
-    consumed = self.view["q_pos"]
-    for r in range(self.rows):
-      if consumed[r]:
-        del self.queues[r][:int(consumed[r])]
-    self._handle_waiting()
-    self.finished = self._all_done()
-
-  def _fetch(self) -> None:
-    keys = ["t", "step", "reason", "waiting", "feed", "q_pos", "out_tokens",
-            "out_logprobs", "out_forced"]
-    if self.plan.top_n:
-      keys += ["out_top_logprobs", "out_top_ids"]
-    self.view = jax.device_get({k: self.carry[k] for k in keys})
+    return DecodeInputs(
+        settings=self._settings, max_new=self._max_new,
+        stop_ids=self._stop_ids, pause_id=self._pause_id,
+        stop_at=np.asarray(stop_at, np.int32), end_rows=self._end_rows.copy(),
+        end_reason=self._end_reason.copy(), resume=self._resume.copy(),
+        q_tokens=q_tokens, q_len=q_len, q_more=q_more)
 
   def _handle_waiting(self) -> None:
-    waiting = self.view["waiting"]
-    for r in range(self.rows):
-      if not waiting[r]:
-        continue
+    for r in np.flatnonzero(self.view.waiting[:self.rows]):
       if self.tool is not None and not self.queues[r]:
-        prompt = self.request.prompts[self.request.prompt_of_row(r)]
+        prompt = self.request.prompt_of_row(r)
         reply = self.tool.respond(prompt.tolist() + self.tokens_of(r))
         if reply:
           self.queues[r].extend(int(t) for t in reply)
       self._resume[r] = True
 
   def _all_done(self) -> bool:
-    reason = self.view["reason"]
-    return all(self.host_reason[r] is not None or reason[r] != RUNNING
-               for r in range(self.rows))
+    return all(self.finish_reason(r) is not None for r in range(self.rows))
 
   # Host control.
 
   def end_row(self, row: int, reason: str, keep: int | None = None) -> None:
-    """Ends a row from the host (stop string, cancellation)."""
+    """Ends a row from the host (stop string, cancellation), keeping its
+    first ``keep`` tokens (all if None)."""
     if self.host_reason[row] is not None:
       return
     if self.view is None:
       raise RuntimeError("end_row() needs a started run.")
-    if self.view["reason"][row] != RUNNING and keep is None:
+    if self.view.reason[row] != RUNNING and keep is None:
       return
     self.host_reason[row] = reason
-    if keep is not None:
-      self.keep[row] = keep
+    self.keep[row] = keep
     self._end_rows[row] = True
     self._end_reason[row] = STOP if reason == "stop" else CANCELLED
     self.finished = self._all_done()
@@ -279,8 +227,8 @@ class Run:
     """Queues forced tokens for a row (consumed before sampling)."""
     if not 0 <= row < self.rows:
       raise IndexError(f"row {row} is outside [0, {self.rows}).")
-    ids = requests_lib.token_list("forced tokens", tokens, self.plan.vocab)
-    self.queues[row].extend(ids)
+    self.queues[row].extend(
+        token_list("forced tokens", tokens, self.request.decode.vocab))
 
   def cancel(self) -> None:
     """Ends every running row with "cancelled" (nothing more runs)."""
@@ -289,106 +237,79 @@ class Run:
         self.host_reason[r] = "cancelled"
     self.finished = True
 
-  def next_continuation(self, previous: plan_lib.Continuation | None):
-    """Where a one-row run leaves the conversation, for its next turn.
+  # Reading.
 
-    Args:
-      previous: The continuation this run started from (None if fresh).
-
-    Returns:
-      ``(continuation, pending)``: the state to continue from and the
-      tokens that are part of the conversation but not in the cache yet
-      (fed first next turn): the last kept token, or the whole prompt if
-      nothing ran.
+  def model_state(self) -> list:
+    """The model's state leaves after this run (device arrays).
 
     Raises:
-      RuntimeError: if the device state is gone (a decode call was
-        interrupted after taking it over).
+      RuntimeError: if nothing ran, or the state was handed to a decode
+        call that did not return (interrupted).
     """
-    if self.rows != 1 or not self.plan.use_cache:
-      raise ValueError("only a one-row cached run can be continued.")
-    prompt = self.request.prompts[0].tolist()
-    if self.carry is None:  # Cancelled before the prefill: nothing changed.
-      return previous, prompt
-    kept = self.tokens_of(0)
-    pending = kept[-1:] or prompt[-1:]
-    in_cache = len(prompt) + len(kept) - 1  # Real tokens this run added.
-    end = self.start_slot + self.plan.prompt_len - 1 + len(kept)
-    positions = (previous.positions if previous else 0) + in_cache
-    packed = self.carry["mstate"]
+    if self.carry is None:
+      raise RuntimeError("the run has no state (it never started).")
+    packed = self.carry.model_state
     if any(x.is_deleted() for x in packed if hasattr(x, "is_deleted")):
       raise RuntimeError("the run's device state was released.")
-    state = [x.reshape(shape) for x, shape in zip(packed, self._state_shapes)]
-    return plan_lib.Continuation(
-        state=state, start_slot=end, positions=positions,
-        cache_len=self.plan.cache_len), pending
+    return [x.reshape(s.shape)
+            for x, s in zip(packed, self._prepared.layout.leaves)]
 
-  # Reading.
+  def patch_state(self) -> dict[str, object]:
+    """Final values of the user's model state (patches' state variables),
+    by label, batch axis cut to the request's rows; {} if nothing ran."""
+    if self.carry is None or not self._prepared.layout.user_labels:
+      return {}
+    carry = self.carry.model_state
+    if self.request.decode.use_cache:
+      state = self._prepared.layout.unflatten(self.model_state())
+    else:
+      state = carry.state
+    axis = self.request.decode.batch_axis
+    out = {}
+    for v in state:
+      if v.label in self._prepared.layout.user_labels:
+        out[v.label] = jax.tree_util.tree_map(
+            lambda x: x[{axis: slice(0, self.rows)}] if isinstance(
+                x, pz.nx.NamedArrayBase) and axis in x.named_shape else x,
+            v.value, is_leaf=pz.nx.is_namedarray)
+    return out
 
   def row_length(self, row: int) -> int:
     if self.view is None:
       return 0
-    n = int(self.view["step"][row])
+    n = int(self.view.step[row])
     return n if self.keep[row] is None else min(n, self.keep[row])
 
   def tokens_of(self, row: int, start: int = 0) -> list[int]:
-    return self.view["out_tokens"][row, start:self.row_length(row)].tolist()
+    if self.view is None:
+      return []
+    return self.view.out.tokens[row, start:self.row_length(row)].tolist()
 
   def finish_reason(self, row: int) -> str | None:
     if self.host_reason[row] is not None:
       return self.host_reason[row]
     if self.view is None:
       return None
-    return REASON_NAMES.get(int(self.view["reason"][row]))
+    return REASON_NAMES[int(self.view.reason[row])]
 
   def new_tokens(self, row: int) -> tuple[list[int], list[float], list[bool]]:
     """Tokens of a row not yet taken with this method."""
     start, end = self.emitted[row], self.row_length(row)
     self.emitted[row] = max(start, end)
-    v = self.view
-    return (v["out_tokens"][row, start:end].tolist(),
-            v["out_logprobs"][row, start:end].tolist(),
-            v["out_forced"][row, start:end].tolist())
+    out = self.view.out
+    return (out.tokens[row, start:end].tolist(),
+            out.logprobs[row, start:end].tolist(),
+            out.forced[row, start:end].tolist())
 
   def result(self) -> GenerationResult:
-    v = self.view
-    if v is None:  # Nothing ran (e.g. cancelled before the prefill).
-      B, T, n = self.plan.batch, self.plan.out_len, max(1, self.plan.top_n)
-      v = dict(
-          step=np.zeros((B,), np.int32), out_tokens=np.zeros((B, T), np.int32),
-          out_logprobs=np.zeros((B, T), np.float32),
-          out_forced=np.zeros((B, T), bool),
-          out_top_ids=np.zeros((B, T, n), np.int32),
-          out_top_logprobs=np.zeros((B, T, n), np.float32))
-    n = self.request.num_samples
-    tokens, logprobs, forced, reasons = [], [], [], []
-    top = [] if self.plan.top_n else None
-    for r in range(self.rows):
-      end = self.row_length(r)
-      tokens.append(v["out_tokens"][r, :end].tolist())
-      logprobs.append(v["out_logprobs"][r, :end].tolist())
-      forced.append(v["out_forced"][r, :end].tolist())
-      reasons.append(self.finish_reason(r))  # None: still running.
-      if top is not None:
-        ids = v["out_top_ids"][r, :end].tolist()
-        lps = v["out_top_logprobs"][r, :end].tolist()
-        top.append([list(zip(i, l)) for i, l in zip(ids, lps)])
-    t = self.timings
-    t.total_s = time.perf_counter() - self._start
-    t.generated_tokens = sum(len(x) for x in tokens)
-    if t.time_to_first_token_s:
-      t.prefill_tokens_per_s = t.prompt_tokens / t.time_to_first_token_s
-    if t.decode_s and t.decode_steps:
-      t.decode_tokens_per_s = t.decode_steps / t.decode_s
-    return GenerationResult(
-        tokens=tokens,
-        finish_reasons=reasons,
-        logprobs=logprobs,
-        forced=forced,
-        prompt_indices=[r // n for r in range(self.rows)],
-        sample_indices=[r % n for r in range(self.rows)],
-        seeds=list(self.request.seeds),
-        prompt_lengths=self.request.row_prompt_lengths,
-        timings=t,
-        top_logprobs=top,
-    )
+    """The result so far (rows still running have finish reason None)."""
+    out = self.view.out if self.view is not None else Outputs.empty(
+        self.rows, 0, self.request.logprobs_top_n, xp=np)
+    lengths = [self.row_length(r) for r in range(self.rows)]
+    self.timings.total_s = time.perf_counter() - self._start
+    result = GenerationResult.from_outputs(
+        out, lengths, [self.finish_reason(r) for r in range(self.rows)],
+        self.request, self.timings)
+    if self.finished:
+      result.state = self.patch_state()
+    return result

@@ -30,11 +30,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from penzai_lm.generation import engine
-from penzai_lm.generation import plan as plan_lib
-from penzai_lm.generation import requests as requests_lib
-from penzai_lm.generation import streaming
+from penzai_lm.generation import engine as engine_lib
+from penzai_lm.generation.prompts import token_list
 from penzai_lm.generation.results import GenerationResult
+from penzai_lm.generation.run import Run
+from penzai_lm.generation.shapes import next_power_of_two
+from penzai_lm.generation.state import Continuation
+from penzai_lm.generation.stream import GenerationStream
 from penzai_lm.model import TransformerLM
 
 
@@ -50,7 +52,8 @@ class Session:
       was cancelled before it started).
   """
 
-  def __init__(self, model: TransformerLM, *, min_cache_len: int = 0):
+  def __init__(self, model: TransformerLM, *, min_cache_len: int = 0,
+               engine: engine_lib.Engine | None = None):
     """Starts an empty session.
 
     Args:
@@ -60,6 +63,7 @@ class Session:
         compiles new programs; a conversation that stays inside this size
         compiles once per prompt bucket. Attention reads every slot, so a
         larger cache decodes a little slower.
+      engine: The `Engine` to run on (default: `default_engine()`).
     """
     if not isinstance(model, TransformerLM):
       raise TypeError(
@@ -72,6 +76,7 @@ class Session:
           f" {min_cache_len!r}.")
     self.model = model
     self.min_cache_len = min_cache_len
+    self.engine = engine or engine_lib.default_engine()
     self._tokens: list[int] = []
     self._pending: list[int] = []
     self._continuation = self._empty()
@@ -81,8 +86,8 @@ class Session:
   # Calls.
 
   def stream(self, tokens: Any = (), *, chunk_size: int = 8,
-             cancel: threading.Event | None = None,
-             **settings) -> streaming.GenerationStream:
+             cancel: threading.Event | None = None, text=None,
+             **settings) -> GenerationStream:
     """Appends ``tokens`` and streams the reply (`GenerationStream`).
 
     Starting another call ends a reply that is still streaming (its finish
@@ -92,19 +97,21 @@ class Session:
       tokens: New token ids (may be empty to continue the last reply).
       chunk_size: Decode steps per compiled call.
       cancel: ``threading.Event`` that stops generation when set.
+      text: Optional `TextView` factory ``fn(request) -> TextView`` (used
+        by `ChatSession`) to stream text.
       **settings: Keywords of `penzai_lm.generation.generate` except
         ``num_samples``, ``use_cache`` and ``prompts``.
     """
     run = self._start(tokens, settings)
-    return streaming.GenerationStream(run, chunk_size=chunk_size,
-                                      cancel=cancel)
+    return GenerationStream(run, chunk_size=chunk_size, cancel=cancel,
+                            text=None if text is None else text(run.request))
 
   def generate(self, tokens: Any = (), *, chunk_size: int = 8,
                cancel: threading.Event | None = None,
                **settings) -> GenerationResult:
     """Appends ``tokens`` and generates a reply; see `stream`."""
     run = self._start(tokens, settings)
-    return engine.run_to_end(run, cancel=cancel, chunk_size=chunk_size)
+    return run.run_to_end(cancel=cancel, chunk_size=chunk_size)
 
   def reset(self) -> None:
     """Forgets the conversation (the next call starts an empty cache)."""
@@ -147,30 +154,29 @@ class Session:
 
   # Internals.
 
-  def _empty(self):
+  def _empty(self) -> Continuation:
     size = 0
     if self.min_cache_len:
-      size = requests_lib.next_power_of_two(self.min_cache_len)
-      limit = self.model.config.max_position_embeddings
-      if self.model.config.family == "gpt2":
+      size = next_power_of_two(self.min_cache_len)
+      limit = self.model.config.max_cache_len
+      if limit is not None:
         size = min(size, limit)
-    return plan_lib.Continuation(
-        state=None, start_slot=0, positions=0, cache_len=size)
+    return Continuation(state=None, start_slot=0, positions=0, cache_len=size)
 
-  def _start(self, tokens, settings):
+  def _start(self, tokens, settings) -> Run:
     for key in ("num_samples", "use_cache", "prompts"):
       if key in settings:
         raise ValueError(
             f"Session calls do not take {key}=: a session is one cached row.")
-    ids = list(requests_lib.token_list(
-        "tokens", _flat(tokens), self.model.config.vocab_size))
+    ids = list(token_list("tokens", _flat(tokens),
+                          self.model.config.vocab_size))
     self._finish_run()
     prompt = self._pending + ids
     if not prompt:
       raise ValueError(
           "the session is empty: give at least one token to start it.")
-    run = engine.start_run(self.model, [prompt],
-                           continuation=self._continuation, **settings)
+    run = self.engine.start(self.model, [prompt],
+                            continuation=self._continuation, **settings)
     self._run, self._new = run, ids
     return run
 
@@ -183,15 +189,29 @@ class Session:
     self._run = None
     if not run.finished:
       run.cancel()
-    kept = run.tokens_of(0) if run.view is not None else []
+    kept = run.tokens_of(0)
     self._tokens = self._tokens + self._new + kept
+    if run.carry is None:  # Cancelled before the prefill: nothing changed.
+      self._pending = self._pending + self._new
+      return
     try:
-      self._continuation, self._pending = run.next_continuation(
-          self._continuation)
+      state = run.model_state()
     except RuntimeError:
       # The device state is gone (e.g. interrupted while its buffers were
       # handed to a program): re-read the whole conversation next time.
       self._continuation, self._pending = self._empty(), list(self._tokens)
+      return
+    # The loop samples the last kept token and stops: it is not in the cache
+    # yet, so it is fed first next turn (or, if nothing was generated, the
+    # prompt's last token, which the prefill leaves for the loop).
+    prompt = run.request.prompts[0].tolist()
+    self._pending = kept[-1:] or prompt[-1:]
+    prompt_len = run.request.prefill.prompt_len
+    self._continuation = Continuation(
+        state=tuple(state),
+        start_slot=run.start_slot + prompt_len - 1 + len(kept),
+        positions=self._continuation.positions + len(prompt) + len(kept) - 1,
+        cache_len=run.request.decode.cache_len)
 
 
 def _flat(tokens: Any) -> list:

@@ -4,8 +4,8 @@
   `GenerationResult` whose ``texts`` (and ``text`` for one row) hold the
   decoded output.
 * `stream_text(model, tokenizer, prompt_or_prompts, **settings)` returns a
-  `TextStream` yielding `TextEvent`s with text pieces made by
-  `penzai_lm.tokenizer.IncrementalDetokenizer`; the pieces of a row
+  `GenerationStream` with a `TextView`: its events carry text pieces made
+  by `penzai_lm.tokenizer.IncrementalDetokenizer`; the pieces of a row
   concatenate exactly to its final ``texts[row]``.
 
 Prompts: a string (encoded with the tokenizer's BOS rule), a chat
@@ -32,13 +32,15 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Iterator
+from typing import Any
 
-from penzai_lm.generation import engine
-from penzai_lm.generation import requests as requests_lib
-from penzai_lm.generation import streaming
+from penzai_lm.generation import engine as engine_lib
 from penzai_lm.generation.forcing import CalculatorTool
+from penzai_lm.generation.prompts import is_int
 from penzai_lm.generation.results import GenerationResult
+from penzai_lm.generation.stop_strings import StopStringMatcher
+from penzai_lm.generation.stop_strings import stop_string_rows
+from penzai_lm.generation.stream import GenerationStream
 from penzai_lm.tokenizer import IncrementalDetokenizer
 from penzai_lm.tools import ToolCallParser
 
@@ -53,7 +55,7 @@ def _is_conversation(value: Any) -> bool:
 def _is_ids(value: Any) -> bool:
   return (isinstance(value, Sequence) and not isinstance(value, str)
           and len(value) > 0
-          and all(requests_lib._is_int(i) for i in value))  # pylint: disable=protected-access
+          and all(is_int(i) for i in value))
 
 
 def encode_prompts(tokenizer, prompt_or_prompts: Any) -> list[list[int]]:
@@ -85,77 +87,6 @@ def encode_prompts(tokenizer, prompt_or_prompts: Any) -> list[list[int]]:
   raise TypeError(
       "prompt_or_prompts must be a string, a chat conversation, a list of"
       f" token ids or a list of these; got {type(p).__name__}.")
-
-
-class StopStringMatcher:
-  """Finds the earliest stop string in text arriving piece by piece.
-
-  ``push(piece)`` returns ``(safe_text, match)``: text that can be released
-  (it cannot be part of a stop string any more) and the matched stop string
-  or None. After a match, ``match_end`` is the end of the match in the whole
-  text (counted from the start of the stream).
-  """
-
-  def __init__(self, stop_strings: Sequence[str]):
-    self.stop_strings = [s for s in stop_strings if s]
-    self._held = ""
-    self._released = 0  # Characters released so far.
-    self.match_end: int | None = None
-
-  def push(self, piece: str) -> tuple[str, str | None]:
-    text = self._held + piece
-    if not self.stop_strings:
-      self._released += len(text)
-      self._held = ""
-      return text, None
-    best = None
-    for s in self.stop_strings:
-      i = text.find(s)
-      if i >= 0 and (best is None or i < best[0]
-                     or (i == best[0] and len(s) > len(best[1]))):
-        best = (i, s)
-    if best is not None:
-      i, s = best
-      self.match_end = self._released + i + len(s)
-      self._released += i
-      self._held = ""
-      return text[:i], s
-    hold = 0
-    for s in self.stop_strings:
-      for k in range(min(len(s) - 1, len(text)), 0, -1):
-        if text.endswith(s[:k]):
-          hold = max(hold, k)
-          break
-    safe = text[:len(text) - hold]
-    self._held = text[len(text) - hold:]
-    self._released += len(safe)
-    return safe, None
-
-  def flush(self) -> str:
-    """Releases the held text (the stream ended without a match)."""
-    text, self._held = self._held, ""
-    self._released += len(text)
-    return text
-
-
-@dataclasses.dataclass(frozen=True)
-class TextEvent:
-  """New text of one row.
-
-  Attributes:
-    row: The row (prompt-major).
-    text: New text since the row's previous event (may be empty when only
-      tokens or the finish reason are new).
-    tokens: The row's new token ids.
-    finish_reason: None while running, else the reason on the last event.
-    stop_string: The stop string that ended the row, if any.
-  """
-
-  row: int
-  text: str
-  tokens: list[int]
-  finish_reason: str | None = None
-  stop_string: str | None = None
 
 
 class _RowText:
@@ -221,114 +152,76 @@ class _RowText:
     self.closed = True
 
 
-class TextStream:
-  """Iterator of `TextEvent`s over a `GenerationStream`.
+@dataclasses.dataclass(frozen=True)
+class TextUpdate:
+  """What one row's new tokens add to its text.
 
   Attributes:
-    tokens: The underlying token-level `GenerationStream`.
+    text: Newly released text.
+    kept_tokens: How many of the pushed tokens are kept (all, unless a stop
+      string matched).
+    keep: Tokens of the row kept in all (after a stop-string match).
+    stop_string: The stop string that matched, if any.
   """
 
-  def __init__(self, token_stream: streaming.GenerationStream, tokenizer,
-               stop_strings: list[list[str]], skip_special_tokens: bool):
-    self.tokens = token_stream
+  text: str
+  kept_tokens: int
+  keep: int | None = None
+  stop_string: str | None = None
+
+
+class TextView:
+  """Decodes the rows of a run as their tokens arrive, with stop strings.
+
+  Attributes:
+    tokenizer: The tokenizer.
+  """
+
+  def __init__(self, tokenizer, stop_strings: list[list[str]],
+               stop_tokens: Sequence[Sequence[int]],
+               skip_special_tokens: bool = False):
+    """Creates a view.
+
+    Args:
+      tokenizer: The model's tokenizer.
+      stop_strings: Per row, the stop strings (see `stop_string_rows`).
+      stop_tokens: Per row, the stop ids (their text is not part of the
+        output).
+      skip_special_tokens: Drop special tokens from the text.
+    """
     self.tokenizer = tokenizer
-    run = token_stream.run
-    self._rows = [
-        _RowText(tokenizer, stop_strings[r], run.request.stop_tokens[r],
-                 skip_special_tokens)
-        for r in range(run.rows)
-    ]
-    self.done = False  # Iteration is over (or the stream was closed).
-    self._events = self._generate()
+    self._rows = [_RowText(tokenizer, stops, ids, skip_special_tokens)
+                  for stops, ids in zip(stop_strings, stop_tokens)]
 
-  def __iter__(self) -> Iterator[TextEvent]:
-    return self
-
-  def __next__(self) -> TextEvent:
-    return next(self._events)
-
-  def __enter__(self) -> TextStream:
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
-
-  def close(self) -> None:
-    """Stops generation; running rows finish with ``"cancelled"``."""
-    self._events.close()
-    self.tokens.close()
-    self.done = True
-
-  def cancel(self) -> None:
-    """Asks generation to stop at the next chunk boundary."""
-    self.tokens.cancel()
-
-  def force(self, row: int, tokens: Any) -> None:
-    """Forces token ids into a row (see `GenerationStream.force`)."""
-    self.tokens.force(row, tokens)
-
-  def _generate(self) -> Iterator[TextEvent]:
-    try:
-      for event in self.tokens:
-        row = self._rows[event.row]
-        if row.closed:
-          continue
-        text, kept = row.push(event.tokens, event.finish_reason)
-        if row.matched is not None:
-          self.tokens.end_row(event.row, "stop", keep=row.keep)
-          yield TextEvent(event.row, text, kept, "stop", row.matched)
-        else:
-          yield TextEvent(event.row, text, kept, event.finish_reason)
-    finally:
-      self.done = True
-      self.tokens.close()
-
-  def run_to_end(self) -> GenerationResult:
-    """Consumes the remaining events and returns the result."""
-    for _ in self:
-      pass
-    return self.result
+  @classmethod
+  def for_request(cls, tokenizer, request, stop_strings=None,
+                  skip_special_tokens: bool = False) -> TextView:
+    """A view of a `Request`'s rows; ``stop_strings`` as in `stream_text`."""
+    stops = stop_string_rows(stop_strings, request.num_prompts,
+                             request.num_samples)
+    return cls(tokenizer, stops, request.stop_tokens, skip_special_tokens)
 
   @property
-  def result(self) -> GenerationResult:
-    """The result so far, with ``texts`` (final once iteration is over)."""
-    result = self.tokens.result
+  def has_stop_strings(self) -> bool:
+    return any(row.matcher.stop_strings for row in self._rows)
+
+  def push(self, row: int, tokens: list[int],
+           finish_reason: str | None) -> TextUpdate:
+    """Adds a row's new tokens (and its finish reason, if it finished)."""
+    text_row = self._rows[row]
+    text, kept = text_row.push(tokens, finish_reason)
+    return TextUpdate(text, len(kept), text_row.keep, text_row.matched)
+
+  def fill(self, result: GenerationResult, finished: bool = True
+           ) -> GenerationResult:
+    """Sets ``result.texts`` and ``stop_strings_matched`` (flushing text
+    held back for rows that finished, once the run has)."""
     for r, row in enumerate(self._rows):
-      if not row.closed and result.finish_reasons[r] is not None and (
-          self.tokens.run.finished):
-        row.push([], result.finish_reasons[r])  # Flush held text.
+      if finished and not row.closed and result.finish_reasons[r]:
+        row.push([], result.finish_reasons[r])
     result.texts = [row.text for row in self._rows]
     result.stop_strings_matched = [row.matched for row in self._rows]
     return result
-
-
-def stop_string_rows(stop_strings, num_prompts: int,
-                     num_samples: int) -> list[list[str]]:
-  """Validates ``stop_strings`` and expands it to one list per row."""
-
-  def is_scalar(v):
-    return v is None or isinstance(v, str) or (
-        isinstance(v, Sequence) and all(isinstance(x, str) for x in v))
-
-  if stop_strings is None:
-    return [[] for _ in range(num_prompts * num_samples)]
-  if not isinstance(stop_strings, (str, Sequence)):
-    raise ValueError(
-        "stop_strings must be a string, a list of strings, or one such list"
-        f" per prompt/row; got {stop_strings!r}.")
-  rows = requests_lib.expand_rows(
-      "stop_strings", stop_strings, num_prompts, num_samples, is_scalar)
-  out = []
-  for r, value in enumerate(rows):
-    value = [] if value is None else [value] if isinstance(value, str) else (
-        list(value))
-    for s in value:
-      if not isinstance(s, str) or not s:
-        raise ValueError(
-            f"stop_strings[{r}] contains {s!r}; stop strings must be"
-            " non-empty strings.")
-    out.append(value)
-  return out
 
 
 def _tool(tokenizer, calculator, tool):
@@ -346,30 +239,29 @@ def default_stop_tokens(model, tokenizer) -> list[int]:
   return [t for t in ids if t < model.config.vocab_size]
 
 
-def _text_run(model, tokenizer, prompt_or_prompts, settings, calculator, tool):
+def _text_stream(model, tokenizer, prompt_or_prompts, stop_strings,
+                 skip_special_tokens, calculator, tool, chunk_size, cancel,
+                 engine, options) -> GenerationStream:
   prompts = encode_prompts(tokenizer, prompt_or_prompts)
-  if settings.get("stop_tokens") is None:
-    settings = dict(settings,
-                    default_stop_tokens=default_stop_tokens(model, tokenizer))
+  check_vocabularies(model, tokenizer)
+  if options.get("stop_tokens") is None:
+    options = dict(options,
+                   default_stop_tokens=default_stop_tokens(model, tokenizer))
+  run = (engine or engine_lib.default_engine()).start(
+      model, prompts, tool=_tool(tokenizer, calculator, tool), **options)
+  view = TextView.for_request(tokenizer, run.request, stop_strings,
+                              skip_special_tokens)
+  return GenerationStream(run, chunk_size=chunk_size, cancel=cancel,
+                          text=view)
+
+
+def check_vocabularies(model, tokenizer) -> None:
+  """The tokenizer's ids must all be ids of the model."""
   if tokenizer.vocab_size > model.config.vocab_size:
     raise ValueError(
         f"the tokenizer has {tokenizer.vocab_size} tokens but the model's"
         f" vocabulary has {model.config.vocab_size}; they do not belong"
         " together.")
-  return engine.start_run(
-      model, prompts, tool=_tool(tokenizer, calculator, tool), **settings)
-
-
-def _text_stream(model, tokenizer, prompt_or_prompts, stop_strings,
-                 skip_special_tokens, calculator, tool, chunk_size, cancel,
-                 settings) -> TextStream:
-  run = _text_run(model, tokenizer, prompt_or_prompts, settings, calculator,
-                  tool)
-  stops = stop_string_rows(stop_strings, run.request.num_prompts,
-                           run.request.num_samples)
-  token_stream = streaming.GenerationStream(
-      run, chunk_size=chunk_size, cancel=cancel)
-  return TextStream(token_stream, tokenizer, stops, skip_special_tokens)
 
 
 def stream_text(
@@ -383,8 +275,9 @@ def stream_text(
     tool: Any = None,
     chunk_size: int = DEFAULT_TEXT_CHUNK_SIZE,
     cancel: threading.Event | None = None,
-    **settings,
-) -> TextStream:
+    engine: engine_lib.Engine | None = None,
+    **options,
+) -> GenerationStream:
   """Streams decoded text; see the module docstring.
 
   Args:
@@ -399,14 +292,16 @@ def stream_text(
     tool: Another tool (see `penzai_lm.generation.forcing`).
     chunk_size: Decode steps per compiled call.
     cancel: ``threading.Event`` that stops generation when set.
-    **settings: Keywords of `generate` (max_new_tokens, temperature, ...).
+    engine: The `Engine` to run on (default: `default_engine()`).
+    **options: Options of `generate` (max_new_tokens, temperature, ...).
 
   Returns:
-    A `TextStream` of `TextEvent`s; ``.result`` has ``texts``.
+    A `GenerationStream` whose events carry ``text``; ``.result`` has
+    ``texts``.
   """
   return _text_stream(model, tokenizer, prompt_or_prompts, stop_strings,
                       skip_special_tokens, calculator, tool, chunk_size, cancel,
-                      settings)
+                      engine, options)
 
 
 def generate_text(
@@ -420,30 +315,27 @@ def generate_text(
     tool: Any = None,
     chunk_size: int = DEFAULT_TEXT_CHUNK_SIZE,
     cancel: threading.Event | None = None,
-    **settings,
+    engine: engine_lib.Engine | None = None,
+    **options,
 ) -> GenerationResult:
   """Generates text; arguments as in `stream_text`.
+
+  With stop strings, a tool or ``cancel``, generation runs in compiled
+  chunks so the host can take part between them; otherwise it is one
+  compiled loop, decoded once at the end.
 
   Returns:
     A `GenerationResult` with ``texts`` (``.text`` for a single row) and
     ``stop_strings_matched``.
   """
-  text_stream = _text_stream(
+  stream = _text_stream(
       model, tokenizer, prompt_or_prompts, stop_strings, skip_special_tokens,
-      calculator, tool, chunk_size, cancel, settings)
-  if (any(row.matcher.stop_strings for row in text_stream._rows)  # pylint: disable=protected-access
-      or cancel is not None):
-    return text_stream.run_to_end()
-  # Nothing to check on the host between steps: one compiled loop.
-  run = text_stream.tokens.run
-  result = engine.run_to_end(run)
-  texts = []
+      calculator, tool, chunk_size, cancel, engine, options)
+  if stream.text.has_stop_strings or cancel is not None or (
+      stream.run.tool is not None):
+    return stream.run_to_end()
+  run = stream.run
+  result = run.run_to_end()
   for r, tokens in enumerate(result.tokens):
-    if (result.finish_reasons[r] == "stop" and tokens
-        and tokens[-1] in run.request.stop_tokens[r]):
-      tokens = tokens[:-1]
-    texts.append(tokenizer.decode(
-        tokens, skip_special_tokens=skip_special_tokens))
-  result.texts = texts
-  result.stop_strings_matched = [None] * len(texts)
-  return result
+    stream.text.push(r, tokens, result.finish_reasons[r])
+  return stream.text.fill(result)

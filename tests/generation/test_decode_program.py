@@ -10,8 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from penzai_lm.generation import generate
-from penzai_lm.generation import program_cache
+from penzai_lm.generation import Engine
 from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model import TransformerConfig
 from penzai_lm.model import build_transformer
@@ -23,12 +22,11 @@ _SHAPE = re.compile(r"= f32\[([0-9,]*)\]\S* (copy|transpose|fusion)\(")
 def _decode_hlo(model, rows):
   cached = KVCachingTransformerLM.from_uncached(model, CACHE, {"batch": rows})
   prompts = np.random.default_rng(0).integers(1, 97, (rows, 6)).tolist()
-  before = set(program_cache.PROGRAMS._programs)  # pylint: disable=protected-access
-  generate(cached, prompts, max_new_tokens=3, temperature=0.0, stop_tokens=[])
-  new = [p for k, p in program_cache.PROGRAMS._programs.items()  # pylint: disable=protected-access
-         if k not in before and k[0] == "decode"]
-  assert len(new) == 1
-  return new[0].as_text()
+  engine = Engine()
+  engine.generate(cached, prompts, max_new_tokens=3, temperature=0.0,
+                  stop_tokens=[])
+  (_, program), = engine.programs.items("decode")
+  return program.as_text()
 
 
 def _cache_sized_copies(hlo: str, cache_elements: int) -> list[str]:

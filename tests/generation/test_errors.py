@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from penzai import pz
 
-from penzai_lm.generation import engine
+from penzai_lm.generation import default_engine
 from penzai_lm.generation import generate
 from penzai_lm.generation import generate_text
 from penzai_lm.generation import stream
@@ -21,10 +21,10 @@ from tests.model.configs import config
 
 
 def _error(model, prompts, match, exc=ValueError, **settings):
-  compiled = engine._PROGRAMS.compilations
+  compiled = default_engine().compilations
   with pytest.raises(exc, match=match):
     generate(model, prompts, **settings)
-  assert engine._PROGRAMS.compilations == compiled  # Nothing compiled.
+  assert default_engine().compilations == compiled  # Nothing compiled.
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, None, True])
@@ -108,15 +108,17 @@ def test_per_row_settings_of_the_wrong_length(model, settings):
 
 
 def test_per_row_settings_with_samples_accept_prompts_or_rows(model):
-  run = engine.start_run(model, [[1, 2], [3]], num_samples=2,
-                         temperature=[0.1, 0.2])
-  assert run.request.sampling["temperature"] == [0.1, 0.1, 0.2, 0.2]
-  run = engine.start_run(model, [[1, 2], [3]], num_samples=2,
-                         temperature=[0.1, 0.2, 0.3, 0.4])
-  assert run.request.sampling["temperature"] == [0.1, 0.2, 0.3, 0.4]
+  run = default_engine().start(model, [[1, 2], [3]], num_samples=2,
+                               temperature=[0.1, 0.2])
+  np.testing.assert_allclose(run.request.sampling.temperature,
+                             [0.1, 0.1, 0.2, 0.2])
+  run = default_engine().start(model, [[1, 2], [3]], num_samples=2,
+                               temperature=[0.1, 0.2, 0.3, 0.4])
+  np.testing.assert_allclose(run.request.sampling.temperature,
+                             [0.1, 0.2, 0.3, 0.4])
   with pytest.raises(ValueError, match=r"2 \(one per prompt\) or 4"):
-    engine.start_run(model, [[1, 2], [3]], num_samples=2,
-                     temperature=[0.1, 0.2, 0.3])
+    default_engine().start(model, [[1, 2], [3]], num_samples=2,
+                           temperature=[0.1, 0.2, 0.3])
 
 
 def test_named_array_prompts_with_wrong_axes(model):
@@ -161,7 +163,8 @@ def test_unbound_parameters():
 
 
 def test_unknown_setting_and_bad_stream_args(model):
-  with pytest.raises(TypeError, match="unexpected keyword"):
+  with pytest.raises(TypeError, match="unknown generation option 'temprature'"
+                     r" \(did you mean 'temperature'\?\)"):
     generate(model, [1, 2], temprature=0.5)
   with pytest.raises(ValueError, match="chunk_size must be a positive"):
     stream(model, [1, 2], chunk_size=0)

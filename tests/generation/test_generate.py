@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from penzai import pz
 
-from penzai_lm.generation import engine
+from penzai_lm.generation import default_engine
+from penzai_lm.generation.prepare import unstack_layers
 from penzai_lm.generation import generate
 from penzai_lm.model import KVCachingTransformerLM
 from tests.generation import conftest
@@ -127,10 +128,10 @@ def test_finish_reasons_stop_token_and_length(model):
   # The model's own eos ids are the default stop tokens; [] disables them.
   cfg_model = type(model)(body=model.body, config=model.config.replace(
       eos_token_ids=(target, 3)))
-  run = engine.start_run(cfg_model, [row, row], stop_tokens=None)
-  assert run.request.stop_tokens == [(target, 3), (target, 3)]
-  assert engine.start_run(cfg_model, row, stop_tokens=[]).request.stop_tokens \
-      == [()]
+  run = default_engine().start(cfg_model, [row, row], stop_tokens=None)
+  assert run.request.stop_tokens == ((target, 3), (target, 3))
+  no_stops = default_engine().start(cfg_model, row, stop_tokens=[])
+  assert no_stops.request.stop_tokens == ((),)
   # Per-row stop tokens and max_new_tokens.
   both = _greedy(model, [row, row], stop_tokens=[[target], []],
                  max_new_tokens=[MAX_NEW, 2])
@@ -203,9 +204,8 @@ def test_patched_model_with_state_runs_in_the_loop():
 @pytest.mark.parametrize("name", ["gemma3", "gpt2"])
 def test_unstacked_layers_compute_the_same(name):
   model = conftest.tiny_model(name, True)
-  unstacked = engine.unstack_layers(model)
+  unstacked = unstack_layers(model)
   assert not pz.select(unstacked).at_instances_of(pz.nn.LayerStack).count()
-  assert engine.unstack_layers(model) is unstacked  # Cached.
   tokens = pz.nx.wrap(jnp.asarray(prompts([9], seed=10)[0])).tag("seq")
   np.testing.assert_allclose(
       _logits(pz.freeze_params(model), tokens),
@@ -238,8 +238,8 @@ def test_forced_tokens_at_start(model):
 def test_one_compilation_serves_a_bucket(model):
   rows = prompts([5, 8], seed=13)
   generate(model, rows, max_new_tokens=MAX_NEW, temperature=0.5, seed=1)
-  before = (engine._cache_size("prefill"), engine._cache_size("decode"))
-  compiled = engine._PROGRAMS.compilations
+  before = (default_engine().program_count("prefill"), default_engine().program_count("decode"))
+  compiled = default_engine().compilations
   for lengths, settings in [
       ([2, 7], dict(temperature=0.0)),
       ([8, 1], dict(temperature=[0.3, 1.5], top_k=[5, 0], top_p=0.8,
@@ -253,9 +253,9 @@ def test_one_compilation_serves_a_bucket(model):
     settings.setdefault("max_new_tokens", MAX_NEW)
     result = generate(model, prompts(lengths, seed=len(lengths)), **settings)
     assert result.timings.compile_s == 0.0
-  assert (engine._cache_size("prefill"),
-          engine._cache_size("decode")) == before
-  assert engine._PROGRAMS.compilations == compiled
+  assert (default_engine().program_count("prefill"),
+          default_engine().program_count("decode")) == before
+  assert default_engine().compilations == compiled
 
 
 def test_timings_are_reported(model):
@@ -284,10 +284,10 @@ def test_changed_parameters_are_seen():
 
 def test_decode_program_is_shared_across_prompt_buckets(model):
   _greedy(model, prompts([5, 8], seed=16))  # Prompt bucket 8, cache 16.
-  decode = engine._cache_size("decode")
+  decode = default_engine().program_count("decode")
   # Prompt bucket 16 with the same cache bucket: only a new prefill.
   result = _greedy(model, prompts([12, 3], seed=16), max_new_tokens=1)
-  assert engine._cache_size("decode") == decode
+  assert default_engine().program_count("decode") == decode
   assert result.lengths == [1, 1]
   assert result.tokens[1] == _greedy(
       model, prompts([12, 3], seed=16)[1]).tokens[0][:1]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from penzai_lm.generation import generate
-from penzai_lm.generation import program_cache
+from penzai_lm.generation import default_engine
 from penzai_lm.generation.session import Session
 from penzai_lm.model import KVCachingTransformerLM
 from tests.generation.conftest import VOCAB
@@ -120,10 +120,10 @@ def test_turns_in_the_same_buckets_do_not_recompile(model):
   a, b, c = prompts([5, 3, 4], seed=47)
   session.generate(a, max_new_tokens=3, **GREEDY)
   session.generate(b, max_new_tokens=3, **GREEDY)  # Compiles a continuation.
-  before = program_cache.PROGRAMS.compilations
+  before = default_engine().compilations
   session.generate(c, max_new_tokens=2, temperature=0.7, seed=3,
                    stop_tokens=[])
-  assert program_cache.PROGRAMS.compilations == before
+  assert default_engine().compilations == before
 
 
 def test_reset_starts_over(model):

@@ -1,12 +1,17 @@
-"""Token streaming: the compiled loop in chunks of k steps.
+"""Streaming: the compiled loop in chunks of k steps, with an optional text
+view.
 
-`stream` returns a `GenerationStream`, an iterator of `TokenEvent`s. The
+`stream` returns a `GenerationStream`, an iterator of `StreamEvent`s. The
 first chunk is a single step (the first token of every row arrives as soon
 as possible), later chunks run ``chunk_size`` steps of the same compiled
 decode loop that `generate` uses; the model state stays on device between
 chunks, and only the small output buffers come back to the host. Rows of a
 batch are streamed together: each chunk yields one event per row that
 produced tokens (or finished).
+
+With a `penzai_lm.generation.text.TextView` (as `stream_text` and
+`ChatSession` attach), events also carry decoded text, and a stop string
+ends its row with the tokens of the text kept.
 
 Stopping early: ``stream.close()`` (or leaving a ``with`` block, or the
 garbage collector closing it), ``stream.cancel()`` or setting the
@@ -29,24 +34,30 @@ import dataclasses
 import threading
 from typing import Any, Iterator
 
-from penzai_lm.generation import engine
+from penzai_lm.generation import engine as engine_lib
 from penzai_lm.generation.results import GenerationResult
+from penzai_lm.generation.run import Run
+from penzai_lm.generation.run import check_chunk_size
 
 DEFAULT_CHUNK_SIZE = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class TokenEvent:
-  """New tokens of one row.
+class StreamEvent:
+  """New output of one row.
 
   Attributes:
     row: The row (prompt-major: sample ``row % num_samples`` of prompt
       ``row // num_samples``).
-    tokens: Ids generated since the row's previous event.
+    tokens: Ids generated since the row's previous event (with a text view:
+      those that are kept, i.e. not past a stop string).
     logprobs: Their log-probabilities (raw distribution).
     forced: Whether each was forced.
     finish_reason: None while the row runs; on the row's last event, why it
       finished.
+    text: With a text view, the new text (may be empty while a piece is held
+      back because it could start a stop string); else None.
+    stop_string: The stop string that ended the row, if any.
   """
 
   row: int
@@ -54,37 +65,41 @@ class TokenEvent:
   logprobs: list[float]
   forced: list[bool]
   finish_reason: str | None = None
+  text: str | None = None
+  stop_string: str | None = None
 
 
 class GenerationStream:
-  """Iterator of `TokenEvent`s; see the module docstring.
+  """Iterator of `StreamEvent`s; see the module docstring.
 
   Attributes:
-    run: The underlying `engine.Run` (host bookkeeping, device state).
+    run: The underlying `Run` (host bookkeeping, device state).
     chunk_size: Decode steps per compiled call after the first.
+    text: The `TextView` decoding the rows, or None.
   """
 
-  def __init__(self, run: engine.Run, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-               cancel: threading.Event | None = None):
-    engine._check_chunk_size(chunk_size)  # pylint: disable=protected-access
+  def __init__(self, run: Run, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+               cancel: threading.Event | None = None, text=None):
+    check_chunk_size(chunk_size)
     if cancel is not None and not hasattr(cancel, "is_set"):
       raise TypeError(
           f"cancel must be a threading.Event (or have is_set()), got"
           f" {type(cancel).__name__}.")
     self.run = run
     self.chunk_size = chunk_size
+    self.text = text
     self._cancel_event = cancel
     self._cancel_requested = False
     self._reported = [False] * run.rows
+    self._done = False
     self._events = self._generate()
-    self._result: GenerationResult | None = None
 
   # Iteration.
 
-  def __iter__(self) -> Iterator[TokenEvent]:
+  def __iter__(self) -> Iterator[StreamEvent]:
     return self
 
-  def __next__(self) -> TokenEvent:
+  def __next__(self) -> StreamEvent:
     return next(self._events)
 
   def __enter__(self) -> GenerationStream:
@@ -99,11 +114,16 @@ class GenerationStream:
     except Exception:  # pylint: disable=broad-except
       pass
 
+  @property
+  def done(self) -> bool:
+    """Whether iteration is over (or the stream was closed)."""
+    return self._done
+
   def _cancelled(self) -> bool:
     return self._cancel_requested or (
         self._cancel_event is not None and self._cancel_event.is_set())
 
-  def _generate(self) -> Iterator[TokenEvent]:
+  def _generate(self) -> Iterator[StreamEvent]:
     run = self.run
     try:
       if self._cancelled():
@@ -118,23 +138,32 @@ class GenerationStream:
         run.decode(1 if first else self.chunk_size)
         first = False
         yield from self._drain()
-      if run.finished:
-        yield from self._drain()
+      yield from self._drain()
     finally:
+      self._done = True
       if not run.finished:
         run.cancel()
 
-  def _drain(self) -> Iterator[TokenEvent]:
+  def _drain(self) -> Iterator[StreamEvent]:
     run = self.run
     for row in range(run.rows):
       if self._reported[row]:
         continue
       tokens, logprobs, forced = run.new_tokens(row)
       reason = run.finish_reason(row)
+      text = stop = None
+      if self.text is not None:
+        update = self.text.push(row, tokens, reason)
+        text, stop = update.text, update.stop_string
+        if stop is not None:
+          run.end_row(row, "stop", keep=update.keep)
+          reason = "stop"
+        n = update.kept_tokens
+        tokens, logprobs, forced = tokens[:n], logprobs[:n], forced[:n]
       if reason is not None:
         self._reported[row] = True
-      if tokens or reason is not None:
-        yield TokenEvent(row, tokens, logprobs, forced, reason)
+      if tokens or text or reason is not None:
+        yield StreamEvent(row, tokens, logprobs, forced, reason, text, stop)
 
   # Control.
 
@@ -142,6 +171,7 @@ class GenerationStream:
     """Stops generation (running rows: ``"cancelled"``)."""
     self._cancel_requested = True
     self._events.close()
+    self._done = True
     if not self.run.finished:
       self.run.cancel()
 
@@ -155,15 +185,18 @@ class GenerationStream:
 
   def end_row(self, row: int, reason: str = "stop",
               keep: int | None = None) -> None:
-    """Ends one row from the host (e.g. a stop string), keeping its first
-    ``keep`` tokens."""
+    """Ends one row from the host, keeping its first ``keep`` tokens."""
     self.run.end_row(row, reason, keep)
 
   @property
   def result(self) -> GenerationResult:
     """The result so far: final once iteration is over or the stream is
-    closed; before that, rows still running have finish reason None."""
-    return self.run.result()
+    closed; before that, rows still running have finish reason None. With a
+    text view it has ``texts`` and ``stop_strings_matched``."""
+    result = self.run.result()
+    if self.text is not None:
+      self.text.fill(result, finished=self.run.finished)
+    return result
 
   def run_to_end(self) -> GenerationResult:
     """Consumes the remaining events and returns the result."""
@@ -172,10 +205,11 @@ class GenerationStream:
     return self.result
 
 
-def stream(model, prompts, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+def stream(model, prompts, *, engine: engine_lib.Engine | None = None,
+           chunk_size: int = DEFAULT_CHUNK_SIZE,
            cancel: threading.Event | None = None,
-           **settings) -> GenerationStream:
-  """Streams generated tokens; settings as in `generate`.
+           **options) -> GenerationStream:
+  """Streams generated tokens; options as in `generate`.
 
   The request is validated here (errors raise immediately); the prefill runs
   on the first ``next()``.
@@ -183,14 +217,15 @@ def stream(model, prompts, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
   Args:
     model: As in `generate`.
     prompts: As in `generate`.
+    engine: The `Engine` to run on (default: `default_engine()`).
     chunk_size: Decode steps per compiled call after the first token (the
       host sees tokens every ``chunk_size`` steps; 8 keeps the per-chunk host
       work to a few percent of the step time on a 135M model).
     cancel: Optional ``threading.Event`` that stops generation when set.
-    **settings: Any keyword of `generate` except ``cancel``/``chunk_size``.
+    **options: Any option of `generate`.
 
   Returns:
-    A `GenerationStream` yielding `TokenEvent`s.
+    A `GenerationStream` yielding `StreamEvent`s.
   """
-  run = engine.start_run(model, prompts, **settings)
-  return GenerationStream(run, chunk_size=chunk_size, cancel=cancel)
+  return (engine or engine_lib.default_engine()).stream(
+      model, prompts, chunk_size=chunk_size, cancel=cancel, **options)

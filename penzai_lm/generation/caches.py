@@ -1,0 +1,170 @@
+"""Bounded caches an `Engine` keeps: compiled programs and prepared models.
+
+* `ProgramCache`: compiled programs keyed on (name, static shapes and
+  layout, argument structure and shapes), least recently used evicted past
+  ``size``. A compiled decode program of a 135M model holds ~1 MB of code,
+  so the bound is about notebooks that patch and generate many times.
+* `IdentityCache`: values derived from a model (its unstacked or prepared
+  form) keyed on the model's structure and the identity of its arrays, so a
+  re-bound parameter is a new key. Entries hold weak references to the
+  model's leaves: an entry whose model is gone is dropped, so the cache
+  never keeps an old model (or its weights) alive.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import time
+import warnings
+import weakref
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from penzai import pz
+
+
+def _aval_key(x):
+  dtype = x.dtype if hasattr(x, "dtype") else np.result_type(type(x))
+  return (np.shape(x), np.dtype(dtype), bool(getattr(x, "weak_type", False)))
+
+
+class ProgramCache:
+  """Compiled programs, LRU-bounded. Thread-safe.
+
+  Attributes:
+    size: Programs kept at most.
+    compilations: Programs compiled so far (tests count these to check that
+      nothing recompiles on the hot path).
+  """
+
+  def __init__(self, size: int):
+    self.size = size
+    self.compilations = 0
+    self._programs: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
+    self._warned = False
+
+  def get(self, name: str, fn: Callable, static: Any, args: tuple,
+          compiler_options: Callable[[], dict[str, Any]],
+          donate: tuple[int, ...] = ()):
+    """The program ``jit(partial(fn, static))`` compiled for ``args`` with
+    the XLA options ``compiler_options()`` (asked on a miss only).
+
+    Returns:
+      ``(compiled, seconds spent compiling)`` (0 on a hit).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    key = (name, static, treedef, tuple(_aval_key(x) for x in leaves))
+    try:
+      hash(key)
+    except TypeError:
+      self._warn_unhashable()
+      key = None
+    with self._lock:
+      program = None if key is None else self._programs.get(key)
+      if program is not None:
+        self._programs.move_to_end(key)
+        return program, 0.0
+    start = time.perf_counter()
+    lowered = jax.jit(functools.partial(fn, static),
+                      donate_argnums=donate).lower(*args)
+    options = compiler_options()
+    program = (lowered.compile(compiler_options=dict(options))
+               if options else lowered.compile())
+    elapsed = time.perf_counter() - start
+    with self._lock:
+      self.compilations += 1
+      if key is not None:
+        self._programs[key] = program
+        while len(self._programs) > self.size:
+          self._programs.popitem(last=False)
+    return program, elapsed
+
+  def items(self, name: str | None = None) -> list[tuple[Any, Any]]:
+    """``(key, compiled)`` pairs held, oldest first (``key[0]`` is the
+    program's name)."""
+    with self._lock:
+      return [(k, p) for k, p in self._programs.items()
+              if name is None or k[0] == name]
+
+  def clear(self) -> None:
+    with self._lock:
+      self._programs.clear()
+
+  def _warn_unhashable(self) -> None:
+    if not self._warned:
+      self._warned = True
+      warnings.warn(
+          "the model has an unhashable static field (e.g. a list or dict in"
+          " a layer's metadata); generation programs cannot be cached and"
+          " are recompiled on every call. Use tuples or frozen"
+          " dataclasses for static layer fields.")
+
+
+def model_key(model) -> tuple[Any, list]:
+  """A hashable key identifying a model's structure and current arrays.
+
+  Variables (parameters, state) are pytree leaves: their identity and the
+  identity of their current value are part of the key, so assigning a new
+  value to a parameter gives a new key. Returns ``(key, leaves)``; keep the
+  leaves alive as long as the key is used (ids are only unique then).
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(model)
+  ids = tuple((id(x), id(x.value)) if isinstance(x, pz.AbstractVariable)
+              else id(x) for x in leaves)
+  return (treedef, ids), leaves
+
+
+class IdentityCache:
+  """Values derived from models, LRU-bounded, keyed by `model_key`."""
+
+  def __init__(self, size: int):
+    self.size = size
+    self._entries: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
+
+  def get_or_make(self, model, extra: Any, make: Callable[[], Any]) -> Any:
+    """The cached value for ``(model, extra)``, made with ``make()`` on a
+    miss."""
+    key, leaves = model_key(model)
+    key = (key, extra)
+    with self._lock:
+      entry = self._entries.get(key)
+      if entry is not None and _alive(entry[0], leaves):
+        self._entries.move_to_end(key)
+        return entry[1]
+    value = make()
+    with self._lock:
+      for k in [k for k, e in self._entries.items() if not _alive(e[0])]:
+        del self._entries[k]
+      self._entries[key] = (_refs(leaves), value)
+      while len(self._entries) > self.size:
+        self._entries.popitem(last=False)
+    return value
+
+  def __len__(self) -> int:
+    with self._lock:
+      return len(self._entries)
+
+  def clear(self) -> None:
+    with self._lock:
+      self._entries.clear()
+
+
+def _refs(leaves):
+  refs = []
+  for x in leaves:
+    try:
+      refs.append(weakref.ref(x))
+    except TypeError:
+      refs.append(lambda x=x: x)
+  return refs
+
+
+def _alive(refs, leaves=None) -> bool:
+  if leaves is None:
+    return all(r() is not None for r in refs)
+  return all(r() is x for r, x in zip(refs, leaves))

@@ -1,0 +1,101 @@
+"""Engine: bounded program and model caches, compiler options, no module
+state."""
+
+import ast
+import gc
+import pathlib
+
+import jax
+import pytest
+
+import penzai_lm
+from penzai_lm.generation import Engine
+from penzai_lm.generation import default_engine
+from penzai_lm.generation import generate
+from penzai_lm.generation.shapes import DecodeShape
+from penzai_lm.generation.shapes import PrefillShape
+from tests.generation import conftest
+from tests.generation.conftest import prompts
+
+GREEDY = dict(max_new_tokens=3, temperature=0.0, stop_tokens=[])
+
+
+def test_engine_runs_apart_from_the_default_one(model):
+  engine = Engine()
+  before = default_engine().compilations
+  rows = prompts([4, 6], seed=40)
+  mine = engine.generate(model, rows, **GREEDY)
+  assert engine.compilations == 2  # One prefill, one decode program.
+  assert default_engine().compilations == before
+  assert generate(model, rows, engine=engine, **GREEDY).tokens == mine.tokens
+  assert engine.compilations == 2  # Reused.
+  assert penzai_lm.generate(model, rows, **GREEDY).tokens == mine.tokens
+
+
+def test_program_cache_is_bounded_least_recently_used(model):
+  engine = Engine(max_programs=2)
+  engine.generate(model, prompts([4]), **GREEDY)  # Batch bucket 1.
+  engine.generate(model, prompts([4, 4]), **GREEDY)  # Batch bucket 2.
+  assert engine.program_count() == 2
+  assert engine.program_count("decode") == 1
+  assert engine.compilations == 4
+  engine.generate(model, prompts([4, 4]), **GREEDY)  # Still held.
+  assert engine.compilations == 4
+  engine.clear()
+  assert engine.program_count() == 0
+
+
+def test_prepared_models_are_bounded_and_do_not_keep_models_alive():
+  engine = Engine(max_models=1)
+  first = conftest.tiny_model("llama_gqa", False)
+  engine.generate(first, prompts([4]), **GREEDY)
+  engine.generate(first, prompts([4, 4]), **GREEDY)
+  assert len(engine._prepared) == 1  # pylint: disable=protected-access
+  model = penzai_lm.build_transformer(first.config, seed=11)
+  engine.generate(model, prompts([4]), **GREEDY)
+  del model
+  gc.collect()
+  engine.generate(first, prompts([4]), **GREEDY)
+  assert len(engine._prepared) == 1  # pylint: disable=protected-access
+
+
+def test_compiler_options_are_chosen_per_program_and_shape(model):
+  seen = []
+
+  def options(name, shape):
+    seen.append((name, type(shape)))
+    return {}
+
+  engine = Engine(compiler_options=options)
+  engine.generate(model, prompts([4]), **GREEDY)
+  if jax.default_backend() == "cpu":
+    assert seen == [("prefill", PrefillShape), ("decode", DecodeShape)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_programs=0), "max_programs must be a positive integer"),
+    (dict(max_models=1.5), "max_models must be a positive integer"),
+    (dict(compiler_options={"decode": {}}), "compiler_options must be a"),
+])
+def test_engine_arguments_are_checked(kwargs, message):
+  with pytest.raises((ValueError, TypeError), match=message):
+    Engine(**kwargs)
+
+
+def _module_level_mutables(path: pathlib.Path) -> list[str]:
+  """Module-level names bound to a mutable container or a call result."""
+  found = []
+  for node in ast.parse(path.read_text()).body:
+    if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(
+        node.value, (ast.Dict, ast.List, ast.Set, ast.Call)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      found += [f"{path.name}:{t.id}" for t in targets
+                if isinstance(t, ast.Name) and t.id != "__all__"]
+  return found
+
+
+def test_no_module_level_mutable_state_but_the_default_engine():
+  package = pathlib.Path(penzai_lm.__file__).parent / "generation"
+  found = [name for path in sorted(package.glob("*.py"))
+           for name in _module_level_mutables(path)]
+  assert found == ["engine.py:_DEFAULT_ENGINE"]
