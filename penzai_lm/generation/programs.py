@@ -156,7 +156,7 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
       tokens, padding)
   if decode.use_cache:
     state = _prefill_cache(shape, model, state0, tokens, padding, src)
-    state = pz.nx.order_like(layout.conform(state), state0)
+    state = layout.conform(state)
     model_state = layout.pack(state)
   else:
     model_state = _recompute_state(shape, state0, dtokens, dpadding)

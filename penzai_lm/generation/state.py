@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from penzai import pz
 
 from penzai_lm import sampling
 
@@ -87,8 +88,9 @@ class StateLayout:
     return jax.tree_util.tree_unflatten(self.treedef, list(leaves))
 
   def conform(self, state) -> list:
-    """``state`` with every variable whose value does not have this
-    layout's structure and shapes replaced by zeros that do.
+    """``state`` in this layout: each variable's arrays with their axes in
+    the layout's order, and a variable whose values have other axes or
+    sizes replaced by zeros of the layout's.
 
     A patch's state may take its shape from the call that sets it (penzai's
     ``SaveIntermediate`` holds the last value it saw: the prompt in the
@@ -97,13 +99,8 @@ class StateLayout:
     decode step sets it).
     """
     zeros = self.unflatten(jnp.zeros(s.shape, s.dtype) for s in self.leaves)
-    out = []
-    for v, ref in zip(state, zeros):
-      same = jax.tree_util.tree_structure(v) == jax.tree_util.tree_structure(
-          ref) and all(np.shape(a) == np.shape(b) for a, b in zip(
-              jax.tree_util.tree_leaves(v), jax.tree_util.tree_leaves(ref)))
-      out.append(v if same else ref)
-    return out
+    return [pz.nx.order_like(v, ref) if _same_axes(v.value, ref.value)
+            else ref for v, ref in zip(state, zeros)]
 
   def pack(self, state) -> list:
     """The state's arrays without their size-1 dimensions (the loop carry).
@@ -281,6 +278,18 @@ class Continuation:
     return [x if tuple(x.shape) == s.shape else jnp.pad(
         x, [(0, n - o) for o, n in zip(x.shape, s.shape)],
         constant_values=s.fill) for x, s in zip(self.state, layout.leaves)]
+
+
+def _axes(value) -> list:
+  """Per leaf (named arrays whole): named sizes (any order), shape, dtype."""
+  return [(dict(x.named_shape), x.positional_shape, x.dtype)
+          if isinstance(x, pz.nx.NamedArrayBase) else (np.shape(x), x.dtype)
+          for x in jax.tree_util.tree_leaves(value,
+                                             is_leaf=pz.nx.is_namedarray)]
+
+
+def _same_axes(value, ref) -> bool:
+  return _axes(value) == _axes(ref)
 
 
 def _fits(old: tuple, spec: LeafSpec) -> bool:
