@@ -7,7 +7,6 @@ soft-capping is checked against the numpy reference in
 tests/model/test_features.py: transformers' Gemma 3 ignores that option.)
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,6 +18,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from penzai_lm.loading import load_model  # pylint: disable=g-import-not-at-top
+from tests.loading.hf_models import hf_logits  # pylint: disable=g-import-not-at-top
+from tests.loading.hf_models import logits  # pylint: disable=g-import-not-at-top
+from tests.loading.hf_models import save_perturbed  # pylint: disable=g-import-not-at-top
 
 _COMMON = dict(
     vocab_size=101, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
@@ -48,32 +50,16 @@ def _hf_models():
 @pytest.fixture(scope="module", params=sorted(_hf_models()))
 def hf_dir(request, tmp_path_factory):
   cls, config = _hf_models()[request.param]
-  torch.manual_seed(0)
-  model = cls(config).eval()
-  with torch.no_grad():
-    for p in model.parameters():
-      p.add_(0.05 * torch.randn_like(p))
   path = tmp_path_factory.mktemp(request.param)
-  model.save_pretrained(path, safe_serialization=True)
-  return request.param, path, model
-
-
-def _hf_logits(model, ids):
-  with torch.no_grad():
-    return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-@jax.jit
-def _logits(model, tokens):
-  return model(tokens)
+  return request.param, path, save_perturbed(cls, config, path)
 
 
 def test_feature_parity_with_transformers(hf_dir):
   name, path, hf_model = hf_dir
   model = load_model(path)
   ids = list(np.random.RandomState(3).randint(0, 101, size=12))
-  got = _logits(pz.freeze_params(model), pz.nx.wrap(jnp.array(ids)).tag("seq"))
-  expected = _hf_logits(hf_model, ids)
+  got = logits(pz.freeze_params(model), pz.nx.wrap(jnp.array(ids)).tag("seq"))
+  expected = hf_logits(hf_model, ids)
   np.testing.assert_allclose(
       np.asarray(got.unwrap("seq", "vocabulary")), expected, atol=1e-4,
       err_msg=name,

@@ -10,6 +10,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from penzai_lm.loading import load_model  # pylint: disable=g-import-not-at-top
+from tests.loading.hf_models import hf_logits  # pylint: disable=g-import-not-at-top
+from tests.loading.hf_models import logits  # pylint: disable=g-import-not-at-top
+from tests.loading.hf_models import save_perturbed  # pylint: disable=g-import-not-at-top
 from penzai_lm.model import KVCachingTransformerLM  # pylint: disable=g-import-not-at-top
 
 _COMMON = dict(
@@ -57,26 +60,9 @@ _CLASSES = {
 @pytest.fixture(scope="module", params=sorted(_configs()))
 def hf_dir(request, tmp_path_factory):
   config = _configs()[request.param]
-  torch.manual_seed(0)
   cls = getattr(transformers, _CLASSES[request.param.split("_")[0]])
-  model = cls(config).eval()
-  # Random init leaves norms at their identity values: perturb every tensor.
-  with torch.no_grad():
-    for p in model.parameters():
-      p.add_(0.05 * torch.randn_like(p))
   path = tmp_path_factory.mktemp(request.param)
-  model.save_pretrained(path, safe_serialization=True)
-  return request.param, path, model
-
-
-def _hf_logits(model, ids):
-  with torch.no_grad():
-    return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-@jax.jit
-def _logits(model, tokens):
-  return model(tokens)
+  return request.param, path, save_perturbed(cls, config, path)
 
 
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "unstacked"])
@@ -84,9 +70,9 @@ def test_logits_match_transformers(hf_dir, stacked):
   name, path, hf_model = hf_dir
   model = load_model(path, use_layer_stack=stacked)
   ids = list(np.random.RandomState(1).randint(0, 101, size=12))
-  got = _logits(pz.freeze_params(model), pz.nx.wrap(jnp.array(ids)).tag("seq"))
+  got = logits(pz.freeze_params(model), pz.nx.wrap(jnp.array(ids)).tag("seq"))
   np.testing.assert_allclose(
-      np.asarray(got.unwrap("seq", "vocabulary")), _hf_logits(hf_model, ids),
+      np.asarray(got.unwrap("seq", "vocabulary")), hf_logits(hf_model, ids),
       atol=1e-4, err_msg=name,
   )
 
@@ -103,7 +89,7 @@ def test_cached_logits_match_transformers(hf_dir):
     out, state = step(state, pz.nx.wrap(jnp.array([chunk])).tag("batch", "seq"))
     outs.append(np.asarray(out.unwrap("batch", "seq", "vocabulary"))[0])
   np.testing.assert_allclose(
-      np.concatenate(outs), _hf_logits(hf_model, ids), atol=1e-4
+      np.concatenate(outs), hf_logits(hf_model, ids), atol=1e-4
   )
 
 
@@ -115,9 +101,9 @@ def test_bfloat16_load_is_close_to_float32(hf_dir):
   _, params = pz.unbind_params(model)
   assert {p.value.dtype for p in params} == {jnp.dtype(jnp.bfloat16)}
   ids = list(range(1, 12))
-  got = _logits(pz.freeze_params(model), pz.nx.wrap(jnp.array(ids)).tag("seq"))
+  got = logits(pz.freeze_params(model), pz.nx.wrap(jnp.array(ids)).tag("seq"))
   assert got.dtype == jnp.bfloat16
-  expected = _hf_logits(hf_model, ids)
+  expected = hf_logits(hf_model, ids)
   got = np.asarray(got.unwrap("seq", "vocabulary"), np.float32)
   assert np.abs(got - expected).max() < 0.05 * np.abs(expected).max()
 
