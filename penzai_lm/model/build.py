@@ -18,6 +18,7 @@ from penzai import pz
 
 from penzai_lm.model import transformer
 from penzai_lm.model.config import TransformerConfig
+from penzai_lm.model.hooks import hook
 from penzai_lm.model.layers import AddLearnedPositionEmbeddings
 from penzai_lm.model.layers import ApplyRotaryEmbedding
 from penzai_lm.model.layers import SoftCap
@@ -91,8 +92,10 @@ ACTIVATION_FUNCTIONS = {
 }
 
 
-def build_feedforward(name, rng, config) -> transformer.TransformerFeedForward:
-  """The MLP: gated (GLU) or plain two-layer, per ``config.mlp_kind``."""
+def build_feedforward(name, rng, config, layer=None
+                      ) -> transformer.TransformerFeedForward:
+  """The MLP: gated (GLU) or plain two-layer, per ``config.mlp_kind``, with
+  the ``mlp.neurons`` hook point on its hidden activations."""
   embedding = {"embedding": config.hidden_size}
   neurons = {"neurons": config.mlp_hidden_size}
   act = pz.nn.Elementwise(ACTIVATION_FUNCTIONS[config.activation])
@@ -101,6 +104,7 @@ def build_feedforward(name, rng, config) -> transformer.TransformerFeedForward:
     return transformer.TransformerFeedForward([
         *_linear(f"{name}/in_linear", rng, config, embedding, neurons, bias),
         act,
+        hook("mlp.neurons", layer),
         *_linear(f"{name}/out_linear", rng, config, neurons, embedding, bias),
     ])
   value = _linear(f"{name}/value_linear", rng, config, embedding, neurons, bias)
@@ -115,6 +119,7 @@ def build_feedforward(name, rng, config) -> transformer.TransformerFeedForward:
           # One branch: the projection, or the projection and its bias.
           value[0] if len(value) == 1 else pz.nn.Sequential(value),
       ]),
+      hook("mlp.neurons", layer),
       *_linear(f"{name}/out_linear", rng, config, neurons, embedding, bias),
   ])
 
@@ -152,8 +157,10 @@ def _softcap(cap):
   return [] if cap is None else [SoftCap(cap=float(cap))]
 
 
-def build_attention(name, rng, config, layer_type, mixed) -> pz.nn.Attention:
-  """One attention layer."""
+def build_attention(name, rng, config, layer_type, mixed, layer=None
+                    ) -> pz.nn.Attention:
+  """One attention layer (hook points ``attn.pattern`` after the softmax and
+  ``attn.head_out`` before the output projection)."""
   common, query_only = head_axes(config)
   embedding = {"embedding": config.hidden_size}
   kv_axes = {**common, "projection": config.head_dim}
@@ -198,9 +205,11 @@ def build_attention(name, rng, config, layer_type, mixed) -> pz.nn.Attention:
           *_softcap(config.attn_logit_softcap),
           _attention_mask(config, layer_type, mixed),
           pz.nn.Softmax("kv_seq"),
+          hook("attn.pattern", layer),
       ]),
       attn_value_to_output=pz.nn.Sequential([
           weights_value,
+          hook("attn.head_out", layer),
           *_linear(
               f"{name}/output", rng, config, q_axes, embedding,
               config.attention_output_bias,
@@ -209,24 +218,29 @@ def build_attention(name, rng, config, layer_type, mixed) -> pz.nn.Attention:
   )
 
 
-def build_block(name, rng, config, layer_type, mixed) -> transformer.TransformerBlock:
-  """One transformer block."""
+def build_block(name, rng, config, layer_type, mixed, layer: int
+                ) -> transformer.TransformerBlock:
+  """Block ``layer``, with its hook points (`penzai_lm.model.hooks`)."""
   embedding = {"embedding": config.hidden_size}
   post_norms = config.post_norms
   attention = [
       _norm(f"{name}/pre_attention_norm", rng, config, embedding),
-      build_attention(f"{name}/attention", rng, config, layer_type, mixed),
+      build_attention(f"{name}/attention", rng, config, layer_type, mixed,
+                      layer),
   ]
   mlp = [
       _norm(f"{name}/pre_ffw_norm", rng, config, embedding),
-      build_feedforward(f"{name}/mlp", rng, config),
+      build_feedforward(f"{name}/mlp", rng, config, layer),
   ]
   if post_norms:
     attention.append(_norm(f"{name}/post_attention_norm", rng, config, embedding))
     mlp.append(_norm(f"{name}/post_ffw_norm", rng, config, embedding))
   return transformer.TransformerBlock([
-      pz.nn.Residual(pz.nn.Sequential(attention)),
-      pz.nn.Residual(pz.nn.Sequential(mlp)),
+      hook("resid_pre", layer),
+      pz.nn.Residual(pz.nn.Sequential([*attention, hook("attn_out", layer)])),
+      hook("resid_mid", layer),
+      pz.nn.Residual(pz.nn.Sequential([*mlp, hook("mlp_out", layer)])),
+      hook("resid_post", layer),
   ])
 
 
@@ -279,6 +293,7 @@ def _build(config, rng, name) -> transformer.TransformerLM:
         f"{name}/position_embedder", rng, config.max_position_embeddings,
         config.hidden_size, config.parameter_dtype,
     ))
+  layers.append(hook("embed"))
 
   layer_types = config.resolved_layer_types
   mixed = config.use_layer_stack and len(set(layer_types)) > 1
@@ -288,17 +303,18 @@ def _build(config, rng, name) -> transformer.TransformerLM:
 
   if config.use_layer_stack:
     blocks = [
-        build_block(f"{name}/blocks", layer_rng(i), config, kind, mixed)
+        build_block(f"{name}/blocks", layer_rng(i), config, kind, mixed, i)
         for i, kind in enumerate(layer_types)
     ]
     layers.append(stack_blocks(blocks, stack_axis="blocks"))
   else:
     layers.extend(
-        build_block(f"{name}/block_{i}", layer_rng(i), config, kind, mixed)
+        build_block(f"{name}/block_{i}", layer_rng(i), config, kind, mixed, i)
         for i, kind in enumerate(layer_types)
     )
 
   layers.append(_norm(f"{name}/final_norm", rng, config, embedding))
+  layers.append(hook("final_norm"))
   if config.tie_embeddings:
     layers.append(pz.nn.EmbeddingDecode(table))
   else:

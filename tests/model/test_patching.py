@@ -9,6 +9,7 @@ from penzai import pz
 
 from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model import build_transformer
+from penzai_lm.model.transformer import TransformerBlock
 from tests.model.configs import config
 from tests.model.conftest import _model
 from tests.model.conftest import random_tokens
@@ -58,8 +59,11 @@ def _zero_head(model, block=None):
 )
 def test_zeroed_head_patch_runs_identically_in_both_modes(name, stacked):
   model = _model(name, stacked)
-  # Blocks start at body index 1 (llama) or later; in a stack, patch them all.
-  block = None if stacked else len(model.body.sublayers) - 3
+  # The last block (found by type: the body also holds norms and hook
+  # points); in a stack, patch them all.
+  block = None if stacked else max(
+      i for i, layer in enumerate(model.body.sublayers)
+      if isinstance(layer, TransformerBlock))
   patched = _zero_head(model, block)
   tokens = random_tokens((2, 9), seed=1)
   expected = uncached_logits(patched, tokens, "batch", "seq")
