@@ -1,15 +1,60 @@
-"""Interpretability tools: steering/control vectors; more to come.
+"""Interpretability tools: named points, captures, lenses, steering vectors.
 
-Conventions: layers are numbered by the 0-based penzai_lm block index ``i``,
-and a per-block vector acts on the residual stream after block ``i``
-(TransformerLens's ``blocks.{i}.hook_resid_post``). Control vectors are read
-and written in llama.cpp's GGUF control-vector format, shared with repeng;
-see :mod:`penzai_lm.interp.control_vector_files` for the format and its
-sources.
+* Named points (`penzai_lm.model.hooks`): ``embed``,
+  ``blocks.{i}.resid_pre`` ... ``blocks.{i}.resid_post``, ``final_norm``;
+  `insert_at(model, name, layer)` patches a layer in at one or more points
+  on either model layout, `point_names(model)` lists them.
+* `run_with_cache(model, tokens, names=...)`: logits and activations of one
+  forward pass.
+* Intervention layers: `AddVector` (steering), `ZeroHeads` (ablation),
+  `PatchValue` (activation patching).
+* `unembed` (logit lens), `embed` / `logits_from_embeddings` (gradients
+  with respect to the input embeddings).
+* Heads in Hugging Face order: `head_coordinates`, `heads_mask`.
+* Control vectors in llama.cpp's GGUF format: `ControlVector`,
+  `load_control_vector`, `save_control_vector`.
 """
 
+from penzai_lm.interp.cache import ActivationCache
+from penzai_lm.interp.cache import Capture
+from penzai_lm.interp.cache import run_with_cache
+from penzai_lm.interp.control_vectors import ControlVector
 from penzai_lm.interp.control_vector_files import load_control_vector
 from penzai_lm.interp.control_vector_files import save_control_vector
-from penzai_lm.interp.control_vectors import ControlVector
+from penzai_lm.interp.interventions import AddVector
+from penzai_lm.interp.interventions import PatchValue
+from penzai_lm.interp.interventions import ZeroHeads
+from penzai_lm.interp.lens import embed
+from penzai_lm.interp.lens import logits_from_embeddings
+from penzai_lm.interp.lens import unembed
+from penzai_lm.interp.points import AtLayers
+from penzai_lm.interp.points import Point
+from penzai_lm.interp.points import insert_at
+from penzai_lm.interp.points import parse_point
+from penzai_lm.interp.points import point_names
+from penzai_lm.model.hooks import HookPoint
+from penzai_lm.model.hooks import head_coordinates
+from penzai_lm.model.hooks import heads_mask
 
-__all__ = ["ControlVector", "load_control_vector", "save_control_vector"]
+__all__ = [
+    "ActivationCache",
+    "AddVector",
+    "AtLayers",
+    "Capture",
+    "ControlVector",
+    "HookPoint",
+    "PatchValue",
+    "Point",
+    "ZeroHeads",
+    "embed",
+    "head_coordinates",
+    "heads_mask",
+    "insert_at",
+    "load_control_vector",
+    "logits_from_embeddings",
+    "parse_point",
+    "point_names",
+    "run_with_cache",
+    "save_control_vector",
+    "unembed",
+]

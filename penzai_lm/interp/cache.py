@@ -1,0 +1,181 @@
+"""`run_with_cache`: one forward pass, with the activations at named points.
+
+Capture layers are inserted right after the requested points' hook points
+(so they record the value with any interventions applied) and write into
+buffers allocated up front from the model's config, so the same
+code runs on per-layer blocks and inside a layer stack's scan (where a
+buffer has a ``blocks`` axis and each block writes its slice). Only the
+requested points are kept: ask for a few names to keep memory bounded.
+
+Prompts may be ragged: they are left-padded, the padding gets position -1
+(no token attends to it), and `ActivationCache.row` returns one row's values
+without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from penzai import pz
+
+from penzai_lm.interp import points as points_lib
+from penzai_lm.model import positions_from_padding
+from penzai_lm.model.build import head_axes
+from penzai_lm.model.hooks import HookPoint
+
+
+def _value_axes(config, point: str, seq: int) -> dict[str, int]:
+  """Named axes of a point's value, besides the token axes."""
+  common, query_only = head_axes(config)
+  heads = {**common, **query_only}
+  if point == "attn.pattern":
+    return {**heads, "kv_seq": seq}
+  if point == "attn.head_out":
+    return {**heads, "projection": config.head_dim}
+  if point == "mlp.neurons":
+    return {"neurons": config.mlp_hidden_size}
+  return {"embedding": config.hidden_size}
+
+
+@pz.pytree_dataclass
+class Capture(pz.nn.Layer):
+  """Saves the value passing through into a preallocated buffer."""
+
+  saved: pz.StateVariable
+
+  def __call__(self, x, /, **_side_inputs):
+    buffer = self.saved.value
+    self.saved.value = pz.nx.order_like(x.astype(buffer.dtype), buffer)
+    return x
+
+
+@dataclasses.dataclass
+class ActivationCache:
+  """Logits and captured activations of one forward pass.
+
+  Attributes:
+    logits: ``(batch axes, seq, vocabulary)`` logits (left-padded rows).
+    values: ``{point name: NamedArray}`` with the batch axes and ``seq``.
+    lengths: Real tokens of each row (rows are left-padded to the longest).
+  """
+
+  logits: pz.nx.NamedArray
+  values: dict[str, pz.nx.NamedArray]
+  lengths: list[int]
+
+  def __getitem__(self, name: str) -> pz.nx.NamedArray:
+    if name not in self.values:
+      raise KeyError(
+          f"{name!r} was not captured; captured: {sorted(self.values)}."
+          " Pass it in run_with_cache(..., names=[...]).")
+    return self.values[name]
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.values
+
+  def keys(self):
+    return self.values.keys()
+
+  def row(self, r: int, name: str, batch_axis: str = "batch"):
+    """Row ``r`` of a point's value, without the row's padding."""
+    value = self[name][{batch_axis: r}]
+    pad = value.named_shape["seq"] - self.lengths[r]
+    return value[{"seq": pz.slice[pad:]}]
+
+
+def _token_batch(model, tokens) -> tuple[Any, Any, list[int]]:
+  """(tokens NamedArray, positions or None, real lengths) from any of:
+  a NamedArray with ``seq``, one list of ids, or a (ragged) list of
+  lists."""
+  if isinstance(tokens, pz.nx.NamedArrayBase):
+    seq = tokens.named_shape["seq"] if "seq" in tokens.named_shape else 0
+    rows = int(np.prod([n for a, n in tokens.named_shape.items()
+                        if a != "seq"], dtype=int))
+    return tokens, None, [seq] * max(rows, 1)
+  from penzai_lm.generation.prompts import normalize_prompts  # pylint: disable=g-import-not-at-top
+  rows = normalize_prompts(tokens, model.config.vocab_size)
+  longest = max(len(r) for r in rows)
+  ids = np.zeros((len(rows), longest), np.int32)
+  padding = np.ones((len(rows), longest), bool)
+  for i, row in enumerate(rows):
+    ids[i, longest - len(row):] = row
+    padding[i, longest - len(row):] = False
+  named = pz.nx.wrap(jnp.asarray(ids)).tag("batch", "seq")
+  positions = None
+  if padding.any():
+    positions = positions_from_padding(
+        pz.nx.wrap(jnp.asarray(padding)).tag("batch", "seq"))
+  return named, positions, [len(r) for r in rows]
+
+
+def _buffer(config, point, token_shape, stacked_blocks):
+  axes = {**token_shape, **_value_axes(config, point, token_shape["seq"])}
+  if stacked_blocks:
+    axes = {"blocks": stacked_blocks, **axes}
+  return pz.nx.zeros(axes, config.activation_dtype)
+
+
+def run_with_cache(model, tokens, names=None, **side_inputs
+                   ) -> ActivationCache:
+  """Runs ``model`` once and returns its logits and activations.
+
+  Args:
+    model: An uncached `TransformerLM` (patched or not).
+    tokens: A ``pz.nx.NamedArray`` of ids with a ``seq`` axis (and batch
+      axes), one list of ids, or a list of (ragged) lists of ids.
+    names: Point names to capture (`penzai_lm.model.hooks`); None captures
+      every point (memory grows with layers x tokens x width: prefer a
+      list).
+    **side_inputs: Forwarded to the model (e.g. ``token_positions``).
+
+  Returns:
+    An `ActivationCache`.
+
+  Raises:
+    ValueError: for a point the model does not have.
+  """
+  config = model.config
+  names = points_lib.point_names(model) if names is None else (
+      [names] if isinstance(names, str) else list(names))
+  parsed = [points_lib.parse_point(model, n) for n in names]
+  ids, positions, lengths = _token_batch(model, tokens)
+  if positions is not None:
+    side_inputs.setdefault("token_positions", positions)
+  token_shape = dict(ids.named_shape)
+  patched, captures = model, {}
+  for point in {p.point for p in parsed}:
+    hook_point = points_lib.hook_points(model, point).get_sequence()[0]
+    blocks = (hook_point.layer.named_shape["blocks"]
+              if points_lib.is_stacked(hook_point) else 0)
+    metadata = {}
+    if blocks:
+      metadata = {"layerstack_axes": {
+          "blocks": pz.nn.LayerStackVarBehavior.PER_LAYER}}
+    wanted = [p.name for p in parsed if p.point == point]
+    if blocks or wanted == [point]:
+      # One capture for all blocks (a stack) or a model-level point.
+      var = pz.StateVariable(_buffer(config, point, token_shape, blocks),
+                             label=f"capture/{point}", metadata=metadata)
+      patched = points_lib.hook_points(patched, point).insert_after(
+          Capture(var))  # Every block of a stack (or the one point).
+      captures[point] = var
+    else:
+      for p in parsed:
+        if p.point == point:
+          var = pz.StateVariable(_buffer(config, point, token_shape, 0),
+                                 label=f"capture/{p.name}")
+          patched = points_lib.insert_at(patched, p.name, Capture(var),
+                                         after_hook=True)
+          captures[p.name] = var
+  logits = patched(ids, **side_inputs)
+  values = {}
+  for p in parsed:
+    if p.name in captures:
+      values[p.name] = captures[p.name].value
+    else:
+      values[p.name] = captures[p.point].value[{"blocks": p.layer}]
+  return ActivationCache(logits=logits, values=values, lengths=lengths)
