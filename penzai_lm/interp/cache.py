@@ -17,15 +17,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
 from penzai_lm.interp import points as points_lib
+from penzai_lm.model import TransformerLM
 from penzai_lm.model import positions_from_padding
 from penzai_lm.model.build import head_axes
-from penzai_lm.model.hooks import HookPoint
 
 
 def _value_axes(config, point: str, seq: int) -> dict[str, int]:
@@ -138,6 +137,10 @@ def run_with_cache(model, tokens, names=None, **side_inputs
   Raises:
     ValueError: for a point the model does not have.
   """
+  if not isinstance(model, TransformerLM):
+    raise TypeError(
+        "run_with_cache needs the uncached TransformerLM (a cached model's"
+        f" state would change); got {type(model).__name__}.")
   config = model.config
   names = points_lib.point_names(model) if names is None else (
       [names] if isinstance(names, str) else list(names))

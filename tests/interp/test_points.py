@@ -152,6 +152,10 @@ def test_intervention_errors_name_the_problem():
                              interp.ZeroHeads.build(stacked.config, [0]))
   with pytest.raises(ValueError, match="ZeroHeads works on axes"):
     _logits(patched, [IDS[0]])
+  cached = penzai_lm.KVCachingTransformerLM.from_uncached(
+      stacked, 8, {"batch": 1})
+  with pytest.raises(TypeError, match="needs the uncached TransformerLM"):
+    interp.run_with_cache(cached, [IDS[0]], names=["embed"])
   cache = interp.run_with_cache(stacked, [IDS[0]], names=["embed"])
   with pytest.raises(KeyError, match="'final_norm' was not captured"):
     cache["final_norm"]  # pylint: disable=pointless-statement
