@@ -8,12 +8,18 @@ model's ``state_dict()`` (numpy float32 or bfloat16), plus a complete
 >>> ckpt = read_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf")
 >>> ckpt.architecture, ckpt.config["num_hidden_layers"]
 ('llama', 30)
+
+The supported architectures are declared once, as
+:class:`ArchitectureSpec` s in :mod:`penzai_lm.checkpoints.specs`
+(:data:`SPECS`); the readers interpret them. Every reader also takes a
+``specs`` sequence, to read an architecture declared elsewhere.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -29,21 +35,36 @@ from penzai_lm.checkpoints.layout import SUPPORTED_ARCHITECTURES
 from penzai_lm.checkpoints.layout import expected_tensor_shapes
 from penzai_lm.checkpoints.layout import normalize_config
 from penzai_lm.checkpoints.layout import validate
+from penzai_lm.checkpoints.spec_types import ArchitectureSpec
+from penzai_lm.checkpoints.specs import SPECS
 
 
-def read_checkpoint(path: str | os.PathLike, dtype=np.float32) -> Checkpoint:
-  """Reads a GGUF file or a Hugging Face model directory, whichever it is."""
+def read_checkpoint(
+    path: str | os.PathLike,
+    dtype=np.float32,
+    *,
+    specs: Sequence[ArchitectureSpec] = SPECS,
+) -> Checkpoint:
+  """Reads a GGUF file or a Hugging Face model directory, whichever it is.
+
+  Args:
+    path: A ``.gguf`` file or a Hugging Face model directory.
+    dtype: float32 (default) or bfloat16.
+    specs: The architectures to recognize (default: the built-in ones).
+  """
   p = Path(path).expanduser()
   if p.is_dir():
-    return read_hf_dir(p, dtype=dtype)
-  return read_gguf(p, dtype=dtype)
+    return read_hf_dir(p, dtype=dtype, specs=specs)
+  return read_gguf(p, dtype=dtype, specs=specs)
 
 
 __all__ = [
     "ARCHITECTURE_CLASSES",
+    "ArchitectureSpec",
     "Checkpoint",
     "CheckpointError",
     "GUARANTEED_CONFIG_KEYS",
+    "SPECS",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_GGUF_ARCHITECTURES",
     "SUPPORTED_HF_CLASSES",

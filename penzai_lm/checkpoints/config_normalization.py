@@ -4,20 +4,25 @@
 config and returns every field of the transformers config class, defaults
 filled in, plus derived fields. :data:`GUARANTEED_CONFIG_KEYS` lists the keys
 every normalized config of an architecture has.
+
+What to fill in and derive is read from the architecture's spec
+(:class:`~penzai_lm.checkpoints.spec_types.ArchitectureSpec`): its defaults
+and aliases, its RoPE (:class:`~penzai_lm.checkpoints.spec_types.RopeSpec`)
+and its sliding-window rule.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-from penzai_lm.checkpoints.architectures import ARCHITECTURE_CLASSES
-from penzai_lm.checkpoints.architectures import CONFIG_DEFAULTS
-from penzai_lm.checkpoints.architectures import MODEL_TYPES
-from penzai_lm.checkpoints.architectures import check_architecture
-
-_GEMMA3_DEFAULT_THETA = {"global": 1_000_000.0, "local": 10_000.0}
-_GEMMA3_DEFAULT_SLIDING_WINDOW_PATTERN = 6
+from penzai_lm.checkpoints.architectures import spec_for
+from penzai_lm.checkpoints.spec_types import ArchitectureSpec
+from penzai_lm.checkpoints.spec_types import RopeSpec
+from penzai_lm.checkpoints.spec_types import SlidingFromLayer
+from penzai_lm.checkpoints.spec_types import SlidingPeriodic
+from penzai_lm.checkpoints.spec_types import frozen_map
+from penzai_lm.checkpoints.specs import SPECS
 
 # Keys of a raw config that are bookkeeping, not architecture; dropped.
 _DROP_KEYS = (
@@ -47,7 +52,11 @@ def _scaling_of(params: Mapping[str, Any]) -> dict[str, Any] | None:
   return {k: v for k, v in params.items() if k != "rope_theta"}
 
 
-def normalize_config(architecture: str, raw: Mapping[str, Any]) -> dict[str, Any]:
+def normalize_config(
+    architecture: str | ArchitectureSpec,
+    raw: Mapping[str, Any],
+    specs: Sequence[ArchitectureSpec] = SPECS,
+) -> dict[str, Any]:
   """Completes a raw HF-style config dict for ``architecture``.
 
   Accepts both transformers 4.x (``rope_theta`` / ``rope_scaling`` /
@@ -57,17 +66,19 @@ def normalize_config(architecture: str, raw: Mapping[str, Any]) -> dict[str, Any
   derived fields (``head_dim``, ``num_key_value_heads``, ``layer_types``).
 
   Args:
-    architecture: One of :data:`SUPPORTED_ARCHITECTURES`.
+    architecture: One of :data:`SUPPORTED_ARCHITECTURES`, or a spec.
     raw: The raw config (e.g. parsed ``config.json``). Not modified.
+    specs: The specs to look ``architecture`` up in.
 
-  Guaranteed keys (:data:`GUARANTEED_CONFIG_KEYS`):
+  Guaranteed keys of the built-in specs (:data:`GUARANTEED_CONFIG_KEYS`):
 
   * every architecture: ``model_type`` (HF's: "llama", "mistral", "qwen2",
     "gemma3_text", "gpt2"), ``architectures`` (``[HF class name]``),
     ``vocab_size``, ``tie_word_embeddings``, ``bos_token_id``,
     ``eos_token_id``, ``pad_token_id``, ``initializer_range``, ``use_cache``;
-  * llama / mistral / qwen2 / gemma3: ``hidden_size``, ``intermediate_size``,
-    ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+  * specs with a RoPE (llama / mistral / qwen2 / gemma3): ``hidden_size``,
+    ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``,
     ``head_dim`` (derived as hidden/heads when absent, also for qwen2),
     ``max_position_embeddings``, ``rms_norm_eps``, ``attention_dropout``,
     ``rope_parameters`` (transformers 5.x form), ``rope_theta`` and
@@ -96,7 +107,7 @@ def normalize_config(architecture: str, raw: Mapping[str, Any]) -> dict[str, Any
   Returns:
     A new dict.
   """
-  check_architecture(architecture)
+  spec = spec_for(architecture, specs)
   raw = copy.deepcopy(dict(raw))
   for k in _DROP_KEYS:
     raw.pop(k, None)
@@ -105,17 +116,13 @@ def normalize_config(architecture: str, raw: Mapping[str, Any]) -> dict[str, Any
   if "torch_dtype" in raw:
     raw.setdefault("dtype", raw.pop("torch_dtype"))
 
-  cfg: dict[str, Any] = dict(CONFIG_DEFAULTS[architecture])
+  cfg: dict[str, Any] = dict(spec.config_defaults)
   cfg.update({k: v for k, v in raw.items()})
-  cfg["model_type"] = MODEL_TYPES[architecture]
-  cfg["architectures"] = [ARCHITECTURE_CLASSES[architecture]]
-
-  if architecture == "gpt2":
-    # HF's attribute_map aliases, handy for generic code.
-    cfg["hidden_size"] = cfg["n_embd"]
-    cfg["num_attention_heads"] = cfg["n_head"]
-    cfg["num_hidden_layers"] = cfg["n_layer"]
-    cfg["max_position_embeddings"] = cfg["n_positions"]
+  cfg["model_type"] = spec.model_type
+  cfg["architectures"] = [spec.hf_class]
+  for alias, key in spec.config_aliases.items():
+    cfg[alias] = cfg[key]
+  if spec.rope is None:
     return cfg
 
   # ---- decoder-only RoPE families ----
@@ -125,48 +132,55 @@ def normalize_config(architecture: str, raw: Mapping[str, Any]) -> dict[str, Any
     cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
   cfg["rms_norm_eps"] = float(cfg["rms_norm_eps"])
 
-  if architecture == "gemma3":
-    _normalize_gemma3(cfg, raw)
-    return cfg
-
-  _normalize_single_rope(cfg, raw)
-  if architecture == "qwen2":
-    _normalize_qwen2(cfg)
+  rule = spec.sliding_layers
+  if isinstance(rule, SlidingPeriodic):
+    _periodic_layer_types(cfg, raw, rule)
+  if spec.rope.local_theta is not None:
+    _normalize_local_global_rope(cfg, raw, spec.rope)
+  else:
+    _normalize_single_rope(cfg, raw, spec.rope)
+  if isinstance(rule, SlidingFromLayer):
+    _layer_types_from_layer(cfg, rule)
   return cfg
 
 
-def _normalize_single_rope(cfg: dict[str, Any], raw: Mapping[str, Any]) -> None:
-  """Fills the single RoPE of llama / mistral / qwen2 in both spellings."""
+def _normalize_single_rope(
+    cfg: dict[str, Any], raw: Mapping[str, Any], rope: RopeSpec
+) -> None:
+  """Fills a RoPE shared by every layer, in both spellings."""
   rp = raw.get("rope_parameters")
   if rp:
     params = _std_rope(rp)
-    params.setdefault("rope_theta", float(raw.get("rope_theta", 10000.0)))
+    params.setdefault("rope_theta", float(raw.get("rope_theta", rope.theta)))
   else:
     params = _std_rope(raw.get("rope_scaling"))
-    params["rope_theta"] = float(raw.get("rope_theta", 10000.0))
+    params["rope_theta"] = float(raw.get("rope_theta", rope.theta))
   cfg["rope_parameters"] = params
   cfg["rope_theta"] = params["rope_theta"]
   cfg["rope_scaling"] = _scaling_of(params)
 
 
-def _normalize_qwen2(cfg: dict[str, Any]) -> None:
-  """Derives qwen2's ``sliding_window`` and ``layer_types``."""
-  if not cfg["use_sliding_window"]:
+def _layer_types_from_layer(
+    cfg: dict[str, Any], rule: SlidingFromLayer
+) -> None:
+  """Derives ``sliding_window`` and ``layer_types`` (Qwen2-style)."""
+  if not cfg[rule.switch_key]:
     cfg["sliding_window"] = None
   if cfg.get("layer_types") is None:
     cfg["layer_types"] = [
         "sliding_attention"
-        if cfg["sliding_window"] is not None and i >= cfg["max_window_layers"]
+        if cfg["sliding_window"] is not None and i >= cfg[rule.first_layer_key]
         else "full_attention"
         for i in range(cfg["num_hidden_layers"])
     ]
 
 
-def _normalize_gemma3(cfg: dict[str, Any], raw: Mapping[str, Any]) -> None:
-  """Derives gemma3's layer types and its two RoPEs (full and sliding)."""
+def _periodic_layer_types(
+    cfg: dict[str, Any], raw: Mapping[str, Any], rule: SlidingPeriodic
+) -> None:
+  """Derives the window pattern and ``layer_types`` (Gemma-style)."""
   pattern = raw.get(
-      "sliding_window_pattern",
-      raw.get("_sliding_window_pattern", _GEMMA3_DEFAULT_SLIDING_WINDOW_PATTERN),
+      "sliding_window_pattern", raw.get("_sliding_window_pattern", rule.period)
   )
   cfg["sliding_window_pattern"] = pattern
   cfg["_sliding_window_pattern"] = pattern
@@ -176,6 +190,11 @@ def _normalize_gemma3(cfg: dict[str, Any], raw: Mapping[str, Any]) -> None:
         for i in range(cfg["num_hidden_layers"])
     ]
 
+
+def _normalize_local_global_rope(
+    cfg: dict[str, Any], raw: Mapping[str, Any], rope: RopeSpec
+) -> None:
+  """Fills two RoPEs, of full-attention and of sliding layers (Gemma-style)."""
   rp = raw.get("rope_parameters")
   if rp and ("full_attention" in rp or "sliding_attention" in rp):
     full = _std_rope(rp.get("full_attention"))
@@ -183,12 +202,9 @@ def _normalize_gemma3(cfg: dict[str, Any], raw: Mapping[str, Any]) -> None:
   else:
     full = _std_rope(rp if rp else raw.get("rope_scaling"))
     sliding = _std_rope(None)
-  full.setdefault(
-      "rope_theta", float(raw.get("rope_theta", _GEMMA3_DEFAULT_THETA["global"]))
-  )
+  full.setdefault("rope_theta", float(raw.get("rope_theta", rope.theta)))
   sliding.setdefault(
-      "rope_theta",
-      float(raw.get("rope_local_base_freq", _GEMMA3_DEFAULT_THETA["local"])),
+      "rope_theta", float(raw.get("rope_local_base_freq", rope.local_theta))
   )
   cfg["rope_parameters"] = {"sliding_attention": sliding, "full_attention": full}
   cfg["rope_theta"] = full["rope_theta"]
@@ -198,6 +214,6 @@ def _normalize_gemma3(cfg: dict[str, Any], raw: Mapping[str, Any]) -> None:
 
 # Keys every normalized config of each architecture has (values may be None,
 # e.g. rope_scaling, pad_token_id, sliding_window, n_inner).
-GUARANTEED_CONFIG_KEYS: dict[str, frozenset[str]] = {
-    arch: frozenset(normalize_config(arch, {})) for arch in ARCHITECTURE_CLASSES
-}
+GUARANTEED_CONFIG_KEYS: Mapping[str, frozenset[str]] = frozen_map(
+    {spec.name: frozenset(normalize_config(spec, {})) for spec in SPECS}
+)

@@ -3,7 +3,8 @@
 Reads the ``general.*``, ``<arch>.*`` and ``tokenizer.ggml.*`` special-token
 keys llama.cpp writes, and fills what the file does not carry with the
 architecture's documented defaults (those of llama.cpp, which wrote the file,
-and of transformers' own GGUF loader).
+and of transformers' own GGUF loader). What differs between architectures is
+read from the spec's :class:`~penzai_lm.checkpoints.spec_types.GGUFSpec`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ import numpy as np
 from penzai_lm.checkpoints.checkpoint import CORRUPT_HINT
 from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.config_normalization import normalize_config
-
-# Gemma 3 facts not stored in its GGUF files (llama.cpp hard-codes them too).
-GEMMA3_ROPE_LOCAL_BASE_FREQ = 10_000.0
-GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every 6th layer (5, 11, 17, ...) is global
+from penzai_lm.checkpoints.spec_types import ArchitectureSpec
+from penzai_lm.checkpoints.spec_types import GGUFSpec
 
 _MISSING = object()
 
@@ -105,11 +104,11 @@ def llama3_rope_scaling(
   )
 
 
-def _rope_scaling_from_metadata(reader, arch: str) -> dict[str, Any] | None:
-  kind = field(reader, f"{arch}.rope.scaling.type", None)
+def _rope_scaling_from_metadata(reader, prefix: str) -> dict[str, Any] | None:
+  kind = field(reader, f"{prefix}rope.scaling.type", None)
   if kind in (None, "none"):
     return None
-  factor = field(reader, f"{arch}.rope.scaling.factor", None)
+  factor = field(reader, f"{prefix}rope.scaling.factor", None)
   if factor is None:
     return None
   factor = float(factor)
@@ -117,7 +116,7 @@ def _rope_scaling_from_metadata(reader, arch: str) -> dict[str, Any] | None:
     return {"rope_type": "linear", "factor": factor}
   if kind == "yarn":
     out = {"rope_type": "yarn", "factor": factor}
-    orig = field(reader, f"{arch}.rope.scaling.original_context_length", None)
+    orig = field(reader, f"{prefix}rope.scaling.original_context_length", None)
     if orig is not None:
       out["original_max_position_embeddings"] = int(orig)
     return out
@@ -127,9 +126,9 @@ def _rope_scaling_from_metadata(reader, arch: str) -> dict[str, Any] | None:
   )
 
 
-def _head_geometry(reader, arch: str, hidden: int) -> tuple[int, int, int]:
+def _head_geometry(reader, g: GGUFSpec, hidden: int) -> tuple[int, int, int]:
   """(num_attention_heads, num_key_value_heads, head_dim) from metadata."""
-  p = arch + "."
+  p = g.architecture + "."
   heads = field(reader, p + "attention.head_count")
   kv_heads = field(reader, p + "attention.head_count_kv", heads)
   if isinstance(heads, list) or isinstance(kv_heads, list):
@@ -137,21 +136,23 @@ def _head_geometry(reader, arch: str, hidden: int) -> tuple[int, int, int]:
         "GGUF file has per-layer head counts, which are not supported"
     )
   heads, kv_heads = int(heads), int(kv_heads)
-  head_dim = field(reader, p + "attention.key_length", None)
-  if head_dim is None and arch == "llama":
-    head_dim = field(reader, p + "rope.dimension_count", None)
+  head_dim = None
+  for key in g.head_dim_keys:
+    head_dim = field(reader, p + key, None)
+    if head_dim is not None:
+      break
   if head_dim is None:
-    head_dim = hidden // heads if arch == "llama" else 256
+    head_dim = g.default_head_dim or hidden // heads
   return heads, kv_heads, int(head_dim)
 
 
 def _common_fields(
-    reader, arch: str, gguf_names: set[str], vocab: int
+    reader, g: GGUFSpec, gguf_names: set[str], vocab: int
 ) -> dict[str, Any]:
-  """Config fields llama and gemma3 files spell the same way."""
-  p = arch + "."
+  """Config fields every architecture's files spell the same way."""
+  p = g.architecture + "."
   hidden = int(field(reader, p + "embedding_length"))
-  heads, kv_heads, head_dim = _head_geometry(reader, arch, hidden)
+  heads, kv_heads, head_dim = _head_geometry(reader, g, hidden)
   raw: dict[str, Any] = {
       "vocab_size": vocab,
       "hidden_size": hidden,
@@ -179,42 +180,33 @@ def _common_fields(
   return raw
 
 
-def _add_gemma3_fields(
-    raw: dict[str, Any], reader, theta, scaling, gguf_names: set[str]
+def _add_spec_fields(
+    raw: dict[str, Any], reader, g: GGUFSpec, gguf_names: set[str]
 ) -> None:
-  """Adds gemma3's RoPE, sliding-window, scaling and soft-capping fields."""
-  p = "gemma3."
-  layers = raw["num_hidden_layers"]
-  raw["rope_theta"] = float(theta) if theta is not None else 1_000_000.0
-  raw["rope_local_base_freq"] = GEMMA3_ROPE_LOCAL_BASE_FREQ
-  if scaling is not None:
-    raw["rope_scaling"] = scaling
-  raw["sliding_window_pattern"] = GEMMA3_SLIDING_WINDOW_PATTERN
-  window = field(reader, p + "attention.sliding_window", None)
-  if window is not None:
-    raw["sliding_window"] = int(window)
-  # llama.cpp: 1/sqrt(head_dim), except Gemma 3 27B (62 layers), which uses
-  # 1/sqrt(hidden_size / num_heads). For every other size this equals
-  # transformers' default of 256.
-  if layers == 62:
-    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-    raw["query_pre_attn_scalar"] = hidden // heads
-  else:
-    raw["query_pre_attn_scalar"] = raw["head_dim"]
-  raw["attention_bias"] = "blk.0.attn_q.bias" in gguf_names
-  raw["hidden_activation"] = "gelu_pytorch_tanh"
-  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-    v = field(reader, p + key, None)
+  """Adds the fields the spec says how to find: fixed values, biases, ..."""
+  raw.update(g.fixed_config)
+  for key, tensor in g.bias_flags.items():
+    raw[key] = tensor in gguf_names
+  for m in g.optional_metadata:
+    v = field(reader, f"{g.architecture}.{m.key}", None)
     if v is not None:
-      raw[key] = float(v)
+      raw[m.config_key] = m.convert(v)
+  if g.query_scale is not None:
+    if raw["num_hidden_layers"] in g.query_scale.hidden_per_head_layer_counts:
+      hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+      raw["query_pre_attn_scalar"] = hidden // heads
+    else:
+      raw["query_pre_attn_scalar"] = raw["head_dim"]
 
 
-def config_from_gguf(reader, arch: str, gguf_names: set[str], vocab: int) -> dict:
-  """The normalized HF config of a llama or gemma3 GGUF file.
+def config_from_gguf(
+    reader, spec: ArchitectureSpec, gguf_names: set[str], vocab: int
+) -> dict:
+  """The normalized HF config of a GGUF file.
 
   Args:
     reader: The open ``gguf.GGUFReader``.
-    arch: "llama" or "gemma3".
+    spec: The file's architecture spec (with a ``gguf`` part).
     gguf_names: Names of the file's tensors (biases and tied embeddings are
       detected from them).
     vocab: Vocabulary size (rows of ``token_embd.weight``).
@@ -223,16 +215,15 @@ def config_from_gguf(reader, arch: str, gguf_names: set[str], vocab: int) -> dic
     The config, normalized by
     :func:`~penzai_lm.checkpoints.config_normalization.normalize_config`.
   """
-  raw = _common_fields(reader, arch, gguf_names, vocab)
-  theta = field(reader, arch + ".rope.freq_base", None)
-  scaling = _rope_scaling_from_metadata(reader, arch)
-  if arch == "llama":
-    raw["rope_theta"] = float(theta) if theta is not None else 10000.0
-    raw["hidden_act"] = "silu"
-    raw["attention_bias"] = "blk.0.attn_q.bias" in gguf_names
-    raw["mlp_bias"] = "blk.0.ffn_gate.bias" in gguf_names
-    if scaling is not None:
-      raw["rope_scaling"] = scaling
-  else:  # gemma3
-    _add_gemma3_fields(raw, reader, theta, scaling, gguf_names)
-  return normalize_config(arch, raw)
+  g = spec.gguf
+  raw = _common_fields(reader, g, gguf_names, vocab)
+  theta = field(reader, g.architecture + ".rope.freq_base", None)
+  if theta is not None:
+    raw["rope_theta"] = float(theta)
+  elif spec.rope is not None:
+    raw["rope_theta"] = spec.rope.theta
+  scaling = _rope_scaling_from_metadata(reader, g.architecture + ".")
+  if scaling is not None:
+    raw["rope_scaling"] = scaling
+  _add_spec_fields(raw, reader, g, gguf_names)
+  return normalize_config(spec, raw)

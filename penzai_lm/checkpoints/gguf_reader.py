@@ -1,7 +1,8 @@
 """Reads llama.cpp GGUF files into the canonical (Hugging Face) form.
 
-Supported GGUF architectures: ``llama`` (HF ``LlamaForCausalLM``) and ``gemma3``
-(HF ``Gemma3ForCausalLM``). Tensors are dequantized once with
+Supported GGUF architectures: those of the specs with a ``gguf`` part
+(:mod:`penzai_lm.checkpoints.specs`): ``llama`` (HF ``LlamaForCausalLM``) and
+``gemma3`` (HF ``Gemma3ForCausalLM``). Tensors are dequantized once with
 ``gguf.quants.dequantize`` (any type gguf-py knows: F32/F16/BF16, Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, K-quants, ...) and converted to HF conventions:
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -44,8 +45,6 @@ from penzai_lm.checkpoints.config_normalization import normalize_config
 from penzai_lm.checkpoints.gguf_file import GGUF_MAGIC
 from penzai_lm.checkpoints.gguf_file import open_checked
 from penzai_lm.checkpoints.gguf_file import open_gguf_reader
-from penzai_lm.checkpoints.gguf_metadata import GEMMA3_ROPE_LOCAL_BASE_FREQ
-from penzai_lm.checkpoints.gguf_metadata import GEMMA3_SLIDING_WINDOW_PATTERN
 from penzai_lm.checkpoints.gguf_metadata import config_from_gguf
 from penzai_lm.checkpoints.gguf_metadata import llama3_rope_scaling
 from penzai_lm.checkpoints.gguf_metadata import read_gguf_architecture
@@ -54,12 +53,24 @@ from penzai_lm.checkpoints.gguf_tensors import hf_tensor_name
 from penzai_lm.checkpoints.gguf_tensors import permute_rows
 from penzai_lm.checkpoints.gguf_tensors import to_hf_values
 from penzai_lm.checkpoints.gguf_tensors import unpermute_rows
+from penzai_lm.checkpoints.spec_types import ArchitectureSpec
+from penzai_lm.checkpoints.specs import GEMMA3_ROPE_LOCAL_BASE_FREQ
+from penzai_lm.checkpoints.specs import GEMMA3_SLIDING_WINDOW_PATTERN
+from penzai_lm.checkpoints.specs import SPECS
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
+
+def _gguf_table(
+    specs: Sequence[ArchitectureSpec],
+) -> dict[str, ArchitectureSpec]:
+  """GGUF ``general.architecture`` -> spec, for the specs that read GGUF."""
+  return {s.gguf.architecture: s for s in specs if s.gguf is not None}
 
 
-def _open_supported(path: Path):
-  """Opens a GGUF file of a supported architecture; (reader, architecture)."""
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_gguf_table(SPECS))
+
+
+def _open_supported(path: Path, specs: Sequence[ArchitectureSpec]):
+  """Opens a GGUF file of a supported architecture; (reader, spec)."""
   if path.is_dir():
     raise CheckpointError(
         f"{path} is a directory, not a GGUF file (use read_hf_dir for Hugging"
@@ -67,45 +78,50 @@ def _open_supported(path: Path):
     )
   reader = open_checked(path)
   arch = read_gguf_architecture(reader)
-  if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+  table = _gguf_table(specs)
+  if arch not in table:
     raise CheckpointError(
         unsupported_architecture_message(
             f"{arch!r} in GGUF file {path}",
-            "GGUF architectures " + ", ".join(SUPPORTED_GGUF_ARCHITECTURES),
+            "GGUF architectures " + ", ".join(table),
         )
     )
-  return reader, arch
+  return reader, table[arch]
 
 
 def _hf_names(
-    arch: str, by_name: dict[str, Any], path: Path
+    spec: ArchitectureSpec, by_name: dict[str, Any], path: Path
 ) -> tuple[dict[str, str], dict[str, Any]]:
   """GGUF name -> HF name of each tensor, and the tensors HF has no name for.
 
   The second mapping holds tensors that are not weights but are understood
-  (llama's ``rope_freqs.weight``); any other unmapped tensor is an error.
+  (``GGUFSpec.extra_tensors``, e.g. llama's ``rope_freqs.weight``); any other
+  unmapped tensor is an error.
   """
   extra_gguf = {}
   unknown = []
   hf_names = {}
   for name in by_name:
-    if arch == "llama" and name == "rope_freqs.weight":
+    if name in spec.gguf.extra_tensors:
       extra_gguf[name] = by_name[name]
       continue
-    hf = hf_tensor_name(arch, name)
+    hf = hf_tensor_name(spec, name)
     if hf is None:
       unknown.append(name)
     else:
       hf_names[name] = hf
   if unknown:
     raise CheckpointError(
-        f"GGUF file {path} ({arch}) has tensors with no Hugging Face"
+        f"GGUF file {path} ({spec.gguf.architecture}) has tensors with no"
+        " Hugging Face"
         f" counterpart: {', '.join(sorted(unknown))}"
     )
   return hf_names, extra_gguf
 
 
-def _with_rope_freqs(arch: str, config: dict, rope_freqs, path: Path) -> dict:
+def _with_rope_freqs(
+    spec: ArchitectureSpec, config: dict, rope_freqs, path: Path
+) -> dict:
   """``config`` with the Llama 3 RoPE scaling encoded in ``rope_freqs``."""
   scaling = llama3_rope_scaling(
       dequantize(rope_freqs, path),
@@ -115,16 +131,23 @@ def _with_rope_freqs(arch: str, config: dict, rope_freqs, path: Path) -> dict:
   raw = dict(config)
   raw.pop("rope_parameters", None)
   raw["rope_scaling"] = scaling
-  return normalize_config(arch, raw)
+  return normalize_config(spec, raw)
 
 
-def read_gguf(path: str | os.PathLike, dtype=np.float32) -> Checkpoint:
+def read_gguf(
+    path: str | os.PathLike,
+    dtype=np.float32,
+    *,
+    specs: Sequence[ArchitectureSpec] = SPECS,
+) -> Checkpoint:
   """Reads a GGUF model file into a canonical :class:`Checkpoint`.
 
   Args:
-    path: Path to a ``.gguf`` file of architecture ``llama`` or ``gemma3``.
+    path: Path to a ``.gguf`` file of architecture ``llama`` or ``gemma3``
+      (those of ``specs``).
     dtype: float32 (default) or bfloat16 (``ml_dtypes.bfloat16``, or the
       strings "bfloat16"/"bf16").
+    specs: The architectures to recognize (default: the built-in ones).
 
   Returns:
     The checkpoint, with ``gguf_reader`` set to the open reader.
@@ -140,16 +163,16 @@ def read_gguf(path: str | os.PathLike, dtype=np.float32) -> Checkpoint:
 
   dtype = resolve_dtype(dtype)
   path = check_path_exists(path, "GGUF file")
-  reader, arch = _open_supported(path)
+  reader, spec = _open_supported(path, specs)
   by_name = {t.name: t for t in reader.tensors}
   if "token_embd.weight" not in by_name:
     raise CheckpointError(f"GGUF file {path} has no token_embd.weight tensor")
   vocab = int(by_name["token_embd.weight"].shape[-1])
-  config = config_from_gguf(reader, arch, set(by_name), vocab)
-  hf_names, extra_gguf = _hf_names(arch, by_name, path)
+  config = config_from_gguf(reader, spec, set(by_name), vocab)
+  hf_names, extra_gguf = _hf_names(spec, by_name, path)
   if "rope_freqs.weight" in extra_gguf:
     config = _with_rope_freqs(
-        arch, config, extra_gguf["rope_freqs.weight"], path
+        spec, config, extra_gguf["rope_freqs.weight"], path
     )
 
   heads = config["num_attention_heads"]
@@ -157,17 +180,17 @@ def read_gguf(path: str | os.PathLike, dtype=np.float32) -> Checkpoint:
   tensors: dict[str, np.ndarray] = {}
   for gname, hf in hf_names.items():
     arr = dequantize(by_name[gname], path)
-    arr = to_hf_values(arch, gname, hf, arr, heads, kv_heads)
+    arr = to_hf_values(spec, gname, hf, arr, heads, kv_heads)
     tensors[hf] = to_dtype(arr, dtype)
 
   ckpt = Checkpoint(
-      architecture=arch,
+      architecture=spec.name,
       config=config,
       tensors=tensors,
       source=str(path),
       gguf_reader=reader,
   )
-  layout.validate(ckpt)
+  layout.validate(ckpt, spec)
   return ckpt
 
 

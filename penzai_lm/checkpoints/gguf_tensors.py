@@ -6,9 +6,13 @@ Maps llama.cpp tensor names to HF names, dequantizes each tensor once with
 * GGUF lists shapes as ``[in, out]``; the numpy arrays are ``(out, in)``, which
   is already HF's ``nn.Linear`` layout.
 * llama.cpp permutes the rows of llama q/k projections (and biases) for its
-  interleaved-pair RoPE; they are un-permuted here to HF's rotate-half layout.
+  interleaved-pair RoPE; they are un-permuted here to HF's rotate-half layout
+  (``GGUFSpec.unpermute_qk``).
 * gemma3 files store RMSNorm weights as ``1 + w``; HF's Gemma3RMSNorm stores
-  ``w`` (and computes ``x * (1 + w)``), so 1 is subtracted (in float32).
+  ``w`` (and computes ``x * (1 + w)``), so 1 is subtracted (in float32)
+  (``GGUFSpec.norm_offset``).
+
+Block tensor names come from the spec's ``GGUFSpec.block_names``.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import re
 
 import numpy as np
 
+from penzai_lm.checkpoints.architectures import spec_for
 from penzai_lm.checkpoints.checkpoint import CORRUPT_HINT
 from penzai_lm.checkpoints.checkpoint import CheckpointError
+from penzai_lm.checkpoints.spec_types import ArchitectureSpec
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -27,45 +33,24 @@ _TOP_LEVEL_NAMES = {
     "output": "lm_head",
 }
 
-_BLOCK_NAMES = {
-    "llama": {
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    },
-    "gemma3": {
-        "attn_norm": "input_layernorm",
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    },
-}
-
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([A-Za-z0-9_]+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^([A-Za-z0-9_]+)\.(weight|bias)$")
 
 
-def hf_tensor_name(architecture: str, gguf_name: str) -> str | None:
-  """HF state_dict name of a GGUF tensor, or None if it has no HF counterpart."""
+def hf_tensor_name(
+    architecture: str | ArchitectureSpec, gguf_name: str
+) -> str | None:
+  """HF state_dict name of a GGUF tensor, or None if it has no HF counterpart.
+
+  Args:
+    architecture: A built-in architecture name, or a spec with a ``gguf``
+      part.
+    gguf_name: The llama.cpp tensor name.
+  """
   m = _BLOCK_RE.match(gguf_name)
   if m:
     layer, kind, suffix = m.groups()
-    hf = _BLOCK_NAMES[architecture].get(kind)
+    hf = spec_for(architecture).gguf.block_names.get(kind)
     return None if hf is None else f"model.layers.{layer}.{hf}.{suffix}"
   m = _TOP_RE.match(gguf_name)
   if m and m.group(1) in _TOP_LEVEL_NAMES:
@@ -139,7 +124,7 @@ def dequantize(t, path: Path) -> np.ndarray:
 
 
 def to_hf_values(
-    arch: str,
+    spec: ArchitectureSpec,
     gguf_name: str,
     hf_name: str,
     arr: np.ndarray,
@@ -147,11 +132,12 @@ def to_hf_values(
     kv_heads: int,
 ) -> np.ndarray:
   """Converts a dequantized tensor to HF's value conventions (see above)."""
-  if arch == "llama":
+  g = spec.gguf
+  if g.unpermute_qk:
     if ".self_attn.q_proj." in hf_name:
       arr = unpermute_rows(arr, heads)
     elif ".self_attn.k_proj." in hf_name:
       arr = unpermute_rows(arr, kv_heads)
-  elif arch == "gemma3" and gguf_name.endswith("norm.weight"):
-    arr = arr - np.float32(1.0)
+  if g.norm_offset and gguf_name.endswith("norm.weight"):
+    arr = arr - np.float32(g.norm_offset)
   return arr

@@ -1,8 +1,11 @@
 """Reads Hugging Face model directories (config.json + safetensors).
 
-Supported classes: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Gemma3ForCausalLM (also the text part of Gemma3ForConditionalGeneration) and
-GPT2LMHeadModel. No torch is needed: tensors are read with
+Supported classes: those of the architecture specs
+(:mod:`penzai_lm.checkpoints.specs`): LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, Gemma3ForCausalLM (also the text part of
+Gemma3ForConditionalGeneration) and GPT2LMHeadModel. The spec says which
+classes and ``model_type`` values select it, and which tensors to drop or
+rename. No torch is needed: tensors are read with
 ``safetensors.safe_open(framework="np")``; bfloat16 tensors (which numpy cannot
 name) are read straight from the file's byte layout as ``ml_dtypes.bfloat16``.
 """
@@ -14,7 +17,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -26,32 +29,28 @@ from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.checkpoint import check_path_exists
 from penzai_lm.checkpoints.checkpoint import resolve_dtype
 from penzai_lm.checkpoints.checkpoint import to_dtype
+from penzai_lm.checkpoints.spec_types import ArchitectureSpec
+from penzai_lm.checkpoints.spec_types import frozen_map
+from penzai_lm.checkpoints.specs import SPECS
+
+
+def _class_table(
+    specs: Sequence[ArchitectureSpec],
+) -> dict[str, ArchitectureSpec]:
+  """HF class name -> spec, wrapper classes included."""
+  return {cls: spec for spec in specs for cls in spec.hf.all_classes}
+
+
+def _model_type_table(
+    specs: Sequence[ArchitectureSpec],
+) -> dict[str, ArchitectureSpec]:
+  """config.json ``model_type`` -> spec."""
+  return {t: spec for spec in specs for t in spec.hf.all_model_types}
+
 
 # HF class name -> canonical architecture.
-SUPPORTED_HF_CLASSES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",
-    "GPT2LMHeadModel": "gpt2",
-}
-# config.json model_type -> canonical architecture (used when "architectures"
-# is absent or names a base model class).
-_MODEL_TYPES: dict[str, str] = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-    "gpt2": "gpt2",
-}
-_SUPPORTED_TEXT = (
-    "Hugging Face classes "
-    + ", ".join(
-        c for c in SUPPORTED_HF_CLASSES if c != "Gemma3ForConditionalGeneration"
-    )
-    + " (and the text model of Gemma3ForConditionalGeneration)"
+SUPPORTED_HF_CLASSES: Mapping[str, str] = frozen_map(
+    {cls: spec.name for cls, spec in _class_table(SPECS).items()}
 )
 
 _SAFETENSORS_DTYPES = {
@@ -61,24 +60,43 @@ _SAFETENSORS_DTYPES = {
     "BF16": ml_dtypes.bfloat16,
 }
 
-# Non-parameter buffers some checkpoints carry; HF ignores them.
-_GPT2_BUFFER = re.compile(r"(^|\.)attn\.(bias|masked_bias)$")  # causal masks
+# Non-parameter buffers some checkpoints of any architecture carry.
 _ROTARY_BUFFER = re.compile(r"\.rotary_emb\.inv_freq$")  # old llama files
 
 
-def _detect_architecture(config: dict[str, Any], path: Path) -> tuple[str, str]:
-  """Returns (canonical architecture, HF class name or model_type)."""
+def _supported_text(specs: Sequence[ArchitectureSpec]) -> str:
+  """The supported classes, for error messages."""
+  text = "Hugging Face classes " + ", ".join(
+      cls for spec in specs for cls in spec.hf.classes
+  )
+  wrappers = [
+      cls
+      for spec in specs
+      if spec.hf.multimodal
+      for cls in spec.hf.multimodal.classes
+  ]
+  if wrappers:
+    text += f" (and the text model of {', '.join(wrappers)})"
+  return text
+
+
+def _detect_architecture(
+    config: dict[str, Any], path: Path, specs: Sequence[ArchitectureSpec]
+) -> tuple[ArchitectureSpec, str]:
+  """Returns (the spec, HF class name or model_type that selected it)."""
   classes = config.get("architectures") or []
+  by_class = _class_table(specs)
   for cls in classes:
-    if cls in SUPPORTED_HF_CLASSES:
-      return SUPPORTED_HF_CLASSES[cls], cls
+    if cls in by_class:
+      return by_class[cls], cls
   model_type = config.get("model_type")
-  if not classes and model_type in _MODEL_TYPES:
-    return _MODEL_TYPES[model_type], model_type
+  by_type = _model_type_table(specs)
+  if not classes and model_type in by_type:
+    return by_type[model_type], model_type
   what = ", ".join(classes) if classes else f"model_type {model_type!r}"
   raise CheckpointError(
       layout.unsupported_architecture_message(
-          f"{what} in {path / 'config.json'}", _SUPPORTED_TEXT
+          f"{what} in {path / 'config.json'}", _supported_text(specs)
       )
   )
 
@@ -184,35 +202,21 @@ def _read_safetensors(file: Path, dtype: np.dtype) -> dict[str, np.ndarray]:
 
 
 def _normalize_names(
-    arch: str, tensors: dict[str, np.ndarray], config: dict[str, Any]
+    spec: ArchitectureSpec,
+    tensors: dict[str, np.ndarray],
+    config: dict[str, Any],
 ) -> dict[str, np.ndarray]:
   """Renames tensors to the plain CausalLM state_dict names; drops buffers."""
+  dropped = [_ROTARY_BUFFER, *(re.compile(p) for p in spec.hf.dropped_tensors)]
+  renames = [(re.compile(p), r) for p, r in spec.hf.tensor_renames]
   out = {}
   for name, t in tensors.items():
-    if _ROTARY_BUFFER.search(name):
+    if any(p.search(name) for p in dropped):
       continue
-    if arch == "gpt2":
-      if _GPT2_BUFFER.search(name):
-        continue
-      if not name.startswith(("transformer.", "lm_head.")):
-        name = "transformer." + name
-    elif arch == "gemma3":
-      # Gemma3ForConditionalGeneration: transformers 4.x saves
-      # language_model.model.* / language_model.lm_head.*, 5.x saves
-      # model.language_model.* / lm_head.*.
-      if name.startswith((
-          "vision_tower.",
-          "multi_modal_projector.",
-          "model.vision_tower.",
-          "model.multi_modal_projector.",
-      )):
-        continue
-      if name.startswith("language_model.model."):
-        name = "model." + name[len("language_model.model.") :]
-      elif name.startswith("language_model.lm_head."):
-        name = name[len("language_model.") :]
-      elif name.startswith("model.language_model."):
-        name = "model." + name[len("model.language_model.") :]
+    for pattern, replacement in renames:
+      name, n = pattern.subn(replacement, name, count=1)
+      if n:
+        break
     out[name] = t
   if config["tie_word_embeddings"]:
     # HF ties lm_head to the embedding and ignores a stored copy.
@@ -220,31 +224,42 @@ def _normalize_names(
   return out
 
 
-def _text_config(config: dict[str, Any], hf_class: str) -> dict[str, Any]:
-  """The text-model part of a (multimodal) Gemma 3 config; else the config."""
-  multimodal = hf_class == "Gemma3ForConditionalGeneration" or (
-      config.get("model_type") == "gemma3" and "text_config" in config
-  )
-  if not multimodal:
+def _text_config(
+    config: dict[str, Any], spec: ArchitectureSpec, hf_class: str
+) -> dict[str, Any]:
+  """The text-model part of a multimodal wrapper's config; else the config."""
+  wrapper = spec.hf.multimodal
+  if wrapper is None:
+    return config
+  is_wrapper_type = config.get("model_type") == wrapper.model_type
+  if hf_class not in wrapper.classes and not (
+      is_wrapper_type and "text_config" in config
+  ):
     return config
   text = dict(config.get("text_config") or {})
-  if "tie_word_embeddings" not in text:
-    text["tie_word_embeddings"] = config.get("tie_word_embeddings", True)
-  for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+  for key in (
+      "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"
+  ):
     if key not in text and key in config:
       text[key] = config[key]
-  # The multimodal model's text_config defaults to the 4B model's vocabulary.
-  text.setdefault("vocab_size", 262_208)
+  for key, value in wrapper.text_defaults.items():
+    text.setdefault(key, value)
   return text
 
 
-def read_hf_dir(path: str | os.PathLike, dtype=np.float32) -> Checkpoint:
+def read_hf_dir(
+    path: str | os.PathLike,
+    dtype=np.float32,
+    *,
+    specs: Sequence[ArchitectureSpec] = SPECS,
+) -> Checkpoint:
   """Reads a Hugging Face model directory into a canonical :class:`Checkpoint`.
 
   Args:
     path: Directory with ``config.json`` and ``model.safetensors`` (or a
       sharded ``model.safetensors.index.json`` with its shards).
     dtype: float32 (default) or bfloat16.
+    specs: The architectures to recognize (default: the built-in ones).
 
   Raises:
     FileNotFoundError: the directory, config.json or the weights are missing.
@@ -258,17 +273,17 @@ def read_hf_dir(path: str | os.PathLike, dtype=np.float32) -> Checkpoint:
         f"{path} is not a directory (use read_gguf for GGUF files)"
     )
   raw = _read_config(path)
-  arch, hf_class = _detect_architecture(raw, path)
-  config = layout.normalize_config(arch, _text_config(raw, hf_class))
+  spec, hf_class = _detect_architecture(raw, path, specs)
+  config = layout.normalize_config(spec, _text_config(raw, spec, hf_class))
   tensors: dict[str, np.ndarray] = {}
   for file in _weight_files(path):
     for name, t in _read_safetensors(file, dtype).items():
       if name in tensors:
         raise CheckpointError(f"tensor {name!r} appears in more than one shard")
       tensors[name] = t
-  tensors = _normalize_names(arch, tensors, config)
+  tensors = _normalize_names(spec, tensors, config)
   ckpt = Checkpoint(
-      architecture=arch, config=config, tensors=tensors, source=str(path)
+      architecture=spec.name, config=config, tensors=tensors, source=str(path)
   )
-  layout.validate(ckpt)
+  layout.validate(ckpt, spec)
   return ckpt

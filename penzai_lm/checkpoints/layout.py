@@ -12,51 +12,64 @@ package knows:
   (:func:`expected_tensor_shapes`);
 * how to check a checkpoint against that (:func:`validate`).
 
-The per-architecture tables (:data:`ARCHITECTURE_CLASSES`, ...) live in
+The tensors come from the spec's layout
+(:class:`~penzai_lm.checkpoints.spec_types.DecoderLayout` or
+:class:`~penzai_lm.checkpoints.spec_types.Conv1DLayout`). The per-architecture
+tables (:data:`ARCHITECTURE_CLASSES`, ...) live in
 :mod:`~penzai_lm.checkpoints.architectures` and are re-exported here too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from penzai_lm.checkpoints.architectures import ARCHITECTURE_CLASSES
 from penzai_lm.checkpoints.architectures import MODEL_TYPES
 from penzai_lm.checkpoints.architectures import SUPPORTED_ARCHITECTURES
-from penzai_lm.checkpoints.architectures import check_architecture
+from penzai_lm.checkpoints.architectures import spec_for
 from penzai_lm.checkpoints.architectures import unsupported_architecture_message
 from penzai_lm.checkpoints.config_normalization import GUARANTEED_CONFIG_KEYS
 from penzai_lm.checkpoints.config_normalization import normalize_config
+from penzai_lm.checkpoints.spec_types import ArchitectureSpec
+from penzai_lm.checkpoints.spec_types import Conv1DLayout
+from penzai_lm.checkpoints.spec_types import DecoderLayout
+from penzai_lm.checkpoints.spec_types import Flag
+from penzai_lm.checkpoints.specs import SPECS
 
 
 def expected_tensor_shapes(
-    architecture: str, config: Mapping[str, Any]
+    architecture: str | ArchitectureSpec,
+    config: Mapping[str, Any],
+    specs: Sequence[ArchitectureSpec] = SPECS,
 ) -> dict[str, tuple[int, ...]]:
   """The complete set of HF ``state_dict`` tensors for ``architecture``.
 
   Tied embeddings (``tie_word_embeddings``) mean no ``lm_head.weight``.
 
   Args:
-    architecture: One of :data:`SUPPORTED_ARCHITECTURES`.
+    architecture: One of :data:`SUPPORTED_ARCHITECTURES`, or a spec.
     config: A config dict (raw or normalized; it is normalized here).
+    specs: The specs to look ``architecture`` up in.
 
   Returns:
     Mapping from tensor name to shape, in a stable order.
   """
-  check_architecture(architecture)
-  c = normalize_config(architecture, config)
-  if architecture == "gpt2":
-    return _gpt2_shapes(c)
-  return _decoder_shapes(architecture, c)
+  spec = spec_for(architecture, specs)
+  c = normalize_config(spec, config)
+  if isinstance(spec.layout, Conv1DLayout):
+    return _conv1d_shapes(spec.layout, c)
+  return _decoder_shapes(spec.layout, c)
 
 
-def _gpt2_shapes(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-  """GPT2LMHeadModel's tensors for a normalized gpt2 config."""
+def _conv1d_shapes(
+    layout: Conv1DLayout, c: Mapping[str, Any]
+) -> dict[str, tuple[int, ...]]:
+  """The tensors of a GPT-2-style model (``GPT2LMHeadModel``)."""
   out: dict[str, tuple[int, ...]] = {}
   e, v, p = c["n_embd"], c["vocab_size"], c["n_positions"]
-  inner = c["n_inner"] if c["n_inner"] is not None else 4 * e
+  inner = c["n_inner"] if c["n_inner"] is not None else layout.mlp_ratio * e
   out["transformer.wte.weight"] = (v, e)
   out["transformer.wpe.weight"] = (p, e)
   for i in range(c["n_layer"]):
@@ -81,27 +94,21 @@ def _gpt2_shapes(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
   return out
 
 
-def _biases(
-    architecture: str, c: Mapping[str, Any]
-) -> tuple[bool, bool, bool]:
-  """(q/k/v bias, output-projection bias, MLP bias) of a RoPE decoder."""
-  if architecture == "qwen2":
-    return True, False, False
-  if architecture == "mistral":
-    return False, False, False
-  attention_bias = bool(c["attention_bias"])  # llama, gemma3
-  mlp_bias = architecture == "llama" and bool(c["mlp_bias"])
-  return attention_bias, attention_bias, mlp_bias
+def _flag(flag: Flag, c: Mapping[str, Any]) -> bool:
+  """A layout flag's value: the constant, or the config key it names."""
+  return bool(c[flag]) if isinstance(flag, str) else flag
 
 
 def _decoder_shapes(
-    architecture: str, c: Mapping[str, Any]
+    layout: DecoderLayout, c: Mapping[str, Any]
 ) -> dict[str, tuple[int, ...]]:
-  """The tensors of a RoPE decoder (llama, mistral, qwen2, gemma3)."""
+  """The tensors of a Llama-style decoder."""
   h, v = c["hidden_size"], c["vocab_size"]
   inter = c["intermediate_size"]
   nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-  qkv_bias, o_bias, mlp_bias = _biases(architecture, c)
+  qkv_bias = _flag(layout.qkv_bias, c)
+  o_bias = _flag(layout.output_bias, c)
+  mlp_bias = _flag(layout.mlp_bias, c)
   out: dict[str, tuple[int, ...]] = {}
   out["model.embed_tokens.weight"] = (v, h)
   for i in range(c["num_hidden_layers"]):
@@ -119,7 +126,7 @@ def _decoder_shapes(
     out[a + "o_proj.weight"] = (h, nh * hd)
     if o_bias:
       out[a + "o_proj.bias"] = (h,)
-    if architecture == "gemma3":
+    if layout.qk_norm:
       out[a + "q_norm.weight"] = (hd,)
       out[a + "k_norm.weight"] = (hd,)
     m = b + "mlp."
@@ -134,7 +141,7 @@ def _decoder_shapes(
       out[m + "down_proj.bias"] = (h,)
     out[b + "input_layernorm.weight"] = (h,)
     out[b + "post_attention_layernorm.weight"] = (h,)
-    if architecture == "gemma3":
+    if layout.sandwich_norms:
       out[b + "pre_feedforward_layernorm.weight"] = (h,)
       out[b + "post_feedforward_layernorm.weight"] = (h,)
   out["model.norm.weight"] = (h,)
@@ -155,8 +162,13 @@ def _fmt_list(names, limit: int = 20) -> str:
 _ALLOWED_DTYPES = ("float32", "bfloat16")
 
 
-def validate(checkpoint) -> None:
+def validate(checkpoint, spec: ArchitectureSpec | None = None) -> None:
   """Checks a :class:`~penzai_lm.checkpoints.Checkpoint` against its layout.
+
+  Args:
+    checkpoint: The checkpoint.
+    spec: Its architecture's spec; by default the built-in spec named
+      ``checkpoint.architecture``.
 
   Raises:
     ValueError: on an unsupported architecture, missing tensors, unexpected
@@ -164,8 +176,8 @@ def validate(checkpoint) -> None:
       every offending tensor (up to 20 of each kind).
   """
   arch = checkpoint.architecture
-  check_architecture(arch)
-  expected = expected_tensor_shapes(arch, checkpoint.config)
+  spec = spec or spec_for(arch)
+  expected = expected_tensor_shapes(spec, checkpoint.config)
   tensors = checkpoint.tensors
   src = getattr(checkpoint, "source", "<unknown>")
   problems = []
@@ -200,7 +212,7 @@ def validate(checkpoint) -> None:
   if problems:
     raise ValueError(
         f"Checkpoint {src} does not match the {arch} layout "
-        f"({ARCHITECTURE_CLASSES[arch]}): " + "; ".join(problems)
+        f"({spec.hf_class}): " + "; ".join(problems)
     )
 
 

@@ -11,11 +11,13 @@ something else.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import jax.numpy as jnp
 
 from penzai_lm.checkpoints import Checkpoint
+from penzai_lm.loading.families import ADAPTERS
+from penzai_lm.loading.families import FamilyAdapter
 from penzai_lm.loading.families import adapter_for
 from penzai_lm.model import TransformerConfig
 
@@ -47,7 +49,11 @@ def _size_fields(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_checkpoint(
-    checkpoint: Checkpoint, *, dtype=jnp.float32, use_layer_stack: bool = True
+    checkpoint: Checkpoint,
+    *,
+    dtype=jnp.float32,
+    use_layer_stack: bool = True,
+    adapters: Mapping[str, FamilyAdapter] = ADAPTERS,
 ) -> TransformerConfig:
   """The `TransformerConfig` of a checkpoint.
 
@@ -55,6 +61,8 @@ def config_from_checkpoint(
     checkpoint: A checkpoint in canonical (Hugging Face) form.
     dtype: Dtype of parameters and activations.
     use_layer_stack: Whether the model scans over a layer stack.
+    adapters: Architecture name -> family adapter (default: the built-in
+      ones).
 
   Returns:
     The configuration, with every feature field set by the family adapter.
@@ -64,7 +72,7 @@ def config_from_checkpoint(
       model does not implement.
   """
   arch, c = checkpoint.architecture, checkpoint.config
-  adapter = adapter_for(arch)
+  adapter = adapter_for(arch, adapters)
   fields = {**_size_fields(c), **adapter.config_fields(arch, c)}
   return TransformerConfig(
       parameter_dtype=dtype,

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+from typing import Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.checkpoints import SPECS
+from penzai_lm.checkpoints import ArchitectureSpec
 from penzai_lm.checkpoints import read_checkpoint
 from penzai_lm.fetch import resolve_model_path
 from penzai_lm.loading.config_mapping import config_from_checkpoint
+from penzai_lm.loading.families import ADAPTERS
+from penzai_lm.loading.families import FamilyAdapter
 from penzai_lm.loading.parameters import parameters_from_checkpoint
 from penzai_lm.model import TransformerLM
 from penzai_lm.model import build_transformer
@@ -34,9 +39,14 @@ def load_model(
     *,
     dtype="float32",
     use_layer_stack: bool = True,
+    specs: Sequence[ArchitectureSpec] = SPECS,
+    adapters: Mapping[str, FamilyAdapter] = ADAPTERS,
 ) -> TransformerLM:
   """Loads a model without its tokenizer; arguments as for `load`."""
-  return _load(name_or_path, dtype, use_layer_stack, with_tokenizer=False)[0]
+  return _load(
+      name_or_path, dtype, use_layer_stack, specs, adapters,
+      with_tokenizer=False,
+  )[0]
 
 
 def load(
@@ -44,6 +54,8 @@ def load(
     *,
     dtype="float32",
     use_layer_stack: bool = True,
+    specs: Sequence[ArchitectureSpec] = SPECS,
+    adapters: Mapping[str, FamilyAdapter] = ADAPTERS,
 ) -> tuple[TransformerLM, Tokenizer]:
   """Loads a model and its tokenizer.
 
@@ -56,19 +68,28 @@ def load(
     use_layer_stack: Scan over the blocks (fast compile); False lists the
       blocks one by one (``block_0`` ...), which is handy for per-layer
       patches.
+    specs: The checkpoint architectures to recognize
+      (`penzai_lm.checkpoints.SPECS` by default).
+    adapters: Architecture name -> family adapter
+      (`penzai_lm.loading.families.ADAPTERS` by default).
 
   Returns:
     ``(model, tokenizer)``; ``model`` is the uncached `TransformerLM`.
   """
-  return _load(name_or_path, dtype, use_layer_stack, with_tokenizer=True)
+  return _load(
+      name_or_path, dtype, use_layer_stack, specs, adapters,
+      with_tokenizer=True,
+  )
 
 
-def _load(name_or_path, dtype, use_layer_stack, with_tokenizer):
+def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
+          with_tokenizer):
   dtype = _resolve_dtype(dtype)
   path = resolve_model_path(name_or_path)
-  checkpoint = read_checkpoint(path, dtype=np.float32)
+  checkpoint = read_checkpoint(path, dtype=np.float32, specs=specs)
   config = config_from_checkpoint(
-      checkpoint, dtype=dtype, use_layer_stack=use_layer_stack
+      checkpoint, dtype=dtype, use_layer_stack=use_layer_stack,
+      adapters=adapters,
   )
   tokenizer = None
   if with_tokenizer:
@@ -83,5 +104,5 @@ def _load(name_or_path, dtype, use_layer_stack, with_tokenizer):
     if config.pad_token_id is None and tokenizer.pad_id is not None:
       config = config.replace(pad_token_id=tokenizer.pad_id)
   model = build_transformer(config)
-  params = parameters_from_checkpoint(checkpoint, config)
+  params = parameters_from_checkpoint(checkpoint, config, adapters=adapters)
   return pz.bind_variables(model, params), tokenizer

@@ -7,16 +7,24 @@ tensors along ``blocks`` when the model uses a layer stack.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 from penzai import pz
 
 from penzai_lm.checkpoints import Checkpoint
+from penzai_lm.loading.families import ADAPTERS
+from penzai_lm.loading.families import FamilyAdapter
 from penzai_lm.loading.families import adapter_for
 from penzai_lm.model import TransformerConfig
 
 
 def parameters_from_checkpoint(
-    checkpoint: Checkpoint, config: TransformerConfig, name: str = "transformer"
+    checkpoint: Checkpoint,
+    config: TransformerConfig,
+    name: str = "transformer",
+    *,
+    adapters: Mapping[str, FamilyAdapter] = ADAPTERS,
 ) -> list[pz.Parameter]:
   """Parameters for a model built by ``build_transformer(config)``.
 
@@ -24,11 +32,13 @@ def parameters_from_checkpoint(
     checkpoint: The checkpoint, in canonical (Hugging Face) form.
     config: The configuration derived from it.
     name: The model's parameter label prefix.
+    adapters: Architecture name -> family adapter (default: the built-in
+      ones).
 
   Returns:
     Parameters to bind with ``pz.bind_variables``.
   """
-  adapter = adapter_for(checkpoint.architecture)
+  adapter = adapter_for(checkpoint.architecture, adapters)
   t = checkpoint.tensors
   dtype = np.dtype(config.parameter_dtype)
   layers = [adapter.layer_tensors(config, t, i) for i in range(config.num_layers)]
