@@ -157,17 +157,28 @@ class Engine:
       return self._unstacked.get_or_make(
           model, None, lambda: prepare_lib.unstack_layers(model))
 
+    index = prepare_lib.row_index(
+        prepare_lib.per_row_size(model, shape.batch_axis),
+        num_prompts=request.num_prompts, num_samples=request.num_samples,
+        batch=shape.batch)
+
     def make():
+      decoded = None
+      if self.unstack_layer_stacks and shape.use_cache:
+        decoded = unstacked()
+      if index is not None:
+        decoded = prepare_lib.rows_to_batch(
+            model if decoded is None else decoded, shape.batch_axis, index)
       return prepare_lib.prepare_model(
           model, cached_model=cached, use_cache=shape.use_cache,
           batch_axis=shape.batch_axis, batch=shape.batch,
-          cache_len=shape.cache_len,
-          unstacked=unstacked() if self.unstack_layer_stacks and (
-              shape.use_cache) else None)
+          cache_len=shape.cache_len, decoded=decoded,
+          capture=request.capture)
 
     return self._prepared.get_or_make(
         model, (cached, shape.use_cache, shape.batch_axis, shape.batch,
-                shape.cache_len, self.unstack_layer_stacks), make)
+                shape.cache_len, self.unstack_layer_stacks, index,
+                request.capture), make)
 
   def program(self, name: str, fn, static, args, *, shape, donate=()):
     """``(compiled program, compile seconds)`` for ``fn`` (cached)."""

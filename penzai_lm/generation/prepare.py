@@ -17,6 +17,7 @@ variables get one variable per layer).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -28,6 +29,8 @@ from penzai import pz
 from penzai_lm.generation.state import CacheLabels
 from penzai_lm.generation.state import LeafSpec
 from penzai_lm.generation.state import StateLayout
+from penzai_lm.interp.cache import CaptureSpec
+from penzai_lm.interp.cache import insert_captures
 from penzai_lm.model import KVCachingTransformerLM
 
 
@@ -79,6 +82,72 @@ def unstack_layers(model):
   return selection.apply(_unstack) if selection.count() else model
 
 
+def per_row_size(model, batch_axis: str) -> int | None:
+  """The rows of a model's per-row values: arrays (of patches, e.g. a
+  strength per row) with the batch axis; None if it has none.
+
+  Raises:
+    ValueError: if they disagree on the number of rows.
+  """
+  sizes = {x.named_shape[batch_axis] for x in pz.select(model)
+           .at_instances_of(pz.nx.NamedArrayBase).get_sequence()
+           if batch_axis in x.named_shape}
+  if len(sizes) > 1:
+    raise ValueError(
+        f"the model's per-row values have different numbers of rows along"
+        f" {batch_axis!r}: {sorted(sizes)}; give every per-row value one"
+        " entry per prompt (or per row).")
+  return sizes.pop() if sizes else None
+
+
+def row_index(size: int | None, *, num_prompts: int, num_samples: int,
+              batch: int) -> tuple[int, ...] | None:
+  """Which per-row entry each of the ``batch`` decode rows takes.
+
+  Per-row values have one entry per prompt or one per row of the request
+  (``num_prompts * num_samples``; the same without ``num_samples``); decode
+  rows are prompt-major and padded to a bucket (padding rows take entry 0,
+  and nothing reads them). A cached model's values may also match its own
+  batch already. None: nothing to gather.
+
+  Raises:
+    ValueError: for any other number of entries.
+  """
+  rows = num_prompts * num_samples
+  if size is None or (size == batch and size != num_prompts):
+    return None
+  if size == num_prompts:
+    index = [r // num_samples for r in range(rows)]
+  elif size == rows:
+    index = list(range(rows))
+  else:
+    per_row = f" or {rows} (one per row)" if num_samples > 1 else ""
+    raise ValueError(
+        f"the model's per-row values have {size} rows, but the request has"
+        f" {num_prompts} prompt(s): give {num_prompts} (one per"
+        f" prompt){per_row}.")
+  return tuple(index + [0] * (batch - rows))
+
+
+def rows_to_batch(model, batch_axis: str, index):
+  """The model with every array over ``batch_axis`` gathered to the decode
+  rows (``index``: entry of each row), so the compiled programs see the
+  same shapes for every request of one batch bucket."""
+  index = np.asarray(index, np.int32)
+
+  def gather(x):
+    ordered = x.order_as(batch_axis, *(a for a in x.named_shape
+                                       if a != batch_axis))
+    axes = dict(ordered.named_axes, **{batch_axis: len(index)})
+    return pz.nx.NamedArray(
+        named_axes=collections.OrderedDict(axes),
+        data_array=jnp.take(ordered.data_array, index,
+                            axis=len(ordered.positional_shape)))
+
+  return (pz.select(model).at_instances_of(pz.nx.NamedArrayBase)
+          .where(lambda x: batch_axis in x.named_shape).apply(gather))
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedModel:
   """A model ready for the compiled programs.
@@ -88,12 +157,14 @@ class PreparedModel:
     treedef: Its pytree structure (static in the programs).
     layout: The layout of its state.
     state_args: The non-constant leaves of its initial state.
+    captures: Where captured points' values are kept in the state.
   """
 
   model_leaves: list
   treedef: Any
   layout: StateLayout
   state_args: list
+  captures: tuple[CaptureSpec, ...] = ()
 
 
 def _constant_fill(x):
@@ -183,7 +254,8 @@ def _prepare_runnable(runnable, user_labels, batch_axis, batch,
 
 def prepare_model(model, *, cached_model: bool, use_cache: bool,
                   batch_axis: str, batch: int, cache_len: int,
-                  unstacked=None) -> PreparedModel:
+                  decoded=None, capture: tuple[str, ...] = ()
+                  ) -> PreparedModel:
   """Converts (cached mode, no overflow callback), freezes and flattens a
   model for a batch and cache size.
 
@@ -194,12 +266,21 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
     batch_axis: Name of the batch axis.
     batch: Rows of the cache to build.
     cache_len: Slots of the cache to build.
-    unstacked: ``model`` with its layer stacks unstacked (`unstack_layers`),
-      or None to decode on the model as it is.
+    decoded: The model to decode with, if not ``model`` itself: with its
+      layer stacks unstacked (`unstack_layers`) and/or its per-row values
+      gathered to the decode rows (`rows_to_batch`).
+    capture: Point names to record for every token: `Capture` layers with
+      a per-slot buffer (like a KV cache) are inserted after them.
   """
   _check_bound(model)
-  decoded = model if unstacked is None else unstacked
+  decoded = model if decoded is None else decoded
   user_labels = _user_labels(decoded)
+  specs = ()
+  if capture:
+    decoded, captures = insert_captures(
+        decoded, capture, {batch_axis: batch, "seq": cache_len},
+        label_prefix="engine_capture")
+    specs = tuple(spec for _, spec in captures.values())
   if cached_model:
     runnable = _without_overflow_callback(decoded)
   elif use_cache:
@@ -207,9 +288,10 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
         KVCachingTransformerLM.from_uncached(
             decoded, cache_len, {batch_axis: batch}))
   else:
-    runnable = model
-  return _prepare_runnable(runnable, user_labels, batch_axis, batch,
-                           cache_len)
+    runnable = decoded
+  prepared = _prepare_runnable(runnable, user_labels, batch_axis, batch,
+                               cache_len)
+  return dataclasses.replace(prepared, captures=specs)
 
 
 def _user_labels(model) -> list:

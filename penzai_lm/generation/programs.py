@@ -67,6 +67,18 @@ def _named(x, axis):
   return pz.nx.wrap(x).tag(axis, "seq")
 
 
+def _side(gen_start, axis) -> dict:
+  """Side inputs the engine adds to every model call: each row's
+  ``generation_start`` (the position of its first generated token), which
+  interventions' token rules read (`penzai_lm.interp.TokenRule`)."""
+  return dict(generation_start=pz.nx.wrap(gen_start).tag(axis))
+
+
+def _first_row_of(src, rows: int):
+  """For each of ``rows`` prefill rows, a decode row gathered from it."""
+  return jnp.argmax(src[None, :] == jnp.arange(rows)[:, None], axis=1)
+
+
 def _logprob_of(logits, token):
   picked = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
   return picked - jax.nn.logsumexp(logits, axis=-1)
@@ -99,19 +111,29 @@ def _history(state, labels, axis):
   return tokens, positions >= 0
 
 
-def _prefill_cache(shape: PrefillShape, model, state0, tokens, padding, src):
+def _prefill_cache(shape: PrefillShape, model, state0, tokens, padding, src,
+                   gen_start):
   """Writes the prompts but their last token to the cache; returns the
-  state of every decode row."""
+  state of every decode row.
+
+  With ``gather`` the prefill runs one row per prompt: the model's per-row
+  values (`penzai_lm.generation.prepare.rows_to_batch`, laid out per decode
+  row) are taken from a decode row of each prompt.
+  """
   axis, P = shape.decode.batch_axis, shape.prompt_len
   if shape.gather:
-    model = dataclasses.replace(model, batch_axes={axis: shape.batch})
+    first = _first_row_of(src, shape.batch)
+    model = _map_batch_arrays(
+        dataclasses.replace(model, batch_axes={axis: shape.batch}), axis,
+        lambda a: a[first])
     state = _map_batch_arrays(state0, axis, lambda a: a[:shape.batch])
   else:
     state = state0
   if P > 1:
     _, state = model.stateless_call(
         state, _named(tokens[:, :P - 1], axis),
-        is_padding=_named(padding[:, :P - 1], axis))
+        is_padding=_named(padding[:, :P - 1], axis),
+        **_side(gen_start, axis))
     state = list(state)
   if shape.gather:
     state = _map_batch_arrays(state, axis, lambda a: a[src])
@@ -154,8 +176,16 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
   P = shape.prompt_len
   dtokens, dpadding = (tokens[src], padding[src]) if shape.gather else (
       tokens, padding)
+  # Each prefill row's first generated position: its real prompt tokens
+  # plus a continued session's history.
+  gen_start = jnp.sum(~padding, axis=1, dtype=jnp.int32)
+  if shape.continued:
+    history, history_mask = _history(state0, layout.labels, decode.batch_axis)
+    del history
+    gen_start += jnp.sum(history_mask, axis=1, dtype=jnp.int32)
   if decode.use_cache:
-    state = _prefill_cache(shape, model, state0, tokens, padding, src)
+    state = _prefill_cache(shape, model, state0, tokens, padding, src,
+                           gen_start)
     state = layout.conform(state)
     model_state = layout.pack(state)
   else:
@@ -179,6 +209,8 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
       waiting=jnp.zeros((B,), bool),
       q_pos=zeros,
       t=jnp.asarray(0, jnp.int32),
+      gen_start=gen_start[src] if shape.gather else gen_start,
+      tail=jnp.zeros((B,), bool),
       sampler=sampling.init_sampler_state(seen, seen_mask,
                                           vocab_size=decode.vocab),
       out=Outputs.empty(B, decode.cache_len, decode.top_n),
@@ -186,27 +218,29 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
 
 
 def _feed_fn(shape: DecodeShape, model, layout: StateLayout):
-  """feed(model_state, slots, token, mask) -> (logits (B, V) f32, state)."""
+  """feed(model_state, slots, token, mask, gen_start) -> (logits (B, V)
+  f32, state)."""
   axis = shape.batch_axis
 
-  def feed_cached(packed, slots, token, mask):
+  def feed_cached(packed, slots, token, mask, gen_start):
     del slots
     state = layout.unpack(packed)
     logits, new = model.stateless_call(
         state, _named(token[:, None], axis),
-        is_padding=_named(~mask[:, None], axis))
+        is_padding=_named(~mask[:, None], axis), **_side(gen_start, axis))
     logits = logits.unwrap(axis, "seq", "vocabulary")[:, 0]
     new = pz.nx.order_like(list(new), state)
     return logits.astype(jnp.float32), layout.pack(new)
 
-  def feed_recompute(s: RecomputeState, slots, token, mask):
+  def feed_recompute(s: RecomputeState, slots, token, mask, gen_start):
     tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None],
                                           (0, slots))
     next_pos = jnp.max(s.positions, axis=1) + 1
     positions = jax.lax.dynamic_update_slice(
         s.positions, jnp.where(mask, next_pos, -1)[:, None], (0, slots))
     logits, state = model.stateless_call(
-        s.state, _named(tokens, axis), token_positions=_named(positions, axis))
+        s.state, _named(tokens, axis), token_positions=_named(positions, axis),
+        **_side(gen_start, axis))
     logits = logits.unwrap(axis, "seq", "vocabulary")
     logits = jax.lax.dynamic_index_in_dim(logits, slots, 1, keepdims=False)
     new = RecomputeState(tokens, positions,
@@ -230,11 +264,16 @@ def _apply_host_control(c: LoopState, x: DecodeInputs) -> LoopState:
 
 def _loop_step(shape: DecodeShape, feed_model, x: DecodeInputs,
                c: LoopState) -> LoopState:
-  """One iteration: feed every active row's token, pick the next ones."""
+  """One iteration: feed every active row's token, pick the next ones.
+
+  With captures, a row that just finished feeds its last token once more
+  (``tail``), so its activations are recorded; nothing else of that
+  iteration is kept for it.
+  """
   Q, T = shape.queue_len, shape.cache_len
   active = c.feed
   logits, model_state = feed_model(c.model_state, c.slots, c.next_token,
-                                   active)
+                                   active | c.tail, c.gen_start)
   sampled, logprob = sampling.sample_next(logits, x.settings, c.sampler,
                                           c.step)
   queued = jnp.take_along_axis(
@@ -267,6 +306,8 @@ def _loop_step(shape: DecodeShape, feed_model, x: DecodeInputs,
       waiting=c.waiting | pause,
       q_pos=q_pos,
       t=c.t + 1,
+      gen_start=c.gen_start,
+      tail=(is_stop | is_len) if shape.capture else c.tail,
       sampler=sampling.update_sampler_state(c.sampler, token, active),
       out=out,
   )
@@ -287,12 +328,13 @@ def decode_program(static, model_leaves, carry: LoopState,
   feed_model = _feed_fn(shape, model, layout)
 
   def cond(c: LoopState):
-    return ((c.t < inputs.stop_at) & jnp.any(c.feed) & ~jnp.any(c.waiting)
-            & (c.slots < shape.cache_len))
+    return ((c.t < inputs.stop_at) & jnp.any(c.feed | c.tail)
+            & ~jnp.any(c.waiting) & (c.slots < shape.cache_len))
 
   c = _apply_host_control(carry, inputs)
   c = jax.lax.while_loop(
       cond, lambda c: _loop_step(shape, feed_model, inputs, c), c)
   full = c.feed & (c.slots >= shape.cache_len)
   return dataclasses.replace(c, reason=jnp.where(full, CACHE_FULL, c.reason),
-                             feed=c.feed & ~full)
+                             feed=c.feed & ~full,
+                             tail=c.tail & (c.slots < shape.cache_len))

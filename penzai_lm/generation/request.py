@@ -39,6 +39,7 @@ from penzai_lm.generation.prompts import is_sequence
 from penzai_lm.generation.prompts import normalize_prompts
 from penzai_lm.generation.prompts import token_list
 from penzai_lm.generation.state import Continuation
+from penzai_lm.interp.points import parse_point
 from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model import TransformerLM
 
@@ -147,6 +148,7 @@ class Request:
     logprobs_top_n: Top alternatives recorded per token (0: none).
     sampling: The sampling settings, one row per request row.
     prefill: The compile-time shapes (``prefill.decode`` for the loop).
+    capture: Point names whose values are recorded for every token.
   """
 
   prompts: tuple[np.ndarray, ...]
@@ -158,6 +160,7 @@ class Request:
   logprobs_top_n: int
   sampling: sampling.SamplingSettings
   prefill: shapes_lib.PrefillShape
+  capture: tuple[str, ...] = ()
 
   @property
   def decode(self) -> shapes_lib.DecodeShape:
@@ -237,7 +240,7 @@ def _sampling(values: dict[str, Any], seeds, n: int, num_samples: int,
 
 
 _OPTIONS = ("max_new_tokens", "num_samples", "seed", "stop_tokens",
-            "forced_tokens", "logprobs_top_n", "use_cache")
+            "forced_tokens", "logprobs_top_n", "use_cache", "capture")
 
 
 def _check_option_names(values: dict[str, Any]) -> None:
@@ -264,6 +267,7 @@ def build_request(
     use_cache: Any = True,
     default_stop_tokens: Sequence[int] | None = None,
     continuation: Continuation | None = None,
+    capture: Any = None,
     **sampling_values: Any,
 ) -> Request:
   """Validates a request for ``model`` (see `penzai_lm.generation.generate`).
@@ -298,14 +302,31 @@ def build_request(
                       default_stop_tokens)
   forced = token_lists("forced_tokens", forced_tokens, n, num_samples, vocab)
   settings = _sampling(sampling_values, seeds, n, num_samples, vocab)
+  capture = _capture_names(model, capture)
   info = shapes_lib.RowsInfo(
       num_prompts=n, num_samples=num_samples,
       prompt_lengths=tuple(len(p) for p in rows), max_new_tokens=max_new,
       queue=max(len(f) for f in forced), stops=max(len(s) for s in stops),
-      top_n=int(logprobs_top_n))
+      top_n=int(logprobs_top_n), capture=bool(capture))
   prefill = shapes_lib.plan(model, info, cached_model=cached,
                             use_cache=use_cache, continuation=continuation)
   return Request(
       prompts=tuple(rows), num_samples=num_samples, max_new_tokens=max_new,
       seeds=seeds, stop_tokens=stops, forced_tokens=forced,
-      logprobs_top_n=int(logprobs_top_n), sampling=settings, prefill=prefill)
+      logprobs_top_n=int(logprobs_top_n), sampling=settings, prefill=prefill,
+      capture=capture)
+
+
+def _capture_names(model, capture: Any) -> tuple[str, ...]:
+  """Validated, de-duplicated point names (`penzai_lm.model.hooks`)."""
+  if capture is None:
+    return ()
+  names = [capture] if isinstance(capture, str) else capture
+  if not isinstance(names, (list, tuple)) or not all(
+      isinstance(n, str) for n in names):
+    raise ValueError(
+        "capture must be a point name or a list of them (e.g."
+        f" ['blocks.3.resid_post']), got {capture!r}.")
+  for name in names:
+    parse_point(model, name)
+  return tuple(dict.fromkeys(names))

@@ -99,6 +99,11 @@ class GenerationResult:
       variables of a layer stack are labelled ``{label}/blocks_{i}``. A
       variable without a value before generation holds what the last decode
       step gave it.
+    captures: With ``capture=[names]``, per point name and row, the values
+      at that point for every token of the row, prompt then generated
+      tokens (``prompt_lengths[r] + lengths[r]`` entries along ``seq``; a
+      row ended from the host, by a stop string or cancellation, may lack
+      its last token's); else None.
   """
 
   tokens: list[list[int]]
@@ -114,6 +119,7 @@ class GenerationResult:
   texts: list[str] | None = None
   stop_strings_matched: list[str | None] | None = None
   state: dict[str, Any] | None = None
+  captures: dict[str, list[Any]] | None = None
 
   @property
   def lengths(self) -> list[int]:

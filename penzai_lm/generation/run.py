@@ -17,6 +17,7 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.generation import programs
+from penzai_lm.generation.captures import CaptureBuffers
 from penzai_lm.generation.prepare import PreparedModel
 from penzai_lm.generation.prompts import token_list
 from penzai_lm.generation.request import Request
@@ -84,11 +85,13 @@ class Run:
     self.tool = tool
     self.rows = request.num_rows
     self.start_slot = 0
+    self._history = 0  # Real tokens of a session's earlier turns.
     self._state_args = prepared.state_args
     if continuation is not None:
       self._state_args = continuation.state_args(prepared.layout,
                                                  prepared.state_args)
       self.start_slot = continuation.start_slot
+      self._history = continuation.positions
     shape = request.decode
     B = shape.batch
     stop_ids = np.full((B, shape.stop_width), -1, np.int32)
@@ -106,6 +109,7 @@ class Run:
     self.host_reason: list[str | None] = [None] * self.rows
     self.keep: list[int | None] = [None] * self.rows  # Cut by the host.
     self.emitted = [0] * self.rows
+    self.captured = [0] * self.rows  # Tokens whose captures were taken.
     self.carry: LoopState | None = None
     self.view: LoopState | None = None
     self.timings = Timings(batch_rows=B, prompt_tokens=int(
@@ -204,6 +208,8 @@ class Run:
       self._resume[r] = True
 
   def _all_done(self) -> bool:
+    if any(self.tail_pending(r) for r in range(self.rows)):
+      return False  # Last tokens to feed for the captures.
     return all(self.finish_reason(r) is not None for r in range(self.rows))
 
   # Host control.
@@ -274,6 +280,42 @@ class Run:
             v.value, is_leaf=pz.nx.is_namedarray)
     return out
 
+  def capture_buffers(self) -> CaptureBuffers | None:
+    """The capture buffers on the host (None without captures or before
+    the prefill)."""
+    prepared = self._prepared
+    if not prepared.captures or self.carry is None:
+      return None
+    axis = self.request.decode.batch_axis
+    if self.request.decode.use_cache:
+      state = prepared.layout.unflatten(self.model_state())
+      values = {v.label: v.value for v in state}
+      positions = values[prepared.layout.labels.positions]
+    else:
+      carry = self.carry.model_state
+      values = {v.label: v.value for v in carry.state}
+      positions = pz.nx.wrap(carry.positions).tag(axis, "seq")
+    return CaptureBuffers.read(prepared.captures, values, positions, axis)
+
+  def tail_pending(self, row: int) -> bool:
+    """Whether a finished row's last token is still to be fed (captures)."""
+    return (self.view is not None and self.host_reason[row] is None
+            and bool(self.view.tail[row]))
+
+  def _capture_end(self, row: int) -> int:
+    """End of a row's kept tokens among its real slots."""
+    return (self._history + len(self.request.prompt_of_row(row))
+            + self.row_length(row))
+
+  def new_captures(self, buffers: CaptureBuffers, row: int
+                   ) -> dict[str, pz.nx.NamedArray]:
+    """Captured values of the row's tokens not yet taken with this method
+    (prompt tokens first; each token's once it has been fed)."""
+    start = self._history + self.captured[row]
+    stop = min(buffers.count(row), self._capture_end(row))
+    self.captured[row] = max(self.captured[row], stop - self._history)
+    return buffers.row(row, start, max(start, stop))
+
   def row_length(self, row: int) -> int:
     if self.view is None:
       return 0
@@ -312,4 +354,10 @@ class Run:
         self.request, self.timings)
     if self.finished:
       result.state = self.patch_state()
+    buffers = self.capture_buffers()
+    if buffers is not None:
+      rows = [buffers.row(r, self._history, self._capture_end(r))
+              for r in range(self.rows)]
+      result.captures = {name: [row[name] for row in rows]
+                         for name in self.request.capture}
     return result

@@ -47,6 +47,9 @@ class DecodeShape:
     stop_width: Stop ids per row.
     top_n: Top alternatives recorded per token.
     vocab: Vocabulary size.
+    capture: Whether activations are captured: a finished row feeds its
+      last token once more (its activations are recorded; its output is
+      not), for which the cache has one more slot.
   """
 
   use_cache: bool
@@ -57,6 +60,7 @@ class DecodeShape:
   stop_width: int
   top_n: int
   vocab: int
+  capture: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +95,7 @@ class RowsInfo:
   queue: int  # Longest forced-token list.
   stops: int  # Most stop ids of a row.
   top_n: int
+  capture: bool = False  # Captures need the last token fed too.
 
   @property
   def num_rows(self) -> int:
@@ -174,7 +179,8 @@ def plan(model, rows: RowsInfo, *, cached_model: bool, use_cache: bool,
                  continuation.positions if continuation else 0)
   gather = rows.num_samples > 1
   longest = max(rows.prompt_lengths)
-  max_new = max(rows.max_new_tokens)
+  # Slots a row fills after its prompt (with captures, its last token too).
+  max_new = max(rows.max_new_tokens) + rows.capture
   if continuation is not None:
     if cached_model or rows.num_rows != 1 or not use_cache:
       raise ValueError(
@@ -217,6 +223,7 @@ def plan(model, rows: RowsInfo, *, cached_model: bool, use_cache: bool,
       stop_width=bucket(rows.stops, MIN_STOP_WIDTH),
       top_n=rows.top_n,
       vocab=config.vocab_size,
+      capture=rows.capture,
   )
   return PrefillShape(decode=decode, batch=prefill, prompt_len=prompt_len,
                       gather=gather, continued=continuation is not None)

@@ -180,6 +180,9 @@ class LoopState:
     waiting: Rows paused for the host (tool call, forced queue refill).
     q_pos: Forced tokens each row consumed in this call.
     t: Loop iterations so far.
+    gen_start: Each row's first generated position (the model's
+      ``generation_start`` side input).
+    tail: Finished rows whose last token is still to be fed (captures).
     sampler: Token statistics for the penalties.
     out: The output buffers.
   """
@@ -193,6 +196,8 @@ class LoopState:
   waiting: jax.Array
   q_pos: jax.Array
   t: jax.Array
+  gen_start: jax.Array
+  tail: jax.Array
   sampler: sampling.SamplerState | None
   out: Outputs
 

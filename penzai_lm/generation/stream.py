@@ -58,6 +58,10 @@ class StreamEvent:
     text: With a text view, the new text (may be empty while a piece is held
       back because it could start a stop string); else None.
     stop_string: The stop string that ended the row, if any.
+    captures: With ``capture=[names]``, the values recorded for the row
+      since its previous event, per point name, along ``seq``: the prompt's
+      tokens in the first event, then each token once it has been fed (a
+      token's values arrive one step after the token); else None.
   """
 
   row: int
@@ -67,6 +71,7 @@ class StreamEvent:
   finish_reason: str | None = None
   text: str | None = None
   stop_string: str | None = None
+  captures: dict[str, Any] | None = None
 
 
 class GenerationStream:
@@ -146,11 +151,14 @@ class GenerationStream:
 
   def _drain(self) -> Iterator[StreamEvent]:
     run = self.run
+    buffers = run.capture_buffers()
     for row in range(run.rows):
       if self._reported[row]:
         continue
       tokens, logprobs, forced = run.new_tokens(row)
-      reason = run.finish_reason(row)
+      # A row whose last token is still to be fed (captures) reports its
+      # end with those values, in a later chunk.
+      reason = None if run.tail_pending(row) else run.finish_reason(row)
       text = stop = None
       if self.text is not None:
         update = self.text.push(row, tokens, reason)
@@ -160,10 +168,15 @@ class GenerationStream:
           reason = "stop"
         n = update.kept_tokens
         tokens, logprobs, forced = tokens[:n], logprobs[:n], forced[:n]
+      captures = None
+      if buffers is not None:
+        captures = run.new_captures(buffers, row)
       if reason is not None:
         self._reported[row] = True
-      if tokens or text or reason is not None:
-        yield StreamEvent(row, tokens, logprobs, forced, reason, text, stop)
+      if tokens or text or reason is not None or (
+          captures and next(iter(captures.values())).named_shape["seq"]):
+        yield StreamEvent(row, tokens, logprobs, forced, reason, text, stop,
+                          captures)
 
   # Control.
 

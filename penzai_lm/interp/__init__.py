@@ -6,8 +6,10 @@
   on either model layout, `point_names(model)` lists them.
 * `run_with_cache(model, tokens, names=...)`: logits and activations of one
   forward pass.
-* Intervention layers: `AddVector` (steering), `ZeroHeads` (ablation),
-  `PatchValue` (activation patching).
+* Intervention layers: `AddVector` (steering), `Ablate` / `ZeroHeads`
+  (zero or mean ablation), `Clamp`, `PatchValue` (activation patching);
+  their values may be per row, and a `TokenRule` (``where=``) says which
+  tokens they change, correctly with a KV cache.
 * `unembed` (logit lens), `embed` / `logits_from_embeddings` (gradients
   with respect to the input embeddings).
 * Heads in Hugging Face order: `head_coordinates`, `heads_mask`.
@@ -21,7 +23,9 @@ from penzai_lm.interp.cache import run_with_cache
 from penzai_lm.interp.control_vectors import ControlVector
 from penzai_lm.interp.control_vector_files import load_control_vector
 from penzai_lm.interp.control_vector_files import save_control_vector
+from penzai_lm.interp.interventions import Ablate
 from penzai_lm.interp.interventions import AddVector
+from penzai_lm.interp.interventions import Clamp
 from penzai_lm.interp.interventions import PatchValue
 from penzai_lm.interp.interventions import ZeroHeads
 from penzai_lm.interp.lens import embed
@@ -32,19 +36,23 @@ from penzai_lm.interp.points import Point
 from penzai_lm.interp.points import insert_at
 from penzai_lm.interp.points import parse_point
 from penzai_lm.interp.points import point_names
+from penzai_lm.interp.token_rules import TokenRule
 from penzai_lm.model.hooks import HookPoint
 from penzai_lm.model.hooks import head_coordinates
 from penzai_lm.model.hooks import heads_mask
 
 __all__ = [
+    "Ablate",
     "ActivationCache",
     "AddVector",
     "AtLayers",
     "Capture",
+    "Clamp",
     "ControlVector",
     "HookPoint",
     "PatchValue",
     "Point",
+    "TokenRule",
     "ZeroHeads",
     "embed",
     "head_coordinates",

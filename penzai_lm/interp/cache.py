@@ -25,6 +25,7 @@ from penzai_lm.interp import points as points_lib
 from penzai_lm.model import TransformerLM
 from penzai_lm.model import positions_from_padding
 from penzai_lm.model.build import head_axes
+from penzai_lm.model.cache_attention import write_at
 
 
 def _value_axes(config, point: str, seq: int) -> dict[str, int]:
@@ -42,14 +43,83 @@ def _value_axes(config, point: str, seq: int) -> dict[str, int]:
 
 @pz.pytree_dataclass
 class Capture(pz.nn.Layer):
-  """Saves the value passing through into a preallocated buffer."""
+  """Saves the value passing through into a preallocated buffer.
+
+  A buffer as long as the call's ``seq`` is overwritten; a longer one is a
+  per-slot record like a KV cache (generation captures): the call's tokens
+  are written at its ``cache_end_index`` side input.
+  """
 
   saved: pz.StateVariable
 
-  def __call__(self, x, /, **_side_inputs):
+  def __call__(self, x, /, **side_inputs):
     buffer = self.saved.value
-    self.saved.value = pz.nx.order_like(x.astype(buffer.dtype), buffer)
+    x = x.astype(buffer.dtype)
+    if x.named_shape["seq"] == buffer.named_shape["seq"]:
+      self.saved.value = pz.nx.order_like(x, buffer)
+    else:
+      self.saved.value = write_at(buffer, x, "seq",
+                                  side_inputs["cache_end_index"])
     return x
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureSpec:
+  """Where one captured point's values end up.
+
+  Attributes:
+    name: The point's name.
+    label: The label of the state variable holding them.
+    layer: The block to take from a layer stack's per-layer buffer (which
+      has a ``blocks`` axis), or None.
+  """
+
+  name: str
+  label: str
+  layer: int | None = None
+
+  def take(self, value: pz.nx.NamedArray) -> pz.nx.NamedArray:
+    return value if self.layer is None else value[{"blocks": self.layer}]
+
+
+def insert_captures(model, names, token_shape: dict[str, int],
+                    label_prefix: str = "capture"):
+  """Inserts `Capture` layers with buffers of ``token_shape`` (the batch
+  axes and ``seq``) right after the named points.
+
+  Returns:
+    ``(patched model, {name: (StateVariable, CaptureSpec)})``.
+  """
+  config = model.config
+  parsed = [points_lib.parse_point(model, n) for n in names]
+  patched, out = model, {}
+  for point in dict.fromkeys(p.point for p in parsed):
+    hook_point = points_lib.hook_points(model, point).get_sequence()[0]
+    blocks = (hook_point.layer.named_shape["blocks"]
+              if points_lib.is_stacked(hook_point) else 0)
+    wanted = [p for p in parsed if p.point == point]
+    if blocks or [p.name for p in wanted] == [point]:
+      # One capture for all blocks (a stack) or a model-level point.
+      metadata = {}
+      if blocks:
+        metadata = {"layerstack_axes": {
+            "blocks": pz.nn.LayerStackVarBehavior.PER_LAYER}}
+      var = pz.StateVariable(_buffer(config, point, token_shape, blocks),
+                             label=f"{label_prefix}/{point}",
+                             metadata=metadata)
+      patched = points_lib.hook_points(patched, point).insert_after(
+          Capture(var))  # Every block of a stack (or the one point).
+      for p in wanted:
+        out[p.name] = (var, CaptureSpec(p.name, var.label,
+                                        p.layer if blocks else None))
+      continue
+    for p in wanted:
+      var = pz.StateVariable(_buffer(config, point, token_shape, 0),
+                             label=f"{label_prefix}/{p.name}")
+      patched = points_lib.insert_at(patched, p.name, Capture(var),
+                                     after_hook=True)
+      out[p.name] = (var, CaptureSpec(p.name, var.label))
+  return patched, out
 
 
 @dataclasses.dataclass
@@ -141,44 +211,13 @@ def run_with_cache(model, tokens, names=None, **side_inputs
     raise TypeError(
         "run_with_cache needs the uncached TransformerLM (a cached model's"
         f" state would change); got {type(model).__name__}.")
-  config = model.config
   names = points_lib.point_names(model) if names is None else (
       [names] if isinstance(names, str) else list(names))
-  parsed = [points_lib.parse_point(model, n) for n in names]
   ids, positions, lengths = _token_batch(model, tokens)
   if positions is not None:
     side_inputs.setdefault("token_positions", positions)
-  token_shape = dict(ids.named_shape)
-  patched, captures = model, {}
-  for point in {p.point for p in parsed}:
-    hook_point = points_lib.hook_points(model, point).get_sequence()[0]
-    blocks = (hook_point.layer.named_shape["blocks"]
-              if points_lib.is_stacked(hook_point) else 0)
-    metadata = {}
-    if blocks:
-      metadata = {"layerstack_axes": {
-          "blocks": pz.nn.LayerStackVarBehavior.PER_LAYER}}
-    wanted = [p.name for p in parsed if p.point == point]
-    if blocks or wanted == [point]:
-      # One capture for all blocks (a stack) or a model-level point.
-      var = pz.StateVariable(_buffer(config, point, token_shape, blocks),
-                             label=f"capture/{point}", metadata=metadata)
-      patched = points_lib.hook_points(patched, point).insert_after(
-          Capture(var))  # Every block of a stack (or the one point).
-      captures[point] = var
-    else:
-      for p in parsed:
-        if p.point == point:
-          var = pz.StateVariable(_buffer(config, point, token_shape, 0),
-                                 label=f"capture/{p.name}")
-          patched = points_lib.insert_at(patched, p.name, Capture(var),
-                                         after_hook=True)
-          captures[p.name] = var
+  patched, captures = insert_captures(model, names, dict(ids.named_shape))
   logits = patched(ids, **side_inputs)
-  values = {}
-  for p in parsed:
-    if p.name in captures:
-      values[p.name] = captures[p.name].value
-    else:
-      values[p.name] = captures[p.point].value[{"blocks": p.layer}]
+  values = {name: spec.take(var.value)
+            for name, (var, spec) in captures.items()}
   return ActivationCache(logits=logits, values=values, lengths=lengths)

@@ -3,15 +3,23 @@
 Insert them with `penzai_lm.interp.insert_at`::
 
     steered = insert_at(model, "blocks.6.resid_post",
-                        AddVector.build(direction, strength=4.0))
+                        AddVector.build(direction, strength=[0, 4, 8]))
     ablated = insert_at(model, "blocks.3.attn.head_out",
-                        ZeroHeads.build(model.config, heads=[0, 5]))
+                        Ablate.heads(model.config, heads=[0, 5]))
 
-Their values (vectors, strengths, masks) are arrays, i.e. arguments of the
-compiled programs: changing them does not recompile. They apply to every
-token of every row that passes the point; per-row values and position rules
-inside the compiled generation loop come with the generation-time
-interventions.
+Interventions are data, not graph: their values (vectors, strengths, masks,
+patched activations, which tokens) are arrays, i.e. arguments of the
+compiled programs, so changing them does not recompile.
+
+* **Which tokens**: every intervention has a ``where`` `TokenRule` (all
+  tokens, prompt only, generated only, absolute positions or a step range),
+  evaluated from each token's position, so it holds with a KV cache.
+* **Per row**: any value may carry the batch axis (``batch``), one entry per
+  prompt (or per row with ``num_samples``); a list of strengths does that.
+  In `generate` such values follow their rows whatever the internal batch
+  bucket (3 prompts run as 4 rows) or ``num_samples`` (see
+  `penzai_lm.generation.prepare.rows_to_batch`). Called directly, the
+  model's batch axis must match them.
 """
 
 from __future__ import annotations
@@ -20,68 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.interp.token_rules import as_rule
+from penzai_lm.interp.token_rules import TokenRule
 from penzai_lm.model.hooks import heads_mask
-
-
-@pz.pytree_dataclass
-class AddVector(pz.nn.Layer):
-  """Adds ``strength * vector`` to the value (steering).
-
-  Attributes:
-    vector: Named array over the value's feature axes (``embedding`` for the
-      residual stream).
-    strength: Scalar array.
-  """
-
-  vector: pz.nx.NamedArray
-  strength: pz.nx.NamedArray
-
-  @classmethod
-  def build(cls, vector, strength: float = 1.0, axis: str = "embedding"
-            ) -> AddVector:
-    """From a 1-D array (or a named array) and a strength."""
-    if not isinstance(vector, pz.nx.NamedArrayBase):
-      vector = np.asarray(vector, np.float32)
-      if vector.ndim != 1:
-        raise ValueError(
-            f"vector must be 1-D (one value per {axis!r} unit), got shape"
-            f" {vector.shape}.")
-      if not np.isfinite(vector).all():
-        raise ValueError("vector has non-finite values.")
-      vector = pz.nx.wrap(jnp.asarray(vector)).tag(axis)
-    strength = float(strength)
-    if not np.isfinite(strength):
-      raise ValueError(f"strength must be finite, got {strength}.")
-    return cls(vector=vector,
-               strength=pz.nx.wrap(jnp.asarray(strength, jnp.float32)))
-
-  def __call__(self, x, /, **_side_inputs):
-    _check_axes(x, self.vector, "AddVector")
-    return x + (self.strength * self.vector).astype(x.dtype)
-
-
-@pz.pytree_dataclass
-class ZeroHeads(pz.nn.Layer):
-  """Zeroes some heads of a per-head value (``attn.head_out``,
-  ``attn.pattern``).
-
-  Attributes:
-    mask: Bool named array over the query head axes, True = zeroed.
-  """
-
-  mask: pz.nx.NamedArray
-
-  @classmethod
-  def build(cls, config, heads) -> ZeroHeads:
-    """Heads by index in Hugging Face order (see `head_coordinates`)."""
-    heads = [heads] if isinstance(heads, int) else list(heads)
-    if not heads:
-      raise ValueError("heads is empty: name at least one head to zero.")
-    return cls(mask=heads_mask(config, heads))
-
-  def __call__(self, x, /, **_side_inputs):
-    _check_axes(x, self.mask, "ZeroHeads")
-    return x * (~self.mask).astype(x.dtype)
 
 
 def _check_axes(x, data, what: str) -> None:
@@ -93,40 +42,253 @@ def _check_axes(x, data, what: str) -> None:
         " that has them (see penzai_lm.model.hooks).")
 
 
+def _select(rule: TokenRule, side_inputs, new, old):
+  """``new`` at the tokens ``rule`` selects, ``old`` elsewhere."""
+  mask = rule.mask(side_inputs)
+  return pz.nx.order_like(pz.nx.nmap(jnp.where)(mask, new, old), old)
+
+
+def _per_row(value, batch_axis: str, what: str) -> pz.nx.NamedArray:
+  """A float scalar, or a list (one per row) tagged with ``batch_axis``."""
+  if isinstance(value, pz.nx.NamedArrayBase):
+    return value.astype(jnp.float32)
+  array = np.asarray(value, np.float32)
+  if array.ndim > 1:
+    raise ValueError(f"{what} must be a number or a list with one per row,"
+                     f" got shape {array.shape}.")
+  if not np.isfinite(array).all():
+    raise ValueError(f"{what} must be finite, got {value!r}.")
+  named = pz.nx.wrap(jnp.asarray(array))
+  return named.tag(batch_axis) if array.ndim else named
+
+
+def _feature_vector(vector, axis: str, what: str) -> pz.nx.NamedArray:
+  if isinstance(vector, pz.nx.NamedArrayBase):
+    return vector
+  vector = np.asarray(vector, np.float32)
+  if vector.ndim != 1:
+    raise ValueError(
+        f"{what} must be 1-D (one value per {axis!r} unit), got shape"
+        f" {vector.shape}; for one per row pass a named array with the"
+        " batch axis.")
+  if not np.isfinite(vector).all():
+    raise ValueError(f"{what} has non-finite values.")
+  return pz.nx.wrap(jnp.asarray(vector)).tag(axis)
+
+
 @pz.pytree_dataclass
-class PatchValue(pz.nn.Layer):
-  """Replaces the value at some token positions with a given one
-  (activation patching: the value from another run).
+class AddVector(pz.nn.Layer):
+  """Adds ``strength * vector`` to the value (steering).
 
   Attributes:
-    value: The replacement, with the point's axes (a ``seq`` axis as long
-      as the patched run's; batch axes optional).
-    where: Bool named array over ``seq`` (and optionally batch axes): True
-      where the value is replaced.
+    vector: Named array over the value's feature axes (``embedding`` for the
+      residual stream), optionally per row.
+    strength: Float named array: a scalar or one per row.
+    where: Which tokens.
+  """
+
+  vector: pz.nx.NamedArray
+  strength: pz.nx.NamedArray
+  where: TokenRule
+
+  @classmethod
+  def build(cls, vector, strength=1.0, *, where="all", axis: str = "embedding",
+            batch_axis: str = "batch") -> AddVector:
+    """From a 1-D array (or a named array), a strength (or a list with one
+    per row) and a token rule (``"all"``, ``"prompt"``, ``"generated"`` or
+    a `TokenRule`)."""
+    return cls(vector=_feature_vector(vector, axis, "vector"),
+               strength=_per_row(strength, batch_axis, "strength"),
+               where=as_rule(where))
+
+  def __call__(self, x, /, **side_inputs):
+    _check_axes(x, self.vector, "AddVector")
+    steered = x + (self.strength * self.vector).astype(x.dtype)
+    return _select(self.where, side_inputs, steered, x)
+
+
+@pz.pytree_dataclass
+class Ablate(pz.nn.Layer):
+  """Replaces some units of the value (heads, neurons, residual dimensions)
+  by zero or by given values (mean ablation).
+
+  Attributes:
+    mask: Bool named array over the units' axes (optionally per row): True
+      = replaced.
+    value: Replacement (float named array broadcastable to the value, e.g.
+      a mean over a dataset), or a scalar 0.
+    where: Which tokens.
+  """
+
+  mask: pz.nx.NamedArray
+  value: pz.nx.NamedArray
+  where: TokenRule
+
+  @classmethod
+  def heads(cls, config, heads, *, mean=None, where="all") -> Ablate:
+    """Heads by index in Hugging Face order (see `head_coordinates`), at
+    ``attn.head_out`` or ``attn.pattern``; ``mean``: a named array of
+    replacement values (e.g. the heads' mean output), else zeros."""
+    heads = [heads] if isinstance(heads, int) else list(heads)
+    if not heads:
+      raise ValueError("heads is empty: name at least one head.")
+    return cls._make(heads_mask(config, heads), mean, where)
+
+  @classmethod
+  def neurons(cls, config, neurons, *, mean=None, where="all") -> Ablate:
+    """MLP neurons by index, at ``mlp.neurons``."""
+    neurons = [neurons] if isinstance(neurons, int) else list(neurons)
+    size = config.mlp_hidden_size
+    bad = [n for n in neurons if not 0 <= int(n) < size]
+    if not neurons or bad:
+      raise ValueError(
+          f"neurons must be a non-empty list of indices in [0, {size}),"
+          f" got {neurons!r}.")
+    mask = np.zeros((size,), bool)
+    mask[neurons] = True
+    return cls._make(pz.nx.wrap(jnp.asarray(mask)).tag("neurons"), mean,
+                     where)
+
+  @classmethod
+  def _make(cls, mask, mean, where) -> Ablate:
+    if mean is None:
+      value = pz.nx.wrap(jnp.zeros((), jnp.float32))
+    elif isinstance(mean, pz.nx.NamedArrayBase):
+      value = mean
+    else:
+      raise ValueError(
+          "mean must be a named array with the value's axes (e.g. from"
+          " run_with_cache, averaged over tokens), got"
+          f" {type(mean).__name__}.")
+    return cls(mask=mask, value=value, where=as_rule(where))
+
+  def __call__(self, x, /, **side_inputs):
+    _check_axes(x, self.mask, "Ablate")
+    new = pz.nx.nmap(jnp.where)(self.mask, self.value.astype(x.dtype), x)
+    return _select(self.where, side_inputs, new, x)
+
+
+@pz.pytree_dataclass
+class ZeroHeads(pz.nn.Layer):
+  """Zeroes some heads of a per-head value (``attn.head_out``,
+  ``attn.pattern``); `Ablate.heads` also mean-ablates.
+
+  Attributes:
+    mask: Bool named array over the query head axes, True = zeroed.
+    where: Which tokens.
+  """
+
+  mask: pz.nx.NamedArray
+  where: TokenRule
+
+  @classmethod
+  def build(cls, config, heads, *, where="all") -> ZeroHeads:
+    """Heads by index in Hugging Face order (see `head_coordinates`)."""
+    heads = [heads] if isinstance(heads, int) else list(heads)
+    if not heads:
+      raise ValueError("heads is empty: name at least one head to zero.")
+    return cls(mask=heads_mask(config, heads), where=as_rule(where))
+
+  def __call__(self, x, /, **side_inputs):
+    _check_axes(x, self.mask, "ZeroHeads")
+    return _select(self.where, side_inputs,
+                   x * (~self.mask).astype(x.dtype), x)
+
+
+@pz.pytree_dataclass
+class Clamp(pz.nn.Layer):
+  """Clips the value to ``[low, high]`` (e.g. clamp a feature or neuron).
+
+  Attributes:
+    low: Lower bound (named array broadcastable to the value; -inf: none).
+    high: Upper bound (+inf: none).
+    where: Which tokens.
+  """
+
+  low: pz.nx.NamedArray
+  high: pz.nx.NamedArray
+  where: TokenRule
+
+  @classmethod
+  def build(cls, low=-np.inf, high=np.inf, *, where="all",
+            batch_axis: str = "batch") -> Clamp:
+    """Scalars, lists (one per row) or named arrays over feature axes."""
+    bounds = []
+    for name, value in (("low", low), ("high", high)):
+      if isinstance(value, pz.nx.NamedArrayBase):
+        bounds.append(value.astype(jnp.float32))
+        continue
+      array = np.asarray(value, np.float32)
+      if np.isnan(array).any() or array.ndim > 1:
+        raise ValueError(f"{name} must be a number or one per row, got"
+                         f" {value!r}.")
+      named = pz.nx.wrap(jnp.asarray(array))
+      bounds.append(named.tag(batch_axis) if array.ndim else named)
+    if not isinstance(low, pz.nx.NamedArrayBase) and not isinstance(
+        high, pz.nx.NamedArrayBase) and (np.asarray(low) > np.asarray(
+            high)).any():
+      raise ValueError(f"low must be <= high, got [{low!r}, {high!r}].")
+    return cls(low=bounds[0], high=bounds[1], where=as_rule(where))
+
+  def __call__(self, x, /, **side_inputs):
+    clipped = pz.nx.nmap(jnp.clip)(x, self.low.astype(x.dtype),
+                                   self.high.astype(x.dtype))
+    return _select(self.where, side_inputs, clipped, x)
+
+
+@pz.pytree_dataclass
+class PatchValue(pz.nn.Layer):
+  """Replaces the value at some token positions with the value from
+  another run (activation patching).
+
+  The patched value is indexed by token *position* (the run's
+  ``token_positions``), not by index in the current call, so it patches the
+  right tokens in a left-padded batch and with a KV cache (where the prompt
+  arrives in one call and each generated token in its own).
+
+  Attributes:
+    value: The replacement, with the point's axes and ``seq`` = positions
+      0, 1, ... (e.g. `ActivationCache.row` of another run, or captures of
+      another generation); batch axes optional (per row).
+    patched: Bool named array over ``seq`` (and optionally batch axes):
+      which positions of ``value`` are patched in.
+    where: Which tokens (combined with ``patched``).
   """
 
   value: pz.nx.NamedArray
-  where: pz.nx.NamedArray
+  patched: pz.nx.NamedArray
+  where: TokenRule
 
   @classmethod
-  def build(cls, value: pz.nx.NamedArray, positions) -> PatchValue:
-    """Patches ``value`` in at the listed ``seq`` positions."""
+  def build(cls, value: pz.nx.NamedArray, positions=None, *, where="all"
+            ) -> PatchValue:
+    """Patches ``value`` in at the listed positions (None: all of them)."""
+    if not isinstance(value, pz.nx.NamedArrayBase):
+      raise ValueError(
+          "value must be a named array with a 'seq' axis (e.g. from"
+          f" run_with_cache), got {type(value).__name__}.")
     seq = value.named_shape.get("seq")
     if seq is None:
       raise ValueError("value needs a 'seq' axis (one entry per token).")
+    if positions is None:
+      positions = range(seq)
     positions = [positions] if isinstance(positions, int) else list(positions)
     bad = [p for p in positions if not 0 <= p < seq]
     if bad:
       raise ValueError(
           f"positions {bad} are outside the value's {seq} tokens.")
-    where = np.zeros((seq,), bool)
-    where[positions] = True
-    return cls(value=value, where=pz.nx.wrap(jnp.asarray(where)).tag("seq"))
+    patched = np.zeros((seq,), bool)
+    patched[positions] = True
+    return cls(value=value, patched=pz.nx.wrap(jnp.asarray(patched)).tag(
+        "seq"), where=as_rule(where))
 
-  def __call__(self, x, /, **_side_inputs):
+  def __call__(self, x, /, **side_inputs):
     _check_axes(x, self.value, "PatchValue")
-    if x.named_shape["seq"] != self.value.named_shape["seq"]:
-      raise ValueError(
-          f"PatchValue holds {self.value.named_shape['seq']} tokens but the"
-          f" run has {x.named_shape['seq']}; patch runs of the same length.")
-    return pz.nx.nmap(jnp.where)(self.where, self.value.astype(x.dtype), x)
+    positions = side_inputs["token_positions"]
+    n = self.value.named_shape["seq"]
+    index = pz.nx.nmap(jnp.clip)(positions, 0, n - 1)
+    take = pz.nx.nmap(lambda table, i: table[i])
+    value = take(self.value.untag("seq"), index)
+    ok = take(self.patched.untag("seq"), index) & (positions < n)
+    new = pz.nx.nmap(jnp.where)(ok, value.astype(x.dtype), x)
+    return _select(self.where, side_inputs, new, x)
