@@ -14,7 +14,10 @@
   with respect to the input embeddings).
 * Heads in Hugging Face order: `head_coordinates`, `heads_mask`.
 * Control vectors in llama.cpp's GGUF format: `ControlVector`,
-  `load_control_vector`, `save_control_vector`.
+  `load_control_vector`, `save_control_vector`; `ControlVector.apply`
+  steers a model with one.
+* Activation patching sweeps: `patching_sweep` (every layer x position in
+  one batched run) returning a `PatchingResult`; `LogitDiff` metric.
 """
 
 from penzai_lm.interp.cache import ActivationCache
@@ -31,6 +34,9 @@ from penzai_lm.interp.interventions import ZeroHeads
 from penzai_lm.interp.lens import embed
 from penzai_lm.interp.lens import logits_from_embeddings
 from penzai_lm.interp.lens import unembed
+from penzai_lm.interp.patching import LogitDiff
+from penzai_lm.interp.patching import PatchingResult
+from penzai_lm.interp.patching import patching_sweep
 from penzai_lm.interp.points import AtLayers
 from penzai_lm.interp.points import Point
 from penzai_lm.interp.points import insert_at
@@ -50,7 +56,9 @@ __all__ = [
     "Clamp",
     "ControlVector",
     "HookPoint",
+    "LogitDiff",
     "PatchValue",
+    "PatchingResult",
     "Point",
     "TokenRule",
     "ZeroHeads",
@@ -61,6 +69,7 @@ __all__ = [
     "load_control_vector",
     "logits_from_embeddings",
     "parse_point",
+    "patching_sweep",
     "point_names",
     "run_with_cache",
     "save_control_vector",

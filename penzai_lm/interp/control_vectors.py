@@ -2,7 +2,8 @@
 
 A control vector is one direction per transformer block, added to the
 residual stream at every token position. :class:`ControlVector` holds one
-and combines them the way llama.cpp does (``scaled``, ``+``, ``restricted``);
+and combines them the way llama.cpp does (``scaled``, ``+``, ``restricted``)
+and steers a model with them (``apply``);
 :mod:`penzai_lm.interp.control_vector_files` reads and writes them as
 llama.cpp / repeng ``.gguf`` files and documents that format and its sources.
 
@@ -25,7 +26,12 @@ import numbers
 from typing import Mapping
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
+from penzai import pz
+
+from penzai_lm.interp import interventions
+from penzai_lm.interp import points as points_lib
 
 
 def _is_int(value) -> bool:
@@ -77,12 +83,12 @@ def _as_direction(block: int, value) -> np.ndarray:
   return array
 
 
-def _check_factor(factor) -> float:
+def _check_factor(factor, what: str = "scale factor") -> float:
   if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
-    raise ValueError(f"scale factor must be a real number, got {factor!r}")
+    raise ValueError(f"{what} must be a real number, got {factor!r}")
   factor = float(factor)
   if not math.isfinite(factor):
-    raise ValueError(f"scale factor must be finite, got {factor}")
+    raise ValueError(f"{what} must be finite, got {factor}")
   return factor
 
 
@@ -275,6 +281,56 @@ class ControlVector:
     for i, v in self.directions.items():
       out[i] = v
     return out
+
+  def apply(self, model, strength: float = 1.0):
+    """Returns ``model`` steered by this vector (llama.cpp's
+    ``--control-vector``): ``strength * directions[i]`` is added at
+    ``blocks.{i}.resid_post`` for every block ``i`` of the vector.
+
+    On per-layer blocks each steered block gets an `AddVector`; in a layer
+    stack one `AddVector` holds a direction per block along ``blocks`` (zero
+    for blocks without one), which the stack's scan slices, so any vector
+    (and any strength: it is an array) shares one compiled program. Both
+    layouts compute the same thing.
+
+    Args:
+      model: A `TransformerLM` or `KVCachingTransformerLM` (patched or not).
+      strength: A finite real factor (``apply(m, s)`` steers like
+        ``scaled(s).apply(m)``).
+
+    Returns:
+      The steered model (the input is unchanged).
+
+    Raises:
+      ValueError: if the vector's size is not the model's hidden size, it
+        has directions for blocks the model does not have, or ``strength``
+        is not a finite real number.
+      TypeError: if ``model`` is not a penzai_lm model.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+      raise TypeError(
+          "expected a penzai_lm TransformerLM or KVCachingTransformerLM, got"
+          f" {type(model).__name__}"
+      )
+    strength = _check_factor(strength, "strength")
+    if self.hidden_size != config.hidden_size:
+      raise ValueError(
+          f"the control vector has size {self.hidden_size} but the model's"
+          f" hidden size is {config.hidden_size}: it is for another model"
+          f" (model_hint={self.model_hint!r})"
+      )
+    stacked = self.for_layers(config.num_layers)  # Checks the blocks.
+    hooks = points_lib.hook_points(model, "resid_post")
+    if points_lib.is_stacked(hooks.get_sequence()[0]):
+      vector = pz.nx.wrap(jnp.asarray(stacked)).tag("blocks", "embedding")
+      return hooks.insert_before(
+          interventions.AddVector.build(vector, strength=strength))
+    for i, direction in self.directions.items():
+      model = points_lib.insert_at(
+          model, f"blocks.{i}.resid_post",
+          interventions.AddVector.build(direction, strength=strength))
+    return model
 
   def __eq__(self, other) -> bool:
     if not isinstance(other, ControlVector):

@@ -1,12 +1,22 @@
-"""ControlVector: validation and arithmetic (as llama.cpp combines files)."""
+"""ControlVector: validation, arithmetic (as llama.cpp combines files) and
+applying one to a model."""
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from penzai import pz
 
+import penzai_lm
+from penzai_lm import interp
+from penzai_lm.generation.prepare import unstack_layers
 from penzai_lm.interp import ControlVector
 from tests.interp.conftest import HIDDEN
 from tests.interp.conftest import make_cv
 from tests.interp.conftest import vec
+from tests.model.configs import config
 
 
 # --- Arithmetic -------------------------------------------------------------
@@ -116,3 +126,82 @@ def test_invalid_control_vectors(directions, match):
 def test_invalid_model_hint():
   with pytest.raises(ValueError, match="model_hint"):
     ControlVector(directions={1: np.ones(2)}, model_hint=3)
+
+
+# --- Applying to a model ----------------------------------------------------
+
+WIDTH = 32  # The tiny llama_gqa model: hidden size 32, 3 blocks.
+IDS = [1, 2, 3, 4, 5, 6]
+
+
+@functools.cache
+def _models():
+  """The same weights as a layer stack and as per-layer blocks."""
+  stacked = penzai_lm.build_transformer(config("llama_gqa", True), seed=3)
+  return stacked, unstack_layers(stacked)
+
+
+@jax.jit
+def _jit_logits(model, tokens):
+  return model(tokens)
+
+
+def _logits(model):
+  tokens = pz.nx.wrap(jnp.asarray([IDS], jnp.int32)).tag("batch", "seq")
+  out = _jit_logits(pz.freeze_params(model), tokens)
+  return np.asarray(out.unwrap("batch", "seq", "vocabulary"))
+
+
+def _add_vectors(model):
+  return pz.select(model).at_instances_of(interp.AddVector).get_sequence()
+
+
+def test_apply_equals_inserting_add_vectors():
+  cv = make_cv(blocks=(0, 2), size=WIDTH)
+  for model in _models():
+    manual = model
+    for i, v in cv.directions.items():
+      manual = interp.insert_at(manual, f"blocks.{i}.resid_post",
+                                interp.AddVector.build(v, 2.5))
+    steered = _logits(cv.apply(model, strength=2.5))
+    np.testing.assert_allclose(steered, _logits(manual), rtol=1e-5,
+                               atol=1e-5)
+    assert np.abs(steered - _logits(model)).max() > 1e-2
+
+
+def test_apply_is_the_same_on_both_layouts():
+  stacked, unstacked = _models()
+  cv = make_cv(blocks=(1, 2), size=WIDTH)
+  a, b = cv.apply(stacked, -3.0), cv.apply(unstacked, -3.0)
+  np.testing.assert_allclose(_logits(a), _logits(b), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(_logits(a), _logits(cv.scaled(-3.0).apply(
+      stacked)), rtol=1e-5, atol=1e-5)
+  # A stack gets one layer with a direction per block (zero for block 0);
+  # per-layer blocks one per steered block.
+  (layer,) = _add_vectors(a)
+  assert dict(layer.vector.named_shape) == {"blocks": 3, "embedding": WIDTH}
+  assert not np.asarray(layer.vector.unwrap("blocks", "embedding"))[0].any()
+  assert len(_add_vectors(b)) == 2
+  # Which blocks is data: any vector gives the stack the same structure.
+  other = make_cv(blocks=(0,), size=WIDTH).apply(stacked)
+  assert (jax.tree_util.tree_structure(pz.freeze_params(other))
+          == jax.tree_util.tree_structure(pz.freeze_params(a)))
+  # A cached model is steered alike.
+  cached = penzai_lm.KVCachingTransformerLM.from_uncached(
+      stacked, 8, {"batch": 1})
+  assert len(_add_vectors(cv.apply(cached))) == 1
+
+
+def test_apply_errors():
+  stacked, unstacked = _models()
+  for model in (stacked, unstacked):
+    with pytest.raises(ValueError, match="has size 8 but the model's hidden"
+                       " size is 32.*model_hint='llama'"):
+      make_cv(size=8).apply(model)
+    with pytest.raises(ValueError, match=r"blocks \[3, 5\] but the model has"
+                       r" only 3 blocks \(0\.\.2\).*restricted\(0, 2\)"):
+      make_cv(blocks=(1, 3, 5), size=WIDTH).apply(model)
+    with pytest.raises(ValueError, match="strength must be finite"):
+      make_cv(blocks=(1,), size=WIDTH).apply(model, float("inf"))
+  with pytest.raises(TypeError, match="expected a penzai_lm TransformerLM"):
+    make_cv().apply(object())

@@ -1,0 +1,500 @@
+"""Activation patching sweeps: every (layer, position) in one batched run.
+
+Activation patching runs a *clean* prompt and a *corrupted* one of the same
+length (``"The Eiffel Tower is in the city of"`` / ``"The Colosseum is in
+the city of"``), then reruns the corrupted prompt with one activation taken
+from the clean run, and measures how much of the clean behaviour comes back
+(TransformerLens's ``patching.get_act_patch_resid_pre`` and friends)::
+
+    result = patching_sweep(model, clean_ids, corrupted_ids,
+                            point="resid_pre",
+                            metric=LogitDiff(paris_id, rome_id))
+    result.values      # (layers, positions) metric of each patched run
+    result.normalized  # 0 = corrupted behaviour, 1 = clean behaviour
+
+How it runs: the clean values at ``blocks.{layer}.{point}`` are captured
+with `run_with_cache`; then every patched variant runs at once, as rows of a
+``sweep`` batch axis (``len(layers) * len(positions)`` rows, plus the clean
+and corrupted runs for the baselines, or chunks of ``batch_size`` rows).
+One `SweepPatch` layer at the point of every swept block holds the clean
+value and a boolean mask over (``blocks``, ``sweep``, ``seq``) saying where
+it replaces the corrupted value; named-axis broadcasting applies it to the
+right row. In a layer stack the stack's scan hands each block its slice of
+the value and the mask, so the whole sweep is one compiled loop. The masks
+are arguments of one jitted program and chunks are padded to the same size,
+so every chunk (and a later sweep of the same shapes and metric) reuses one
+compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from penzai import pz
+
+from penzai_lm.interp import points as points_lib
+from penzai_lm.interp.cache import run_with_cache
+from penzai_lm.model import TransformerLM
+from penzai_lm.model.hooks import BLOCK_POINTS
+from penzai_lm.model.hooks import MODEL_POINTS
+from penzai_lm.model.transformer import check_tokens
+
+SWEEP_AXIS = "sweep"
+
+Position = int | tuple[int, ...]
+
+
+@pz.pytree_dataclass
+class SweepPatch(pz.nn.Layer):
+  """Patches a clean value into some rows and positions of a sweep batch.
+
+  Attributes:
+    value: The clean run's value at the point (its axes, including ``seq``;
+      with ``blocks`` in a layer stack, one slice per block).
+    where: Bool named array over ``sweep`` and ``seq`` (and ``blocks`` in a
+      layer stack): True where row ``sweep`` takes the clean value.
+  """
+
+  value: pz.nx.NamedArray
+  where: pz.nx.NamedArray
+
+  def __call__(self, x, /, **_side_inputs):
+    out = pz.nx.nmap(jnp.where)(self.where, self.value.astype(x.dtype), x)
+    return pz.nx.order_like(out, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitDiff:
+  """Metric: ``logit[answer] - logit[wrong]`` at one token position.
+
+  Averaged over any batch axes (a batch of prompts with the same answers).
+  Equal instances hash alike, so reusing one across sweeps reuses their
+  compiled programs.
+
+  Attributes:
+    answer: Token id of the clean answer (e.g. " Paris").
+    wrong: Token id of the corrupted answer (e.g. " Rome").
+    position: The ``seq`` index read (default -1, the last token).
+  """
+
+  answer: int
+  wrong: int
+  position: int = -1
+
+  def __post_init__(self):
+    for name in ("answer", "wrong", "position"):
+      value = getattr(self, name)
+      if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"LogitDiff.{name} must be an int, got {value!r}.")
+      object.__setattr__(self, name, int(value))
+
+  def __call__(self, logits: pz.nx.NamedArray):
+    at = logits[{"seq": self.position}]
+    diff = (at[{"vocabulary": self.answer}]
+            - at[{"vocabulary": self.wrong}])
+    return jnp.mean(diff.unwrap(*diff.named_shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchingResult:
+  """The outcome of `patching_sweep`.
+
+  Attributes:
+    values: float array ``(len(layers), len(positions))``: the metric of the
+      corrupted run with the clean value patched in at
+      ``blocks.{layers[i]}.{point}``, positions ``positions[j]``.
+    layers: The block index of each row of ``values``.
+    positions: The patched position(s) of each column: an int, or a tuple
+      of ints patched together.
+    point: The patched point, e.g. ``"resid_pre"``.
+    clean_metric: The metric of the clean run.
+    corrupted_metric: The metric of the corrupted run (nothing patched).
+  """
+
+  values: np.ndarray
+  layers: tuple[int, ...]
+  positions: tuple[Position, ...]
+  point: str
+  clean_metric: float
+  corrupted_metric: float
+
+  @property
+  def normalized(self) -> np.ndarray:
+    """``(values - corrupted) / (clean - corrupted)``: 0 where the patch
+    changes nothing, 1 where it restores the clean metric.
+
+    Raises:
+      ValueError: if the clean and corrupted metrics are equal.
+    """
+    span = self.clean_metric - self.corrupted_metric
+    if span == 0:
+      raise ValueError(
+          f"the clean and corrupted runs have the same metric"
+          f" ({self.clean_metric}): the normalised score is undefined; use a"
+          " metric that tells the runs apart.")
+    return (self.values - self.corrupted_metric) / span
+
+  def value(self, layer: int, position: Position) -> float:
+    """The metric at one (layer, position) cell, by block and position."""
+    if layer not in self.layers:
+      raise KeyError(f"layer {layer} was not swept; layers: {self.layers}.")
+    if position not in self.positions:
+      raise KeyError(
+          f"position {position!r} was not swept; positions:"
+          f" {self.positions}.")
+    return float(self.values[self.layers.index(layer),
+                             self.positions.index(position)])
+
+
+# ----------------------------------------------------------- validation
+
+
+def _tokens(model, tokens, what: str) -> pz.nx.NamedArray:
+  """A named int32 token array: ``seq`` (one prompt) or batch axes too."""
+  if not isinstance(tokens, pz.nx.NamedArrayBase):
+    try:
+      array = np.asarray(tokens)
+    except ValueError as e:  # Ragged nested lists.
+      raise ValueError(
+          f"{what} must be one list of token ids or a list of equally long"
+          " lists (prompts of the same length).") from e
+    if array.dtype == object or array.ndim not in (1, 2):
+      raise ValueError(
+          f"{what} must be one list of token ids or a list of equally long"
+          f" lists (prompts of the same length); got shape {array.shape}.")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+      raise ValueError(f"{what} must hold integer token ids, got"
+                       f" {array.dtype}.")
+    axes = ("seq",) if array.ndim == 1 else ("batch", "seq")
+    tokens = pz.nx.wrap(jnp.asarray(array, jnp.int32)).tag(*axes)
+  check_tokens(tokens, model.config.vocab_size, what)
+  if SWEEP_AXIS in tokens.named_shape:
+    raise ValueError(
+        f"{what} has a {SWEEP_AXIS!r} axis: that name is the sweep's own"
+        " batch axis; rename it.")
+  if not tokens.named_shape["seq"]:
+    raise ValueError(f"{what} is empty.")
+  return tokens
+
+
+def _check_point(model, point: str) -> str:
+  if not isinstance(point, str):
+    raise ValueError(f"point must be a str such as 'resid_pre', got"
+                     f" {point!r}.")
+  if point in MODEL_POINTS:
+    raise ValueError(
+        f"point {point!r} is not inside a block; a sweep patches a block"
+        f" point (one of {', '.join(BLOCK_POINTS)}).")
+  if point.startswith("blocks."):
+    raise ValueError(
+        f"point {point!r} names one block; give the point without it"
+        " (e.g. point='resid_pre') and choose blocks with layers=[...].")
+  points_lib.parse_point(model, f"blocks.0.{point}")  # Misspellings.
+  return point
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_layers(model, layers) -> tuple[int, ...]:
+  num_layers = model.config.num_layers
+  if layers is None:
+    return tuple(range(num_layers))
+  layers = [layers] if _is_int(layers) else list(layers)
+  if not layers:
+    raise ValueError("layers is empty: give at least one block index.")
+  bad = [l for l in layers if not _is_int(l)]
+  if bad:
+    raise ValueError(f"layers must be ints (block indices), got {bad}.")
+  out = [l for l in layers if not 0 <= l < num_layers]
+  if out:
+    raise ValueError(
+        f"layers {out} do not exist: the model has {num_layers} blocks"
+        f" (0 to {num_layers - 1}).")
+  if len(set(layers)) != len(layers):
+    raise ValueError(f"layers has duplicates: {layers}.")
+  return tuple(int(l) for l in layers)
+
+
+def _check_positions(positions, seq: int) -> tuple[Position, ...]:
+  if positions is None:
+    return tuple(range(seq))
+  if isinstance(positions, str):
+    if positions != "all":
+      raise ValueError(
+          f"positions={positions!r}: give None (each position), 'all' (all"
+          " positions patched together) or a list of positions.")
+    return (tuple(range(seq)),)
+  positions = [positions] if _is_int(positions) else list(positions)
+  if not positions:
+    raise ValueError("positions is empty: give at least one position.")
+  checked = []
+  for p in positions:
+    group = p if isinstance(p, (tuple, list)) else (p,)
+    if not group or not all(_is_int(q) for q in group):
+      raise ValueError(
+          f"each position must be an int or a non-empty tuple of ints"
+          f" (patched together), got {p!r}.")
+    out = [q for q in group if not 0 <= q < seq]
+    if out:
+      raise ValueError(
+          f"positions {out} are outside the prompts' {seq} tokens (0 to"
+          f" {seq - 1}).")
+    checked.append(int(p) if _is_int(p) else tuple(int(q) for q in p))
+  if len(set(checked)) != len(checked):
+    raise ValueError(f"positions has duplicates: {positions}.")
+  return tuple(checked)
+
+
+def _check_batch_size(batch_size) -> int | float:
+  if batch_size is None:
+    return float("inf")
+  if not _is_int(batch_size) or batch_size < 1:
+    raise ValueError(f"batch_size must be a positive int or None, got"
+                     f" {batch_size!r}.")
+  return int(batch_size)
+
+
+class _ByIdentity:
+  """Wraps an unhashable metric for jit's static arguments."""
+
+  def __init__(self, fn):
+    self.fn = fn
+
+  def __hash__(self):
+    return id(self.fn)
+
+  def __eq__(self, other):
+    return isinstance(other, _ByIdentity) and other.fn is self.fn
+
+  def __call__(self, *args):
+    return self.fn(*args)
+
+
+def _static(metric):
+  try:
+    hash(metric)
+  except TypeError:
+    return _ByIdentity(metric)
+  return metric
+
+
+# ------------------------------------------------------------ programs
+
+
+def _scalar(out) -> jax.Array:
+  """A metric's output as a float32 scalar (an error for anything else)."""
+  if isinstance(out, pz.nx.NamedArrayBase):
+    if out.named_shape or out.positional_shape:
+      raise ValueError(
+          "the metric must return a scalar per run; it returned a named"
+          f" array with axes {dict(out.named_shape)} and positional shape"
+          f" {out.positional_shape} (reduce the batch axes, e.g. a mean).")
+    out = out.unwrap()
+  try:
+    out = jnp.asarray(out)
+  except TypeError as e:
+    raise ValueError(
+        "the metric must return a scalar (a float or 0-d array), got"
+        f" {type(out).__name__}.") from e
+  if out.shape:
+    raise ValueError(
+        f"the metric must return a scalar per run, got shape {out.shape}"
+        " (reduce the batch axes, e.g. a mean).")
+  if not jnp.issubdtype(out.dtype, jnp.number) or jnp.issubdtype(
+      out.dtype, jnp.complexfloating):
+    raise ValueError(f"the metric must return a real number, got dtype"
+                     f" {out.dtype}.")
+  return out.astype(jnp.float32)
+
+
+def _row_metric(metric, axes):
+  """``metric`` of one run's logits given as a raw array over ``axes``."""
+  return lambda data: _scalar(metric(pz.nx.wrap(data).tag(*axes)))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _capture_stacked(model, tokens, point):
+  """The clean values at ``point`` of every block of a layer stack, as one
+  array over ``blocks`` (compiled: a repeated sweep reuses it; per-layer
+  blocks capture eagerly, as `insert_at` reads their block indices)."""
+  names = [f"blocks.{l}.{point}" for l in range(model.config.num_layers)]
+  cache = run_with_cache(model, tokens, names=names)
+  return pz.nx.stack([cache[n] for n in names], "blocks")
+
+
+@jax.jit
+def _last_logits(model, tokens):
+  return model(tokens)[{"seq": -1}]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _sweep_chunk(model, tokens, metric):
+  """Metric of each ``sweep`` row of a patched model (one compilation per
+  structure and shape: chunks pass the same model with other masks)."""
+  axes = (*(a for a in tokens.named_shape if a != SWEEP_AXIS), "vocabulary")
+  logits = model(tokens).unwrap(SWEEP_AXIS, *axes)
+  return jax.vmap(_row_metric(metric, axes))(logits)
+
+
+def _patched(model, point, layers, stacked, clean, where):
+  """``model`` with a `SweepPatch` at ``point`` in the swept blocks.
+
+  Args:
+    clean: The clean values: ``{layer: value}``, or in a layer stack one
+      array over ``blocks``.
+    where: bool ``(num_layers, rows, seq)``.
+  """
+  if stacked:
+    value = clean
+    mask = pz.nx.wrap(jnp.asarray(where)).tag("blocks", SWEEP_AXIS, "seq")
+    return points_lib.hook_points(model, point).insert_before(
+        SweepPatch(value=value, where=mask))
+  for layer in layers:
+    mask = pz.nx.wrap(jnp.asarray(where[layer])).tag(SWEEP_AXIS, "seq")
+    model = points_lib.insert_at(model, f"blocks.{layer}.{point}",
+                                 SweepPatch(value=clean[layer], where=mask))
+  return model
+
+
+def _default_metric(model, clean, corrupted):
+  if set(clean.named_shape) != {"seq"}:
+    raise ValueError(
+        "with a batch of prompts, pass metric= (e.g. LogitDiff(answer,"
+        " wrong), averaged over the batch).")
+  frozen = pz.freeze_params(model)
+  answer, wrong = (
+      int(jnp.argmax(_last_logits(frozen, t).unwrap("vocabulary")))
+      for t in (clean, corrupted))
+  if answer == wrong:
+    raise ValueError(
+        f"the clean and corrupted prompts both predict token {answer} last;"
+        " the default metric (the logit difference of their predictions)"
+        " is then zero: pass metric=.")
+  return LogitDiff(answer, wrong)
+
+
+def patching_sweep(
+    model,
+    clean_tokens,
+    corrupted_tokens,
+    *,
+    point: str = "resid_pre",
+    layers: int | Sequence[int] | None = None,
+    positions: Any = None,
+    metric: Callable[[pz.nx.NamedArray], Any] | None = None,
+    batch_size: int | None = None,
+) -> PatchingResult:
+  """Patches the clean value into the corrupted run at every (layer,
+  position) and measures ``metric`` (TransformerLens's
+  ``get_act_patch_resid_pre`` and siblings, as one batched run).
+
+  Args:
+    model: An uncached `TransformerLM` (either layout; patched or not).
+    clean_tokens: One prompt (a list of ids, or a named array with ``seq``)
+      or a batch of prompts (a list of equally long lists, or a named array
+      with ``seq`` and batch axes).
+    corrupted_tokens: As ``clean_tokens``, with the same shape.
+    point: The block point patched (`penzai_lm.model.hooks`): e.g.
+      ``"resid_pre"``, ``"attn_out"``, ``"mlp_out"``, ``"resid_post"``,
+      ``"attn.head_out"`` (all heads at a position).
+    layers: Block indices (default: all).
+    positions: ``None`` (default: each token position on its own), ``"all"``
+      (one column: every position patched together, i.e. whole-layer
+      patching), or a list whose entries are positions or tuples of
+      positions patched together.
+    metric: ``metric(logits) -> scalar``, with ``logits`` one run's named
+      array over ``seq``, ``vocabulary`` (and the batch axes of the tokens);
+      traced under `jax.jit` and `jax.vmap`, so written with jax / named
+      operations. Default: `LogitDiff` between the clean and the corrupted
+      run's top prediction at the last position (one prompt only).
+    batch_size: Runs per compiled call (the patched runs, plus the clean
+      and corrupted baselines, which run as two more rows of the first
+      chunk); default all at once. Memory grows with it: the logits alone
+      are ``rows x batch x seq x vocabulary`` floats. Every chunk runs the
+      same compiled program (the last is padded).
+
+  Returns:
+    A `PatchingResult`.
+
+  Raises:
+    ValueError: for mismatched or malformed tokens, a point, layer or
+      position that does not exist, a metric that is not callable or does
+      not return a scalar, a bad ``batch_size``.
+  """
+  if not isinstance(model, TransformerLM):
+    raise ValueError(
+        "patching_sweep needs an uncached TransformerLM, got"
+        f" {type(model).__name__}.")
+  clean = _tokens(model, clean_tokens, "clean_tokens")
+  corrupted = _tokens(model, corrupted_tokens, "corrupted_tokens")
+  if dict(clean.named_shape) != dict(corrupted.named_shape):
+    raise ValueError(
+        f"clean_tokens has shape {dict(clean.named_shape)} but"
+        f" corrupted_tokens has {dict(corrupted.named_shape)}; patching"
+        " compares runs of the same length (pick a corrupted prompt with as"
+        " many tokens).")
+  corrupted = pz.nx.wrap(corrupted.unwrap(*clean.named_shape)).tag(
+      *clean.named_shape)
+  point = _check_point(model, point)
+  layers = _check_layers(model, layers)
+  seq = clean.named_shape["seq"]
+  positions = _check_positions(positions, seq)
+  if metric is not None and not callable(metric):
+    raise ValueError(
+        f"metric must be callable (logits -> scalar), got {metric!r}.")
+  rows = len(layers) * len(positions)
+  batch_size = _check_batch_size(batch_size)
+
+  if metric is None:
+    metric = _default_metric(model, clean, corrupted)
+  metric = _static(metric)
+  frozen = pz.freeze_params(model)
+  stacked = points_lib.is_stacked(
+      points_lib.hook_points(model, point).get_sequence()[0])
+  num_layers = model.config.num_layers
+  if stacked:
+    clean_values = _capture_stacked(frozen, clean, point)
+  else:
+    cache = run_with_cache(model, clean,
+                           names=[f"blocks.{l}.{point}" for l in layers])
+    clean_values = {l: cache[f"blocks.{l}.{point}"] for l in layers}
+
+  # Rows: 0 the clean run, 1 the corrupted run (the baselines, by the same
+  # program), then 2 + i * P + j patches layers[i] at positions[j] into the
+  # corrupted run. Padding rows (filling the last chunk) patch nothing.
+  total = rows + 2
+  batch_size = min(batch_size, total)
+  chunks = -(-total // batch_size)
+  where = np.zeros((num_layers, chunks * batch_size, seq), bool)
+  for i, layer in enumerate(layers):
+    for j, p in enumerate(positions):
+      where[layer, 2 + i * len(positions) + j, list(np.atleast_1d(p))] = True
+  token_axes = tuple(clean.named_shape)
+  ids = np.broadcast_to(np.asarray(corrupted.unwrap(*token_axes)),
+                        (chunks * batch_size, *clean.named_shape.values())
+                        ).copy()
+  ids[0] = np.asarray(clean.unwrap(*token_axes))
+  out = []
+  for c in range(chunks):
+    rows_c = slice(c * batch_size, (c + 1) * batch_size)
+    patched = _patched(frozen, point, layers, stacked, clean_values,
+                       where[:, rows_c])
+    tokens = pz.nx.wrap(jnp.asarray(ids[rows_c])).tag(SWEEP_AXIS,
+                                                      *token_axes)
+    out.append(np.asarray(_sweep_chunk(patched, tokens, metric)))
+  out = np.concatenate(out)
+  clean_metric, corrupted_metric = float(out[0]), float(out[1])
+  values = out[2:total].reshape(len(layers), len(positions))
+  return PatchingResult(
+      values=values, layers=layers, positions=positions, point=point,
+      clean_metric=clean_metric, corrupted_metric=corrupted_metric)
