@@ -44,6 +44,7 @@ from penzai_lm.generation.state import CACHE_FULL
 from penzai_lm.generation.state import DecodeInputs
 from penzai_lm.generation.state import LENGTH
 from penzai_lm.generation.state import LoopState
+from penzai_lm.generation.state import NON_FINITE
 from penzai_lm.generation.state import Outputs
 from penzai_lm.generation.state import PADDING_ROW
 from penzai_lm.generation.state import RecomputeState
@@ -271,9 +272,13 @@ def _loop_step(shape: DecodeShape, feed_model, x: DecodeInputs,
   iteration is kept for it.
   """
   Q, T = shape.queue_len, shape.cache_len
-  active = c.feed
   logits, model_state = feed_model(c.model_state, c.slots, c.next_token,
-                                   active | c.tail, c.gen_start)
+                                   c.feed | c.tail, c.gen_start)
+  # NaN or +inf logits (broken weights, an overflowing intervention) end
+  # the row rather than being sampled from (-inf is a legitimate ban).
+  broken = c.feed & jnp.any(jnp.isnan(logits) | (logits == jnp.inf),
+                            axis=-1)
+  active = c.feed & ~broken
   sampled, logprob = sampling.sample_next(logits, x.settings, c.sampler,
                                           c.step)
   queued = jnp.take_along_axis(
@@ -302,7 +307,8 @@ def _loop_step(shape: DecodeShape, feed_model, x: DecodeInputs,
       next_token=jnp.where(active, token, c.next_token),
       feed=going & ~pause,
       step=step,
-      reason=jnp.where(is_stop, STOP, jnp.where(is_len, LENGTH, c.reason)),
+      reason=jnp.where(is_stop, STOP, jnp.where(
+          is_len, LENGTH, jnp.where(broken, NON_FINITE, c.reason))),
       waiting=c.waiting | pause,
       q_pos=q_pos,
       t=c.t + 1,

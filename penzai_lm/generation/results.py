@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-FINISH_REASONS = ("stop", "length", "cache_full", "cancelled")
+FINISH_REASONS = ("stop", "length", "cache_full", "cancelled", "non_finite")
 
 
 @dataclasses.dataclass
@@ -72,8 +72,11 @@ class GenerationResult:
     lengths: ``len(tokens[r])``.
     finish_reasons: Per row: ``"stop"`` (stop token or stop string),
       ``"length"`` (max_new_tokens), ``"cache_full"`` (the KV cache had no
-      room left) or ``"cancelled"``; None for a row still running (only in
-      a streamed result taken before the stream ended).
+      room left), ``"cancelled"`` or ``"non_finite"`` (the model gave NaN
+      or +inf logits, e.g. broken weights or an intervention that
+      overflowed: the row ends instead of sampling from them; nothing is
+      recorded for that step); None for a row still running (only in a
+      streamed result taken before the stream ended).
     logprobs: Per row and token, the log-probability of the chosen token
       under the model's raw distribution (``log_softmax`` of the logits,
       before penalties, bias and filters).

@@ -29,9 +29,11 @@ from penzai import pz
 from penzai_lm import sampling
 
 # Row status codes on device.
-RUNNING, STOP, LENGTH, CACHE_FULL, CANCELLED, PADDING_ROW = range(6)
+(RUNNING, STOP, LENGTH, CACHE_FULL, CANCELLED, PADDING_ROW,
+ NON_FINITE) = range(7)
 # The finish reason of each status code (None: not finished).
-REASON_NAMES = (None, "stop", "length", "cache_full", "cancelled", None)
+REASON_NAMES = (None, "stop", "length", "cache_full", "cancelled", None,
+                "non_finite")
 
 
 @dataclasses.dataclass(frozen=True)
