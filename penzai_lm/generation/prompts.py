@@ -66,9 +66,9 @@ def normalize_prompts(
           f" prompt); got shape {array.shape}.")
   elif isinstance(prompts, str):
     raise TypeError(
-        "generate() takes token ids, not text; encode the prompt with a"
-        " tokenizer or use penzai_lm.generation.generate_text(model,"
-        " tokenizer, text).")
+        "prompts must be token ids, not text: encode them"
+        " (tokenizer.encode(text)), or to generate from text use"
+        " penzai_lm.generation.generate_text(model, tokenizer, text).")
   elif is_sequence(prompts):
     items = list(prompts)
     if not items:
@@ -76,16 +76,21 @@ def normalize_prompts(
     if all(is_int(i) for i in items):
       rows = [np.asarray([int(i) for i in items])]
     elif all(is_sequence(i) for i in items):
-      rows = [np.asarray(i) for i in items]
+      rows = [_row_array(i, r) for r, i in enumerate(items)]
     elif any(isinstance(i, str) for i in items):
       raise TypeError(
-          "generate() takes token ids, not text; use generate_text(model,"
-          " tokenizer, prompts) for strings.")
+          "prompts must be token ids, not text: encode them"
+          " (tokenizer.encode(text)), or to generate from text use"
+          " generate_text(model, tokenizer, prompts).")
     else:
+      bad = next(i for i in items if not (is_int(i) or is_sequence(i)))
+      if any(is_int(i) for i in items) and any(is_sequence(i) for i in items):
+        bad = next(i for i in items if is_sequence(i))
       raise ValueError(
           "prompts must be a list of token ids (one prompt) or a list of"
           " lists of token ids (a batch); got a list that mixes ids and"
-          " other values.")
+          f" other values (such as {bad!r}; token ids are ints, not bools"
+          " or floats).")
   else:
     raise TypeError(
         "prompts must be a list of token ids, a list of such lists, a numpy"
@@ -94,7 +99,7 @@ def normalize_prompts(
 
   out = []
   for i, row in enumerate(rows):
-    row = np.asarray(row)
+    row = _row_array(row, i)
     if row.ndim != 1:
       raise ValueError(
           f"prompt {i} must be a flat list of token ids, got shape"
@@ -115,6 +120,16 @@ def normalize_prompts(
           f" vocabulary [0, {vocab_size}).")
     out.append(row.astype(np.int32))
   return out
+
+
+def _row_array(row: Any, index: int) -> np.ndarray:
+  """``np.asarray(row)``, with our message for a nested (ragged) row."""
+  try:
+    return np.asarray(row)
+  except (ValueError, TypeError, OverflowError):
+    raise ValueError(
+        f"prompt {index} must be a flat list of token ids, got {row!r}."
+        ) from None
 
 
 def _named_prompts(prompts, batch_axis):

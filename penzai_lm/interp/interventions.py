@@ -62,6 +62,19 @@ def _per_row(value, batch_axis: str, what: str) -> pz.nx.NamedArray:
   return named.tag(batch_axis) if array.ndim else named
 
 
+def _heads(config, heads, batch_axis: str) -> pz.nx.NamedArray:
+  """A heads mask from head indices, or from one list of them per row."""
+  if isinstance(heads, int):
+    heads = [heads]
+  heads = list(heads)
+  if not heads or any(isinstance(h, (list, tuple)) and not h for h in heads):
+    raise ValueError("heads is empty: name at least one head (per row).")
+  if all(isinstance(h, (list, tuple)) for h in heads):
+    return pz.nx.stack([heads_mask(config, list(h)) for h in heads],
+                       batch_axis)
+  return heads_mask(config, heads)
+
+
 def _feature_vector(vector, axis: str, what: str) -> pz.nx.NamedArray:
   if isinstance(vector, pz.nx.NamedArrayBase):
     return vector
@@ -125,14 +138,13 @@ class Ablate(pz.nn.Layer):
   where: TokenRule
 
   @classmethod
-  def heads(cls, config, heads, *, mean=None, where="all") -> Ablate:
+  def heads(cls, config, heads, *, mean=None, where="all",
+            batch_axis: str = "batch") -> Ablate:
     """Heads by index in Hugging Face order (see `head_coordinates`), at
-    ``attn.head_out`` or ``attn.pattern``; ``mean``: a named array of
-    replacement values (e.g. the heads' mean output), else zeros."""
-    heads = [heads] if isinstance(heads, int) else list(heads)
-    if not heads:
-      raise ValueError("heads is empty: name at least one head.")
-    return cls._make(heads_mask(config, heads), mean, where)
+    ``attn.head_out`` or ``attn.pattern``: a list, or one list per row
+    (``[[0], [5, 6], [3]]``); ``mean``: a named array of replacement
+    values (e.g. the heads' mean output), else zeros."""
+    return cls._make(_heads(config, heads, batch_axis), mean, where)
 
   @classmethod
   def neurons(cls, config, neurons, *, mean=None, where="all") -> Ablate:
@@ -182,12 +194,11 @@ class ZeroHeads(pz.nn.Layer):
   where: TokenRule
 
   @classmethod
-  def build(cls, config, heads, *, where="all") -> ZeroHeads:
-    """Heads by index in Hugging Face order (see `head_coordinates`)."""
-    heads = [heads] if isinstance(heads, int) else list(heads)
-    if not heads:
-      raise ValueError("heads is empty: name at least one head to zero.")
-    return cls(mask=heads_mask(config, heads), where=as_rule(where))
+  def build(cls, config, heads, *, where="all", batch_axis: str = "batch"
+            ) -> ZeroHeads:
+    """Heads by index in Hugging Face order (see `head_coordinates`): a
+    list, or one list per row."""
+    return cls(mask=_heads(config, heads, batch_axis), where=as_rule(where))
 
   def __call__(self, x, /, **side_inputs):
     _check_axes(x, self.mask, "ZeroHeads")

@@ -12,12 +12,15 @@
   split the forward pass after the embedding lookup, so gradients can be
   taken with respect to the input embeddings (saliency)::
 
-      emb = embed(model, ids)
-      grad = jax.grad(lambda e: logits_from_embeddings(frozen, e)[...])(emb)
+      frozen = pz.freeze_params(model)
+      emb = embed(frozen, ids)
+      f = lambda m, e: logits_from_embeddings(m, e)[...]
+      grad = jax.jit(jax.grad(f, argnums=1))(frozen, emb)
 
-  Under ``jax.grad`` / ``jax.jit`` pass a frozen model
-  (``pz.freeze_params(model)``): parameters are mutable variables, not
-  arrays.
+  Under ``jax.grad`` / ``jax.jit`` use a frozen model: parameters are
+  mutable variables, not arrays. Pass it as an argument, not in a closure:
+  a closed-over model's weights become constants of the compiled program
+  (SmolLM2: 67 s to compile, against 6 s as an argument).
 """
 
 from __future__ import annotations

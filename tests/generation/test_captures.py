@@ -109,3 +109,24 @@ def test_capture_errors_name_the_problem():
     generation.generate(model, [1, 2], capture=3)
   result = generation.generate(model, [1, 2], max_new_tokens=2)
   assert result.captures is None
+
+
+def test_session_turns_capture_their_own_tokens():
+  """A session's turn records the tokens it feeds: the previous turn's last
+  token (fed first, counted in the turn's prompt_lengths), its prompt and
+  its output, equal to a forward pass over the whole conversation."""
+  model = penzai_lm.build_transformer(config("llama_gqa", False), seed=3)
+  session = generation.Session(model)
+  options = dict(temperature=0.0, stop_tokens=[], capture=["blocks.1.mlp_out"])
+  first = session.generate([1, 2, 3, 4], max_new_tokens=4, **options)
+  second = session.generate([5, 6], max_new_tokens=3, **options)
+  conversation = [1, 2, 3, 4] + first.tokens[0] + [5, 6] + second.tokens[0]
+  want = interp.run_with_cache(model, [conversation],
+                               names=["blocks.1.mlp_out"])
+  whole = want["blocks.1.mlp_out"][{"batch": 0}]
+  got = second.captures["blocks.1.mlp_out"][0]
+  n = second.prompt_lengths[0] + second.lengths[0]
+  assert got.named_shape["seq"] == n == 6
+  np.testing.assert_allclose(_np(got, whole),
+                             _np(whole, whole)[len(conversation) - n:],
+                             atol=2e-5)

@@ -68,7 +68,7 @@ def test_bad_token_ids(model, prompts, match):
 
 
 def test_text_prompt_to_token_api(model):
-  _error(model, "hello", "takes token ids, not text", exc=TypeError)
+  _error(model, "hello", "must be token ids, not text", exc=TypeError)
 
 
 @pytest.mark.parametrize("settings,match", [

@@ -191,3 +191,22 @@ def test_bad_rules_and_values_are_errors():
     interp.Clamp.build(1.0, 0.0)
   with pytest.raises(ValueError, match=r"neurons must be a non-empty list"):
     interp.Ablate.neurons(_model().config, [48])
+
+
+def test_per_row_heads_equal_one_run_per_row():
+  model = _model(stacked=True)
+  point = "blocks.1.attn.head_out"
+  per_row = interp.insert_at(model, point, interp.ZeroHeads.build(
+      model.config, [[0], [3], [1, 2]]))
+  ids = [PROMPTS[2]] * 3
+  tokens = pz.nx.wrap(jnp.asarray(ids)).tag("batch", "seq")
+  batched = np.asarray(per_row(tokens).unwrap("batch", "seq", "vocabulary"))
+  for row, heads in enumerate([[0], [3], [1, 2]]):
+    alone = interp.insert_at(model, point,
+                             interp.Ablate.heads(model.config, heads))
+    logits = alone(pz.nx.wrap(jnp.asarray(ids[:1])).tag("batch", "seq"))
+    np.testing.assert_allclose(
+        batched[row], np.asarray(logits.unwrap("batch", "seq",
+                                               "vocabulary"))[0], atol=1e-5)
+  with pytest.raises(ValueError, match="heads is empty"):
+    interp.ZeroHeads.build(model.config, [[0], []])
