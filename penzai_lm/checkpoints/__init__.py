@@ -25,6 +25,7 @@ import numpy as np
 
 from penzai_lm.checkpoints.checkpoint import Checkpoint
 from penzai_lm.checkpoints.checkpoint import CheckpointError
+from penzai_lm.checkpoints.checkpoint import CheckpointFileNotFoundError
 from penzai_lm.checkpoints.gguf_reader import SUPPORTED_GGUF_ARCHITECTURES
 from penzai_lm.checkpoints.gguf_reader import read_gguf
 from penzai_lm.checkpoints.hf_reader import SUPPORTED_HF_CLASSES
@@ -63,6 +64,7 @@ __all__ = [
     "ArchitectureSpec",
     "Checkpoint",
     "CheckpointError",
+    "CheckpointFileNotFoundError",
     "GUARANTEED_CONFIG_KEYS",
     "SPECS",
     "SUPPORTED_ARCHITECTURES",

@@ -14,7 +14,19 @@ CORRUPT_HINT = "the file is truncated or corrupt; re-download it"
 
 
 class CheckpointError(ValueError):
-  """A checkpoint file or directory cannot be read (corrupt, incomplete...)."""
+  """A checkpoint file or directory cannot be read (corrupt, incomplete...).
+
+  Every error the readers raise about a file's contents is one of these; the
+  message says what is wrong, where (file, tensor or key) and how to fix it.
+  """
+
+
+class CheckpointFileNotFoundError(CheckpointError, FileNotFoundError):
+  """A file the checkpoint needs is missing (config, weights, a shard).
+
+  Both a :class:`CheckpointError` (so a ``ValueError``, like every reader
+  error) and a ``FileNotFoundError`` (what callers caught before).
+  """
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -84,5 +96,5 @@ def to_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def check_path_exists(path: str | os.PathLike, what: str) -> Path:
   p = Path(path).expanduser()
   if not p.exists():
-    raise FileNotFoundError(f"{what} not found: {p}")
+    raise CheckpointFileNotFoundError(f"{what} not found: {p}")
   return p

@@ -23,6 +23,7 @@ from penzai_lm.checkpoints.spec_types import SlidingFromLayer
 from penzai_lm.checkpoints.spec_types import SlidingPeriodic
 from penzai_lm.checkpoints.spec_types import frozen_map
 from penzai_lm.checkpoints.specs import SPECS
+from penzai_lm.checkpoints.validation import check_config_values
 
 # Keys of a raw config that are bookkeeping, not architecture; dropped.
 _DROP_KEYS = (
@@ -56,6 +57,8 @@ def normalize_config(
     architecture: str | ArchitectureSpec,
     raw: Mapping[str, Any],
     specs: Sequence[ArchitectureSpec] = SPECS,
+    *,
+    source: str | None = None,
 ) -> dict[str, Any]:
   """Completes a raw HF-style config dict for ``architecture``.
 
@@ -69,6 +72,7 @@ def normalize_config(
     architecture: One of :data:`SUPPORTED_ARCHITECTURES`, or a spec.
     raw: The raw config (e.g. parsed ``config.json``). Not modified.
     specs: The specs to look ``architecture`` up in.
+    source: Where the config comes from (a file), for error messages.
 
   Guaranteed keys of the built-in specs (:data:`GUARANTEED_CONFIG_KEYS`):
 
@@ -106,6 +110,10 @@ def normalize_config(
 
   Returns:
     A new dict.
+
+  Raises:
+    CheckpointError (a ValueError): a value no model can have (see
+      :func:`~penzai_lm.checkpoints.validation.check_config_values`).
   """
   spec = spec_for(architecture, specs)
   raw = copy.deepcopy(dict(raw))
@@ -118,6 +126,9 @@ def normalize_config(
 
   cfg: dict[str, Any] = dict(spec.config_defaults)
   cfg.update({k: v for k, v in raw.items()})
+  # Before any derivation: head_dim divides by the head count, layer_types
+  # has one entry per claimed layer.
+  check_config_values(spec, cfg, where=source or "config")
   cfg["model_type"] = spec.model_type
   cfg["architectures"] = [spec.hf_class]
   for alias, key in spec.config_aliases.items():

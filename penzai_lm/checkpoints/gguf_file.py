@@ -1,4 +1,11 @@
-"""Opening GGUF files: magic check, a faster ``gguf.GGUFReader``, bounds."""
+"""Opening GGUF files: magic check, a faster ``gguf.GGUFReader``, bounds.
+
+The reader checks every tensor's type, shape and offset against the file
+(:func:`~penzai_lm.checkpoints.validation.check_gguf_tensor_infos`) before
+gguf-py builds any view of the data: a misaligned, overlapping or
+out-of-file tensor is named in a :class:`CheckpointError` instead of being
+read as garbage or failing with a numpy reshape error.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import numpy as np
 
 from penzai_lm.checkpoints.checkpoint import CORRUPT_HINT
 from penzai_lm.checkpoints.checkpoint import CheckpointError
+from penzai_lm.checkpoints.validation import check_gguf_tensor_infos
 
 GGUF_MAGIC = b"GGUF"
 
@@ -24,7 +32,30 @@ def _fast_reader_class():
     ``__array_finalize__``, which makes opening ~3x slower. The parsed fields
     and tensors are identical; tensor ``data`` are plain ndarray views of the
     same read-only mapping.
+
+    It also checks the tensor infos against the file before building tensor
+    views, and remembers its ``path`` for error messages.
     """
+
+    def __init__(self, path, mode="r"):
+      self.path = str(path)
+      super().__init__(path, mode)
+
+    def _build_tensors(self, start_offs, fields):
+      infos = []
+      for f in fields:
+        _, name, _, dims, raw_type, offset = f.parts
+        infos.append((
+            bytes(name).decode("utf-8", "replace"),
+            dims.tolist(),
+            int(raw_type[0]),
+            int(offset[0]),
+        ))
+      check_gguf_tensor_infos(
+          self.path, len(self._plain_data), int(start_offs),
+          int(self.alignment), infos,
+      )
+      super()._build_tensors(start_offs, fields)
 
     @property
     def data(self):
@@ -42,7 +73,10 @@ _FAST_READER = None
 
 
 def open_gguf_reader(path: str | os.PathLike):
-  """Opens ``path`` with a (faster) ``gguf.GGUFReader``; no checks."""
+  """Opens ``path`` with a (faster) ``gguf.GGUFReader``.
+
+  No magic check; tensor infos are checked against the file (CheckpointError).
+  """
   global _FAST_READER
   if _FAST_READER is None:
     _FAST_READER = _fast_reader_class()
@@ -59,7 +93,8 @@ def open_checked(path: Path):
     The open reader.
 
   Raises:
-    CheckpointError: not a GGUF file, or a truncated or corrupt one.
+    CheckpointError: not a GGUF file, or a truncated or corrupt one (tensors
+      with unknown types, misaligned, overlapping or past the end).
   """
   size = path.stat().st_size
   with open(path, "rb") as f:
@@ -75,15 +110,10 @@ def open_checked(path: Path):
         f" {GGUF_MAGIC!r})"
     )
   try:
-    reader = open_gguf_reader(path)
+    return open_gguf_reader(path)
+  except CheckpointError:
+    raise  # the tensor-info checks already say what and where
   except Exception as e:  # gguf raises ValueError/IndexError/KeyError/...
     raise CheckpointError(
         f"Cannot read GGUF file {path}: {type(e).__name__}: {e}; {CORRUPT_HINT}"
     ) from e
-  for t in reader.tensors:
-    if t.data_offset + t.n_bytes > size:
-      raise CheckpointError(
-          f"GGUF file {path}: tensor {t.name!r} extends past the end of the"
-          f" file ({size} bytes); {CORRUPT_HINT}"
-      )
-  return reader

@@ -5,6 +5,12 @@ keys llama.cpp writes, and fills what the file does not carry with the
 architecture's documented defaults (those of llama.cpp, which wrote the file,
 and of transformers' own GGUF loader). What differs between architectures is
 read from the spec's :class:`~penzai_lm.checkpoints.spec_types.GGUFSpec`.
+
+Values are checked before they are trusted: numeric keys must hold numbers,
+``block_count`` must not exceed the blocks the file has tensors for, and the
+config as a whole must make sense (positive sizes, head counts that divide,
+finite positive RoPE base, non-negative epsilon...); errors name the metadata
+key (:mod:`~penzai_lm.checkpoints.validation`).
 """
 
 from __future__ import annotations
@@ -19,8 +25,19 @@ from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.config_normalization import normalize_config
 from penzai_lm.checkpoints.spec_types import ArchitectureSpec
 from penzai_lm.checkpoints.spec_types import GGUFSpec
+from penzai_lm.checkpoints.validation import METADATA_HINT
+from penzai_lm.checkpoints.validation import check_config_values
+from penzai_lm.checkpoints.validation import check_layer_count
+from penzai_lm.checkpoints.validation import layer_indices
 
 _MISSING = object()
+
+# llama.cpp names block tensors blk.{index}.{kind}.{weight|bias}.
+_BLOCK_PREFIX = "blk."
+
+
+def _where(reader) -> str:
+  return f"GGUF file {getattr(reader, 'path', '?')}"
 
 
 def field(reader, key: str, default: Any = _MISSING) -> Any:
@@ -38,14 +55,35 @@ def field(reader, key: str, default: Any = _MISSING) -> Any:
   if f is None:
     if default is _MISSING:
       raise CheckpointError(
-          f"GGUF file {getattr(reader, 'path', '?')} lacks required metadata"
-          f" key {key!r}"
+          f"{_where(reader)} lacks required metadata key {key!r};"
+          f" {METADATA_HINT}"
       )
     return default
   value = f.contents()
   if isinstance(value, np.generic):
     value = value.item()
   return value
+
+
+def _number(reader, key: str, convert, default: Any = _MISSING) -> Any:
+  """Metadata ``key`` converted by ``convert`` (int or float).
+
+  Raises:
+    CheckpointError: a required key is absent, or holds a string, list or
+      bool, or a value ``convert`` rejects (e.g. int(nan)).
+  """
+  value = field(reader, key, default)
+  if value is None or reader.fields.get(key) is None:
+    return value  # absent: the default, unconverted (None stays None)
+  try:
+    if isinstance(value, (str, bytes, list, bool)):
+      raise TypeError(type(value).__name__)
+    return convert(value)
+  except (TypeError, ValueError, OverflowError):
+    raise CheckpointError(
+        f"{_where(reader)}: metadata key {key!r} = {str(value)[:100]!r} is not"
+        f" {'an integer' if convert is int else 'a number'}; {METADATA_HINT}"
+    ) from None
 
 
 def read_gguf_architecture(reader) -> str:
@@ -108,17 +146,18 @@ def _rope_scaling_from_metadata(reader, prefix: str) -> dict[str, Any] | None:
   kind = field(reader, f"{prefix}rope.scaling.type", None)
   if kind in (None, "none"):
     return None
-  factor = field(reader, f"{prefix}rope.scaling.factor", None)
+  factor = _number(reader, f"{prefix}rope.scaling.factor", float, None)
   if factor is None:
     return None
-  factor = float(factor)
   if kind == "linear":
     return {"rope_type": "linear", "factor": factor}
   if kind == "yarn":
     out = {"rope_type": "yarn", "factor": factor}
-    orig = field(reader, f"{prefix}rope.scaling.original_context_length", None)
+    orig = _number(
+        reader, f"{prefix}rope.scaling.original_context_length", int, None
+    )
     if orig is not None:
-      out["original_max_position_embeddings"] = int(orig)
+      out["original_max_position_embeddings"] = orig
     return out
   raise CheckpointError(
       f"GGUF file uses RoPE scaling type {kind!r}, which is not supported"
@@ -126,24 +165,30 @@ def _rope_scaling_from_metadata(reader, prefix: str) -> dict[str, Any] | None:
   )
 
 
-def _head_geometry(reader, g: GGUFSpec, hidden: int) -> tuple[int, int, int]:
-  """(num_attention_heads, num_key_value_heads, head_dim) from metadata."""
+def _head_geometry(reader, g: GGUFSpec) -> tuple[int, int, int | None]:
+  """(num_attention_heads, num_key_value_heads, head_dim) from metadata.
+
+  head_dim is None when the file does not give it and the spec has no
+  default: normalization derives it as hidden_size // num_attention_heads,
+  once the values are checked (the head count could be 0).
+  """
   p = g.architecture + "."
   heads = field(reader, p + "attention.head_count")
   kv_heads = field(reader, p + "attention.head_count_kv", heads)
   if isinstance(heads, list) or isinstance(kv_heads, list):
     raise CheckpointError(
-        "GGUF file has per-layer head counts, which are not supported"
+        f"{_where(reader)} has per-layer head counts, which are not supported"
     )
-  heads, kv_heads = int(heads), int(kv_heads)
+  heads = _number(reader, p + "attention.head_count", int)
+  kv_heads = _number(reader, p + "attention.head_count_kv", int, heads)
   head_dim = None
   for key in g.head_dim_keys:
-    head_dim = field(reader, p + key, None)
+    head_dim = _number(reader, p + key, int, None)
     if head_dim is not None:
       break
   if head_dim is None:
-    head_dim = g.default_head_dim or hidden // heads
-  return heads, kv_heads, int(head_dim)
+    head_dim = g.default_head_dim
+  return heads, kv_heads, head_dim
 
 
 def _common_fields(
@@ -151,33 +196,64 @@ def _common_fields(
 ) -> dict[str, Any]:
   """Config fields every architecture's files spell the same way."""
   p = g.architecture + "."
-  hidden = int(field(reader, p + "embedding_length"))
-  heads, kv_heads, head_dim = _head_geometry(reader, g, hidden)
+  hidden = _number(reader, p + "embedding_length", int)
+  heads, kv_heads, head_dim = _head_geometry(reader, g)
   raw: dict[str, Any] = {
       "vocab_size": vocab,
       "hidden_size": hidden,
-      "intermediate_size": int(field(reader, p + "feed_forward_length")),
-      "num_hidden_layers": int(field(reader, p + "block_count")),
+      "intermediate_size": _number(reader, p + "feed_forward_length", int),
+      "num_hidden_layers": _number(reader, p + "block_count", int),
       "num_attention_heads": heads,
       "num_key_value_heads": kv_heads,
       "head_dim": head_dim,
-      "rms_norm_eps": float(
-          field(reader, p + "attention.layer_norm_rms_epsilon", 1e-6)
+      "rms_norm_eps": _number(
+          reader, p + "attention.layer_norm_rms_epsilon", float, 1e-6
       ),
       "tie_word_embeddings": "output.weight" not in gguf_names,
   }
-  ctx = field(reader, p + "context_length", None)
+  ctx = _number(reader, p + "context_length", int, None)
   if ctx is not None:
-    raw["max_position_embeddings"] = int(ctx)
+    raw["max_position_embeddings"] = ctx
   for key, hf_key in (
       ("bos_token_id", "bos_token_id"),
       ("eos_token_id", "eos_token_id"),
       ("padding_token_id", "pad_token_id"),
   ):
-    v = field(reader, "tokenizer.ggml." + key, None)
+    v = _number(reader, "tokenizer.ggml." + key, int, None)
     if v is not None:
-      raw[hf_key] = int(v)
+      raw[hf_key] = v
   return raw
+
+
+def _metadata_label(reader, g: GGUFSpec):
+  """Config key -> the metadata key it was read from, for error messages."""
+  p = g.architecture + "."
+  keys = {
+      "hidden_size": "embedding_length",
+      "intermediate_size": "feed_forward_length",
+      "num_hidden_layers": "block_count",
+      "num_attention_heads": "attention.head_count",
+      "num_key_value_heads": "attention.head_count_kv",
+      "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+      "max_position_embeddings": "context_length",
+      "rope_theta": "rope.freq_base",
+      "rope_scaling.factor": "rope.scaling.factor",
+      "rope_scaling.original_max_position_embeddings":
+          "rope.scaling.original_context_length",
+      **{m.config_key: m.key for m in g.optional_metadata},
+  }
+  present = [k for k in g.head_dim_keys if p + k in reader.fields]
+  if present:
+    keys["head_dim"] = present[0]
+
+  def label(config_key: str) -> str:
+    if config_key == "vocab_size":
+      return "vocab_size (the rows of token_embd.weight)"
+    if config_key in keys:
+      return f"metadata key {p + keys[config_key]!r}"
+    return f"derived config key {config_key!r}"
+
+  return label
 
 
 def _add_spec_fields(
@@ -188,15 +264,16 @@ def _add_spec_fields(
   for key, tensor in g.bias_flags.items():
     raw[key] = tensor in gguf_names
   for m in g.optional_metadata:
-    v = field(reader, f"{g.architecture}.{m.key}", None)
+    v = _number(reader, f"{g.architecture}.{m.key}", m.convert, None)
     if v is not None:
-      raw[m.config_key] = m.convert(v)
+      raw[m.config_key] = v
   if g.query_scale is not None:
     if raw["num_hidden_layers"] in g.query_scale.hidden_per_head_layer_counts:
       hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
       raw["query_pre_attn_scalar"] = hidden // heads
     else:
-      raw["query_pre_attn_scalar"] = raw["head_dim"]
+      hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+      raw["query_pre_attn_scalar"] = raw["head_dim"] or hidden // heads
 
 
 def config_from_gguf(
@@ -216,14 +293,32 @@ def config_from_gguf(
     :func:`~penzai_lm.checkpoints.config_normalization.normalize_config`.
   """
   g = spec.gguf
+  blocks_key = g.architecture + ".block_count"
+  # Before anything is sized by it: the claimed block count against the
+  # blocks the file has tensors for.
+  check_layer_count(
+      _number(reader, blocks_key, int),
+      layer_indices(gguf_names, _BLOCK_PREFIX),
+      where=_where(reader), key=blocks_key, prefix=_BLOCK_PREFIX,
+      fix=METADATA_HINT,
+  )
   raw = _common_fields(reader, g, gguf_names, vocab)
-  theta = field(reader, g.architecture + ".rope.freq_base", None)
+  theta = _number(reader, g.architecture + ".rope.freq_base", float, None)
   if theta is not None:
-    raw["rope_theta"] = float(theta)
+    raw["rope_theta"] = theta
   elif spec.rope is not None:
     raw["rope_theta"] = spec.rope.theta
   scaling = _rope_scaling_from_metadata(reader, g.architecture + ".")
   if scaling is not None:
     raw["rope_scaling"] = scaling
+  label = _metadata_label(reader, g)
+  # Checked twice: before the spec's fields are derived from the sizes (they
+  # divide by the head count), and after, for the optional metadata.
+  check_config_values(
+      spec, raw, where=_where(reader), label=label, fix=METADATA_HINT
+  )
   _add_spec_fields(raw, reader, g, gguf_names)
-  return normalize_config(spec, raw)
+  check_config_values(
+      spec, raw, where=_where(reader), label=label, fix=METADATA_HINT
+  )
+  return normalize_config(spec, raw, source=_where(reader))

@@ -131,7 +131,7 @@ def _with_rope_freqs(
   raw = dict(config)
   raw.pop("rope_parameters", None)
   raw["rope_scaling"] = scaling
-  return normalize_config(spec, raw)
+  return normalize_config(spec, raw, source=f"GGUF file {path}")
 
 
 def read_gguf(
@@ -154,8 +154,11 @@ def read_gguf(
 
   Raises:
     FileNotFoundError: if ``path`` does not exist.
-    CheckpointError (a ValueError): not a GGUF file, truncated or corrupt file,
-      unsupported architecture, tensors that do not fit the architecture.
+    CheckpointError (a ValueError): not a GGUF file, truncated or corrupt file
+      (tensors misaligned, overlapping or past its end), unsupported
+      architecture, nonsensical metadata (named by key), a block count or
+      sizes that disagree with the tensors, NaN/inf weights (named by
+      tensor).
   """
   # Fail with ImportError up front if gguf-py is missing, rather than as a
   # "corrupt file" error from inside the reader.
@@ -175,6 +178,17 @@ def read_gguf(
         spec, config, extra_gguf["rope_freqs.weight"], path
     )
 
+  # Config against the tensors' shapes before the (slow, memory-hungry)
+  # dequantization of every tensor.
+  layout.validate_shapes(
+      spec,
+      config,
+      {
+          hf: tuple(reversed(by_name[g].shape.tolist()))
+          for g, hf in hf_names.items()
+      },
+      str(path),
+  )
   heads = config["num_attention_heads"]
   kv_heads = config["num_key_value_heads"]
   tensors: dict[str, np.ndarray] = {}

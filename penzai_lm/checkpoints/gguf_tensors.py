@@ -26,6 +26,7 @@ from penzai_lm.checkpoints.architectures import spec_for
 from penzai_lm.checkpoints.checkpoint import CORRUPT_HINT
 from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.spec_types import ArchitectureSpec
+from penzai_lm.checkpoints.validation import check_finite
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -97,7 +98,8 @@ def dequantize(t, path: Path) -> np.ndarray:
     A new array, not a view of the memory-mapped file.
 
   Raises:
-    CheckpointError: a type gguf-py cannot dequantize, or undecodable data.
+    CheckpointError: a type gguf-py cannot dequantize, undecodable data, or
+      NaN/inf values.
   """
   import gguf  # pylint: disable=g-import-not-at-top
 
@@ -120,6 +122,9 @@ def dequantize(t, path: Path) -> np.ndarray:
     arr = np.array(arr)  # detach F32 views from the memory-mapped file
   if tuple(arr.shape) != want:
     arr = arr.reshape(want)
+  # Checked here, once per tensor while it is hot in cache: a NaN weight
+  # would otherwise load silently and make every log-probability NaN.
+  check_finite(arr, f"GGUF file {path}: tensor {t.name!r}")
   return arr
 
 

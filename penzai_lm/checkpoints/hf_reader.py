@@ -26,12 +26,18 @@ from penzai_lm.checkpoints import layout
 from penzai_lm.checkpoints.checkpoint import CORRUPT_HINT
 from penzai_lm.checkpoints.checkpoint import Checkpoint
 from penzai_lm.checkpoints.checkpoint import CheckpointError
+from penzai_lm.checkpoints.checkpoint import CheckpointFileNotFoundError
 from penzai_lm.checkpoints.checkpoint import check_path_exists
 from penzai_lm.checkpoints.checkpoint import resolve_dtype
 from penzai_lm.checkpoints.checkpoint import to_dtype
 from penzai_lm.checkpoints.spec_types import ArchitectureSpec
 from penzai_lm.checkpoints.spec_types import frozen_map
 from penzai_lm.checkpoints.specs import SPECS
+from penzai_lm.checkpoints.validation import CONFIG_HINT
+from penzai_lm.checkpoints.validation import check_finite
+from penzai_lm.checkpoints.validation import check_layer_count
+from penzai_lm.checkpoints.validation import check_safetensors_header
+from penzai_lm.checkpoints.validation import layer_indices
 
 
 def _class_table(
@@ -104,7 +110,7 @@ def _detect_architecture(
 def _read_config(path: Path) -> dict[str, Any]:
   cfg_path = path / "config.json"
   if not cfg_path.is_file():
-    raise FileNotFoundError(
+    raise CheckpointFileNotFoundError(
         f"{path} has no config.json; a Hugging Face model directory needs"
         " config.json and model.safetensors (or model.safetensors.index.json)"
     )
@@ -118,60 +124,81 @@ def _read_config(path: Path) -> dict[str, Any]:
   return config
 
 
-def _weight_files(path: Path) -> list[Path]:
+def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+  """The safetensors files, and the index's tensor -> shard map if sharded."""
   index = path / "model.safetensors.index.json"
   single = path / "model.safetensors"
   if index.is_file():
     try:
       with open(index, encoding="utf-8") as f:
         weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      if not all(isinstance(v, str) for v in weight_map.values()):
+        raise TypeError("shard names must be strings")
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
       raise CheckpointError(
           f"Cannot parse {index}: {e}; {CORRUPT_HINT}"
       ) from e
     files = sorted(set(weight_map.values()))
     missing = [f for f in files if not (path / f).is_file()]
     if missing:
-      raise FileNotFoundError(
-          f"{index} lists shard(s) missing from {path}: {', '.join(missing)}"
+      raise CheckpointFileNotFoundError(
+          f"{index} lists shard(s) missing from {path}: {', '.join(missing)};"
+          " download the missing shard(s) (or the whole model) again"
       )
-    return [path / f for f in files]
+    return [path / f for f in files], weight_map
   if single.is_file():
-    return [single]
+    return [single], None
   others = sorted(
       p.name
       for p in path.iterdir()
       if p.suffix in (".bin", ".pt", ".pth", ".safetensors", ".gguf")
   )
   hint = f" (found {', '.join(others)}; only safetensors are supported)" if others else ""
-  raise FileNotFoundError(
+  raise CheckpointFileNotFoundError(
       f"{path} has no model.safetensors or model.safetensors.index.json{hint}"
   )
 
 
 def _read_header(file: Path) -> tuple[dict[str, Any], int]:
+  """A safetensors file's checked header entries, and its data offset."""
   size = file.stat().st_size
   with open(file, "rb") as f:
     head = f.read(8)
     if len(head) < 8:
-      raise CheckpointError(f"{file} is too short for a safetensors file")
+      raise CheckpointError(
+          f"{file} is too short for a safetensors file; {CORRUPT_HINT}"
+      )
     (n,) = struct.unpack("<Q", head)
     if n > size - 8:
-      raise CheckpointError(f"{file}: header length {n} exceeds the file")
-    header = json.loads(f.read(n))
-  return header, 8 + n
+      raise CheckpointError(
+          f"{file}: header length {n} exceeds the file ({size} bytes);"
+          f" {CORRUPT_HINT}"
+      )
+    try:
+      header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise CheckpointError(
+          f"{file}: cannot parse the safetensors header: {e}; {CORRUPT_HINT}"
+      ) from e
+  return check_safetensors_header(str(file), header, 8 + n, size), 8 + n
 
 
-def _read_safetensors(file: Path, dtype: np.dtype) -> dict[str, np.ndarray]:
+def _read_safetensors(
+    file: Path, names: dict[str, str], entries: dict[str, Any], base: int,
+    dtype: np.dtype,
+) -> dict[str, np.ndarray]:
+  """Reads tensors ``names`` (file name -> canonical name) of one file.
+
+  Each is checked for NaN/inf as it is converted, while it is in cache.
+  """
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
 
   out: dict[str, np.ndarray] = {}
+  raw_names = []
   try:
     with safe_open(str(file), framework="np") as f:
-      names = list(f.keys())
-      raw_names = []
       for name in names:
-        kind = f.get_slice(name).get_dtype()
+        kind = entries[name]["dtype"]
         if kind == "BF16":
           raw_names.append(name)  # numpy cannot name bf16: read raw below
           continue
@@ -180,20 +207,21 @@ def _read_safetensors(file: Path, dtype: np.dtype) -> dict[str, np.ndarray]:
               f"{file}: tensor {name!r} has dtype {kind}; only floating-point"
               " (F32/F16/BF16/F64) weights are supported"
           )
-        out[name] = to_dtype(f.get_tensor(name), dtype)
+        out[names[name]] = to_dtype(f.get_tensor(name), dtype)
+        check_finite(out[names[name]], f"{file}: tensor {name!r}")
     if raw_names:
-      header, base = _read_header(file)
       mm = np.memmap(file, dtype=np.uint8, mode="r")
       for name in raw_names:
-        info = header[name]
+        info = entries[name]
         start, end = info["data_offsets"]
         buf = mm[base + start : base + end]
         arr = np.frombuffer(buf, dtype=ml_dtypes.bfloat16).reshape(info["shape"])
-        out[name] = np.array(to_dtype(arr, dtype))  # copy off the mmap
+        out[names[name]] = np.array(to_dtype(arr, dtype))  # copy off the mmap
+        check_finite(out[names[name]], f"{file}: tensor {name!r}")
       del mm
   except CheckpointError:
     raise
-  except Exception as e:  # SafetensorError, OSError, JSON/struct errors, ...
+  except Exception as e:  # SafetensorError, OSError, ...
     raise CheckpointError(
         f"Cannot read safetensors file {file}: {type(e).__name__}: {e};"
         f" {CORRUPT_HINT}"
@@ -201,26 +229,54 @@ def _read_safetensors(file: Path, dtype: np.dtype) -> dict[str, np.ndarray]:
   return out
 
 
-def _normalize_names(
-    spec: ArchitectureSpec,
-    tensors: dict[str, np.ndarray],
-    config: dict[str, Any],
-) -> dict[str, np.ndarray]:
-  """Renames tensors to the plain CausalLM state_dict names; drops buffers."""
+def _canonical_namer(spec: ArchitectureSpec):
+  """File tensor name -> plain CausalLM state_dict name, or None to drop."""
   dropped = [_ROTARY_BUFFER, *(re.compile(p) for p in spec.hf.dropped_tensors)]
   renames = [(re.compile(p), r) for p, r in spec.hf.tensor_renames]
-  out = {}
-  for name, t in tensors.items():
+
+  def canonical(name: str) -> str | None:
     if any(p.search(name) for p in dropped):
-      continue
+      return None
     for pattern, replacement in renames:
       name, n = pattern.subn(replacement, name, count=1)
       if n:
         break
-    out[name] = t
-  if config["tie_word_embeddings"]:
-    # HF ties lm_head to the embedding and ignores a stored copy.
-    out.pop("lm_head.weight", None)
+    return name
+
+  return canonical
+
+
+def _read_headers(
+    spec: ArchitectureSpec, files: list[Path], weight_map: dict[str, str] | None
+) -> dict[Path, tuple[dict[str, Any], int, dict[str, str]]]:
+  """Every file's checked header, data offset and kept names (-> canonical).
+
+  Raises:
+    CheckpointError: a bad header, a tensor in two shards, or one the index
+      places in a shard that lacks it.
+  """
+  canonical = _canonical_namer(spec)
+  out, seen = {}, {}
+  for file in files:
+    entries, base = _read_header(file)
+    keep = {}
+    for name in entries:
+      if name in seen:
+        raise CheckpointError(
+            f"{file.parent}: tensor {name!r} appears in more than one shard"
+            f" ({seen[name]}, {file.name}); {CORRUPT_HINT}"
+        )
+      seen[name] = file.name
+      if (c := canonical(name)) is not None:
+        keep[name] = c
+    out[file] = (entries, base, keep)
+  for name, shard in (weight_map or {}).items():
+    if seen.get(name) != shard:
+      raise CheckpointError(
+          f"{files[0].parent / 'model.safetensors.index.json'} places tensor"
+          f" {name!r} in {shard}, but {shard} has no such tensor;"
+          f" {CORRUPT_HINT}"
+      )
   return out
 
 
@@ -255,6 +311,12 @@ def read_hf_dir(
 ) -> Checkpoint:
   """Reads a Hugging Face model directory into a canonical :class:`Checkpoint`.
 
+  Everything is checked before it is trusted, in an order that keeps a bad
+  file cheap: safetensors headers against their files, then the config's
+  layer count and values against the tensors the headers list, then the
+  shapes the config implies against the headers' shapes; only then is any
+  tensor data read (and checked for NaN/inf).
+
   Args:
     path: Directory with ``config.json`` and ``model.safetensors`` (or a
       sharded ``model.safetensors.index.json`` with its shards).
@@ -262,9 +324,11 @@ def read_hf_dir(
     specs: The architectures to recognize (default: the built-in ones).
 
   Raises:
-    FileNotFoundError: the directory, config.json or the weights are missing.
-    CheckpointError (a ValueError): unsupported architecture, unreadable
-      files, tensors that do not fit the architecture.
+    CheckpointFileNotFoundError (a FileNotFoundError and a CheckpointError):
+      the directory, config.json, the weights or a shard are missing.
+    CheckpointError (a ValueError): unsupported architecture, unreadable or
+      corrupt files, nonsensical config values, a config that disagrees with
+      the tensors, NaN/inf weights.
   """
   dtype = resolve_dtype(dtype)
   path = check_path_exists(path, "Model directory")
@@ -274,14 +338,39 @@ def read_hf_dir(
     )
   raw = _read_config(path)
   spec, hf_class = _detect_architecture(raw, path, specs)
-  config = layout.normalize_config(spec, _text_config(raw, spec, hf_class))
+  text = _text_config(raw, spec, hf_class)
+  where = str(path / "config.json")
+  if text is not raw:
+    where += " (text_config)"
+  headers = _read_headers(spec, *_weight_files(path))
+
+  names = [c for _, _, keep in headers.values() for c in keep.values()]
+  key = spec.layout.layer_count_key
+  check_layer_count(
+      text.get(key, spec.config_defaults.get(key)),
+      layer_indices(names, spec.layout.layer_prefix),
+      where=where, key=key, prefix=spec.layout.layer_prefix, fix=CONFIG_HINT,
+      defaulted=key not in text,
+  )
+  config = layout.normalize_config(spec, text, source=where)
+  if config["tie_word_embeddings"]:
+    # HF ties lm_head to the embedding and ignores a stored copy.
+    for _, _, keep in headers.values():
+      for name in [n for n, c in keep.items() if c == "lm_head.weight"]:
+        del keep[name]
+  layout.validate_shapes(
+      spec,
+      config,
+      {
+          c: entries[name]["shape"]
+          for entries, _, keep in headers.values()
+          for name, c in keep.items()
+      },
+      str(path),
+  )
   tensors: dict[str, np.ndarray] = {}
-  for file in _weight_files(path):
-    for name, t in _read_safetensors(file, dtype).items():
-      if name in tensors:
-        raise CheckpointError(f"tensor {name!r} appears in more than one shard")
-      tensors[name] = t
-  tensors = _normalize_names(spec, tensors, config)
+  for file, (entries, base, keep) in headers.items():
+    tensors.update(_read_safetensors(file, keep, entries, base, dtype))
   ckpt = Checkpoint(
       architecture=spec.name, config=config, tensors=tensors, source=str(path)
   )

@@ -10,7 +10,15 @@ package knows:
   :mod:`~penzai_lm.checkpoints.config_normalization` and re-exported here);
 * which tensors the architecture needs and their shapes
   (:func:`expected_tensor_shapes`);
-* how to check a checkpoint against that (:func:`validate`).
+* how to check a checkpoint against that (:func:`validate`), also from the
+  tensor shapes of file headers alone, before any data is read
+  (:func:`validate_shapes`).
+
+A config claiming a huge layer count cannot make :func:`expected_tensor_shapes`
+loop for minutes: normalization rejects more than
+:data:`~penzai_lm.checkpoints.validation.MAX_LAYERS` layers, and the readers
+compare the count with the layers present before that
+(:func:`~penzai_lm.checkpoints.validation.check_layer_count`).
 
 The tensors come from the spec's layout
 (:class:`~penzai_lm.checkpoints.spec_types.DecoderLayout` or
@@ -21,6 +29,7 @@ tables (:data:`ARCHITECTURE_CLASSES`, ...) live in
 
 from __future__ import annotations
 
+import types
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -30,6 +39,7 @@ from penzai_lm.checkpoints.architectures import MODEL_TYPES
 from penzai_lm.checkpoints.architectures import SUPPORTED_ARCHITECTURES
 from penzai_lm.checkpoints.architectures import spec_for
 from penzai_lm.checkpoints.architectures import unsupported_architecture_message
+from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.config_normalization import GUARANTEED_CONFIG_KEYS
 from penzai_lm.checkpoints.config_normalization import normalize_config
 from penzai_lm.checkpoints.spec_types import ArchitectureSpec
@@ -171,9 +181,10 @@ def validate(checkpoint, spec: ArchitectureSpec | None = None) -> None:
       ``checkpoint.architecture``.
 
   Raises:
-    ValueError: on an unsupported architecture, missing tensors, unexpected
-      extra tensors, shape mismatches or non-float dtypes; the message lists
-      every offending tensor (up to 20 of each kind).
+    ValueError: on an unsupported architecture.
+    CheckpointError (a ValueError): on missing tensors, unexpected extra
+      tensors, shape mismatches or non-float dtypes; the message lists every
+      offending tensor (up to 20 of each kind).
   """
   arch = checkpoint.architecture
   spec = spec or spec_for(arch)
@@ -210,10 +221,45 @@ def validate(checkpoint, spec: ArchitectureSpec | None = None) -> None:
         + ", ".join(bad_dtypes[:20])
     )
   if problems:
-    raise ValueError(
+    raise CheckpointError(
         f"Checkpoint {src} does not match the {arch} layout "
-        f"({spec.hf_class}): " + "; ".join(problems)
+        f"({spec.hf_class}): " + "; ".join(problems) + "; the config and the"
+        " tensors disagree: if config.json or the GGUF metadata was edited,"
+        " restore it, otherwise re-download the checkpoint"
     )
+
+
+def validate_shapes(
+    spec: ArchitectureSpec,
+    config: Mapping[str, Any],
+    shapes: Mapping[str, Sequence[int]],
+    source: str = "<unknown>",
+) -> None:
+  """:func:`validate` from tensor names and shapes alone.
+
+  Readers call this with the shapes in a file's header, so a config that
+  disagrees with its tensors fails before gigabytes of data are read.
+
+  Args:
+    spec: The architecture's spec.
+    config: The normalized config.
+    shapes: HF tensor name -> shape.
+    source: The checkpoint's path, for messages.
+
+  Raises:
+    CheckpointError: as :func:`validate`.
+  """
+  # Zero-stride views stand in for the tensors: no memory, whatever the shape.
+  stubs = {
+      n: np.broadcast_to(np.float32(0), tuple(int(d) for d in s))
+      for n, s in shapes.items()
+  }
+  validate(
+      types.SimpleNamespace(
+          architecture=spec.name, config=config, tensors=stubs, source=source
+      ),
+      spec,
+  )
 
 
 __all__ = [
@@ -225,4 +271,5 @@ __all__ = [
     "normalize_config",
     "unsupported_architecture_message",
     "validate",
+    "validate_shapes",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, ClassVar, Mapping, Union
 
 # A layout flag: a constant, or the name of the boolean config key that holds
 # it (e.g. "attention_bias").
@@ -110,7 +110,14 @@ class DecoderLayout:
     qk_norm: Per-head ``self_attn.q_norm`` / ``k_norm`` weights.
     sandwich_norms: ``pre_feedforward_layernorm`` and
       ``post_feedforward_layernorm`` too (Gemma's norms around the MLP).
+    layer_count_key: The config key of the layer count.
+    layer_prefix: The prefix of per-layer tensor names (then the index).
   """
+
+  # Class constants, not fields: the validators count the layers a checkpoint
+  # has tensors for before trusting the config's layer count.
+  layer_count_key: ClassVar[str] = "num_hidden_layers"
+  layer_prefix: ClassVar[str] = "model.layers."
 
   qkv_bias: Flag = False
   output_bias: Flag = False
@@ -132,7 +139,12 @@ class Conv1DLayout:
 
   Attributes:
     mlp_ratio: MLP width per embedding width when ``n_inner`` is None.
+    layer_count_key: The config key of the layer count.
+    layer_prefix: The prefix of per-layer tensor names (then the index).
   """
+
+  layer_count_key: ClassVar[str] = "n_layer"
+  layer_prefix: ClassVar[str] = "transformer.h."
 
   mlp_ratio: int = 4
 
