@@ -77,10 +77,11 @@ def normalize_config(
   Guaranteed keys of the built-in specs (:data:`GUARANTEED_CONFIG_KEYS`):
 
   * every architecture: ``model_type`` (HF's: "llama", "mistral", "qwen2",
-    "gemma3_text", "gpt2"), ``architectures`` (``[HF class name]``),
+    "qwen3", "phi3", "gemma2", "gemma3_text", "gpt2"), ``architectures``
+    (``[HF class name]``),
     ``vocab_size``, ``tie_word_embeddings``, ``bos_token_id``,
     ``eos_token_id``, ``pad_token_id``, ``initializer_range``, ``use_cache``;
-  * specs with a RoPE (llama / mistral / qwen2 / gemma3): ``hidden_size``,
+  * specs with a RoPE (all but gpt2): ``hidden_size``,
     ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads``,
     ``head_dim`` (derived as hidden/heads when absent, also for qwen2),
@@ -92,6 +93,14 @@ def normalize_config(
   * mistral: ``hidden_act``, ``sliding_window`` (None = full attention);
   * qwen2: ``hidden_act``, ``use_sliding_window``, ``sliding_window`` (None
     unless use_sliding_window), ``max_window_layers``, ``layer_types``;
+  * qwen3: as qwen2, plus ``attention_bias`` (``sliding_window`` defaults
+    to None);
+  * phi3: ``hidden_act``, ``sliding_window`` (None = full attention),
+    ``original_max_position_embeddings``;
+  * gemma2: ``hidden_activation``, ``attention_bias``,
+    ``query_pre_attn_scalar``, ``sliding_window``, ``layer_types`` (even
+    layers slide), ``final_logit_softcapping``, ``attn_logit_softcapping``
+    (default 30 and 50), ``use_bidirectional_attention``;
   * gemma3: ``hidden_activation``, ``attention_bias``,
     ``query_pre_attn_scalar``, ``sliding_window``, ``layer_types``
     ("sliding_attention" / "full_attention"), ``sliding_window_pattern`` and

@@ -124,15 +124,13 @@ def _decoder_shapes(
   for i in range(c["num_hidden_layers"]):
     b = f"model.layers.{i}."
     a = b + "self_attn."
-    out[a + "q_proj.weight"] = (nh * hd, h)
-    if qkv_bias:
-      out[a + "q_proj.bias"] = (nh * hd,)
-    out[a + "k_proj.weight"] = (nkv * hd, h)
-    if qkv_bias:
-      out[a + "k_proj.bias"] = (nkv * hd,)
-    out[a + "v_proj.weight"] = (nkv * hd, h)
-    if qkv_bias:
-      out[a + "v_proj.bias"] = (nkv * hd,)
+    projections = {"q": nh * hd, "k": nkv * hd, "v": nkv * hd}
+    if layout.fused_qkv:
+      projections = {"qkv": nh * hd + 2 * nkv * hd}
+    for proj, rows in projections.items():
+      out[a + f"{proj}_proj.weight"] = (rows, h)
+      if qkv_bias:
+        out[a + f"{proj}_proj.bias"] = (rows,)
     out[a + "o_proj.weight"] = (h, nh * hd)
     if o_bias:
       out[a + "o_proj.bias"] = (h,)
@@ -140,15 +138,13 @@ def _decoder_shapes(
       out[a + "q_norm.weight"] = (hd,)
       out[a + "k_norm.weight"] = (hd,)
     m = b + "mlp."
-    out[m + "gate_proj.weight"] = (inter, h)
-    if mlp_bias:
-      out[m + "gate_proj.bias"] = (inter,)
-    out[m + "up_proj.weight"] = (inter, h)
-    if mlp_bias:
-      out[m + "up_proj.bias"] = (inter,)
-    out[m + "down_proj.weight"] = (h, inter)
-    if mlp_bias:
-      out[m + "down_proj.bias"] = (h,)
+    mlp = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+    if layout.fused_gate_up:
+      mlp = {"gate_up": (2 * inter, h), "down": (h, inter)}
+    for proj, shape in mlp.items():
+      out[m + f"{proj}_proj.weight"] = shape
+      if mlp_bias:
+        out[m + f"{proj}_proj.bias"] = shape[:1]
     out[b + "input_layernorm.weight"] = (h,)
     out[b + "post_attention_layernorm.weight"] = (h,)
     if layout.sandwich_norms:

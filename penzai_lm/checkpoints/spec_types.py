@@ -110,6 +110,11 @@ class DecoderLayout:
     qk_norm: Per-head ``self_attn.q_norm`` / ``k_norm`` weights.
     sandwich_norms: ``pre_feedforward_layernorm`` and
       ``post_feedforward_layernorm`` too (Gemma's norms around the MLP).
+    fused_qkv: One ``self_attn.qkv_proj`` (queries, then keys, then values,
+      stacked on the output axis) instead of ``{q,k,v}_proj`` (Phi-3); its
+      bias, if any, follows ``qkv_bias``.
+    fused_gate_up: One ``mlp.gate_up_proj`` (gate, then up, stacked on the
+      output axis) instead of ``gate_proj`` and ``up_proj`` (Phi-3).
     layer_count_key: The config key of the layer count.
     layer_prefix: The prefix of per-layer tensor names (then the index).
   """
@@ -124,6 +129,8 @@ class DecoderLayout:
   mlp_bias: Flag = False
   qk_norm: bool = False
   sandwich_norms: bool = False
+  fused_qkv: bool = False
+  fused_gate_up: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ map onto that. The readers (``hf_reader``, ``gguf_*``, ``config_normalization``,
 ``architectures`` derives the lookup tables (``ARCHITECTURE_CLASSES``, ...)
 from :data:`SPECS`.
 
-Adding an architecture (say Qwen3, a Qwen2 with per-head q/k norms):
+Adding an architecture (Qwen3, below, is a Qwen2 with per-head q/k norms):
 
 1. Declare its spec here and append it to :data:`SPECS` (often a
    ``dataclasses.replace`` of a close relative). Every reader then knows it.
@@ -123,6 +123,66 @@ QWEN2 = ArchitectureSpec(
     layout=DecoderLayout(qkv_bias=True),
 )
 
+# Qwen3: Qwen2's config (no sliding window by default), no biases unless
+# attention_bias, per-head q/k RMSNorms, head_dim 128 by default.
+QWEN3 = ArchitectureSpec(
+    name="qwen3",
+    hf=HFSpec(classes=("Qwen3ForCausalLM",), model_types=("qwen3",)),
+    config_defaults={
+        **QWEN2.config_defaults, "head_dim": 128, "attention_bias": False,
+        "sliding_window": None,
+    },
+    rope=RopeSpec(theta=10000.0),
+    sliding_layers=SlidingFromLayer(),
+    layout=DecoderLayout(
+        qkv_bias="attention_bias", output_bias="attention_bias", qk_norm=True
+    ),
+)
+
+# Phi-3 (mini, small, medium): a Llama with fused q/k/v and gate/up
+# projections, no biases; every layer slides when sliding_window is set.
+PHI3 = ArchitectureSpec(
+    name="phi3",
+    hf=HFSpec(classes=("Phi3ForCausalLM",), model_types=("phi3",)),
+    config_defaults=dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
+        head_dim=None, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+        hidden_act="silu", max_position_embeddings=4096,
+        original_max_position_embeddings=4096, initializer_range=0.02,
+        rms_norm_eps=1e-5, use_cache=True, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=32000, pad_token_id=32000,
+        sliding_window=None,
+    ),
+    rope=RopeSpec(theta=10000.0),
+    layout=DecoderLayout(fused_qkv=True, fused_gate_up=True),
+)
+
+# Gemma 2: Gemma 3's block without q/k norms; sliding and global layers
+# alternate (even layers slide), one RoPE base, soft-capped attention and
+# final logits.
+GEMMA2 = ArchitectureSpec(
+    name="gemma2",
+    hf=HFSpec(classes=("Gemma2ForCausalLM",), model_types=("gemma2",)),
+    config_defaults=dict(
+        vocab_size=256_000, hidden_size=2304, intermediate_size=9216,
+        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=256, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=8192, initializer_range=0.02,
+        rms_norm_eps=1e-6, use_cache=True, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2, tie_word_embeddings=True, attention_bias=False,
+        attention_dropout=0.0, query_pre_attn_scalar=256, sliding_window=4096,
+        layer_types=None, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0, use_bidirectional_attention=None,
+    ),
+    rope=RopeSpec(theta=10000.0),
+    sliding_layers=SlidingPeriodic(period=2),
+    layout=DecoderLayout(
+        qkv_bias="attention_bias", output_bias="attention_bias",
+        sandwich_norms=True,
+    ),
+)
+
 GEMMA3 = ArchitectureSpec(
     name="gemma3",
     hf=HFSpec(
@@ -234,4 +294,6 @@ GPT2 = ArchitectureSpec(
 )
 
 # Every supported architecture, in the order error messages list them.
-SPECS: tuple[ArchitectureSpec, ...] = (LLAMA, MISTRAL, QWEN2, GEMMA3, GPT2)
+SPECS: tuple[ArchitectureSpec, ...] = (
+    LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3, GPT2,
+)

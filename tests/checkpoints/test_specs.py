@@ -1,9 +1,10 @@
 """Architecture specs: the one place that names architectures.
 
 The readers of `penzai_lm.checkpoints` hold no architecture names: they read
-the fields of an `ArchitectureSpec`. A new architecture (here Qwen3, a Qwen2
-with per-head q/k norms) can be declared, read and loaded at run time,
-without editing the package.
+the fields of an `ArchitectureSpec`. A new architecture can be declared, read
+and loaded at run time, without editing the package: here Qwen3 (a Qwen2 with
+per-head q/k norms) is declared again, against the built-in specs without it,
+and must behave as the built-in `specs.QWEN3`.
 """
 
 import ast
@@ -182,6 +183,9 @@ def test_unknown_architecture_lists_the_supported_ones():
 
 # ---- A new architecture, declared at run time -----------------------------
 
+# The built-in specs as they were before Qwen3 was added.
+WITHOUT_QWEN3 = tuple(s for s in SPECS if s.name != "qwen3")
+
 # Qwen3: Qwen2's config, no biases (unless attention_bias), per-head q/k
 # RMSNorms, head_dim 128 by default.
 QWEN3 = dataclasses.replace(
@@ -195,7 +199,7 @@ QWEN3 = dataclasses.replace(
         qkv_bias="attention_bias", output_bias="attention_bias", qk_norm=True
     ),
 )
-WITH_QWEN3 = (*SPECS, QWEN3)
+WITH_QWEN3 = (*WITHOUT_QWEN3, QWEN3)
 
 
 def _qwen3_adapter():
@@ -222,6 +226,11 @@ def test_runtime_spec_normalizes_like_transformers():
   assert "model.layers.0.self_attn.q_norm.weight" in expected_tensor_shapes(
       QWEN3, {"num_hidden_layers": 1}
   )
+  # The built-in spec agrees.
+  assert normalize_config("qwen3", {"num_hidden_layers": 3}) == ours3
+  assert expected_tensor_shapes(QWEN3, {}) == expected_tensor_shapes(
+      "qwen3", {}
+  )
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +251,7 @@ def qwen3_dir(tmp_path_factory):
 def test_runtime_spec_reads_a_new_architecture(qwen3_dir):
   path, hf_model = qwen3_dir
   with pytest.raises(CheckpointError, match="Qwen3ForCausalLM.*Supported"):
-    read_hf_dir(path)
+    read_hf_dir(path, specs=WITHOUT_QWEN3)
   ckpt = read_checkpoint(path, specs=WITH_QWEN3)
   assert ckpt.architecture == "qwen3"
   sd = hf_model.state_dict()

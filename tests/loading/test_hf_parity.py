@@ -1,4 +1,10 @@
-"""Tiny random Hugging Face models: penzai_lm's logits equal transformers'."""
+"""Tiny random Hugging Face models: penzai_lm's logits equal transformers'.
+
+One model per supported architecture at least (Llama, Mistral, Qwen2 and
+Qwen2.5, Qwen3, Phi-3, Gemma 2, Gemma 3, GPT-2): logits on the stacked and
+per-layer layouts, cached logits, and greedy generation against
+transformers' ``generate``.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +15,7 @@ from penzai import pz
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import penzai_lm  # pylint: disable=g-import-not-at-top
 from penzai_lm.loading import load_model  # pylint: disable=g-import-not-at-top
 from tests.loading.hf_models import hf_logits  # pylint: disable=g-import-not-at-top
 from tests.loading.hf_models import logits  # pylint: disable=g-import-not-at-top
@@ -35,8 +42,41 @@ def _configs():
       "mistral_window": t.MistralConfig(
           **_COMMON, num_key_value_heads=2, sliding_window=5,
       ),
+      # Mistral 7B v0.3 / Nemo style: no window, explicit head_dim.
+      "mistral_nowindow_headdim": t.MistralConfig(
+          **_COMMON, num_key_value_heads=2, sliding_window=None, head_dim=12,
+          rope_theta=1e6,
+      ),
       "qwen2_bias": t.Qwen2Config(
           **_COMMON, num_key_value_heads=2, tie_word_embeddings=False,
+      ),
+      # Qwen2.5 (0.5B-3B style): qwen2 architecture, tied embeddings, a large
+      # RoPE base, a window configured but switched off.
+      "qwen2_5": t.Qwen2Config(
+          **_COMMON, num_key_value_heads=2, tie_word_embeddings=True,
+          rope_theta=1e6, use_sliding_window=False, sliding_window=32,
+          max_window_layers=2, bos_token_id=99, eos_token_id=100,
+      ),
+      "qwen3": t.Qwen3Config(
+          **_COMMON, num_key_value_heads=2, head_dim=12, rope_theta=5e4,
+          tie_word_embeddings=False,
+      ),
+      "qwen3_tied_bias": t.Qwen3Config(
+          **_COMMON, num_key_value_heads=1, head_dim=8, attention_bias=True,
+          tie_word_embeddings=True,
+      ),
+      # Phi-3 mini style (every layer in a sliding window), fused qkv and
+      # gate_up projections.
+      "phi3": t.Phi3Config(
+          **_COMMON, num_key_value_heads=2, sliding_window=6,
+          pad_token_id=0, bos_token_id=1, eos_token_id=2,
+      ),
+      # Gemma 2: alternating sliding/global layers (default layer_types), both
+      # soft-caps small enough to matter, query_pre_attn_scalar != head_dim.
+      "gemma2": t.Gemma2Config(
+          **_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=5,
+          query_pre_attn_scalar=12, attn_logit_softcapping=0.5,
+          final_logit_softcapping=3.0,
       ),
       "gemma3": t.Gemma3TextConfig(
           **_COMMON, num_key_value_heads=1, head_dim=16, sliding_window=5,
@@ -52,8 +92,9 @@ def _configs():
 
 _CLASSES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel",
 }
 
 
@@ -91,6 +132,29 @@ def test_cached_logits_match_transformers(hf_dir):
   np.testing.assert_allclose(
       np.concatenate(outs), hf_logits(hf_model, ids), atol=1e-4
   )
+
+
+def test_greedy_generation_matches_transformers(hf_dir):
+  """Cached greedy decoding: `penzai_lm.generate` on the cached model
+  (`KVCachingTransformerLM.from_uncached`) gives transformers' tokens."""
+  name, path, hf_model = hf_dir
+  model = load_model(path)
+  prompt = [int(i) for i in np.random.RandomState(4).randint(3, 99, size=7)]
+  new = 6
+  cached = KVCachingTransformerLM.from_uncached(
+      model, len(prompt) + new, {"batch": 1}
+  )
+  got = penzai_lm.generate(
+      cached, prompt, max_new_tokens=new, temperature=0.0, stop_tokens=[]
+  )
+  with torch.no_grad():
+    expected = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+        generation_config=transformers.GenerationConfig(),
+    )[0, len(prompt):].tolist()
+  assert len(expected) == new, name
+  assert list(got.tokens[0]) == expected, name
 
 
 def test_bfloat16_load_is_close_to_float32(hf_dir):

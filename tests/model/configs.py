@@ -39,6 +39,18 @@ CONFIGS = {
         layer_types=("local", "local", "global", "local"),
         query_pre_attn_scalar=12, tie_embeddings=True,
     ),
+    # Gemma 2: post norms without q/k norms, alternating local and global
+    # layers sharing one RoPE base, soft-capped attention and final logits.
+    "gemma2": TransformerConfig(
+        family="custom", norm_kind="rms", position_embedding="rope",
+        mlp_kind="gated", qkv_bias=False, attention_output_bias=False,
+        mlp_bias=False, qk_norm=False, post_norms=True,
+        embedding_scale=32**0.5, attn_logit_softcap=0.5,
+        final_logit_softcap=3.0, num_heads=4, num_kv_heads=2, head_dim=16,
+        activation="gelu_tanh", norm_eps=1e-6, sliding_window=4,
+        layer_types=("local", "global", "local"), query_pre_attn_scalar=12,
+        tie_embeddings=True, **_SMALL,
+    ),
     # GPT-2: LayerNorm with bias, learned positions, biases everywhere.
     "gpt2": TransformerConfig(
         family="gpt2", num_heads=4, num_kv_heads=4, head_dim=8,

@@ -4,7 +4,7 @@ A `FamilyAdapter` maps one checkpoint architecture onto penzai_lm: its
 canonical (Hugging Face) config onto `TransformerConfig` fields, and its
 tensors onto parameter labels. This module also holds what several families
 share: option checks, the head layouts, and the tensor mapping of the
-Llama-like decoders (Llama, Mistral, Qwen2, Gemma 3).
+Llama-like decoders (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3).
 
 Hugging Face stores projections as (out, in). penzai_lm stores every weight
 with its input axes first and its output axes last, so the compiled matmuls

@@ -20,10 +20,11 @@ from penzai_lm.loading.families.common import rope_scaling
 from penzai_lm.loading.families.common import unsupported
 
 _NORM_OFFSET = 1.0
-_LAYER_KINDS = {"sliding_attention": "local", "full_attention": "global"}
+# HF layer_types entry -> `TransformerConfig.layer_types` entry.
+LAYER_KINDS = {"sliding_attention": "local", "full_attention": "global"}
 
 
-def _optional_float(value) -> float | None:
+def optional_float(value) -> float | None:
   return None if value is None else float(value)
 
 
@@ -51,7 +52,7 @@ def _config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
       qk_norm=True,
       post_norms=True,
       embedding_scale=float(c["hidden_size"]) ** 0.5,
-      final_logit_softcap=_optional_float(c.get("final_logit_softcapping")),
+      final_logit_softcap=optional_float(c.get("final_logit_softcapping")),
       mlp_hidden_size=c["intermediate_size"],
       activation="gelu_tanh",
       norm_eps=float(c["rms_norm_eps"]),
@@ -59,7 +60,7 @@ def _config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
       rope_scaling=rope_scaling(arch, c),
       local_rope_base=float(c["rope_local_base_freq"]),
       sliding_window=c["sliding_window"],
-      layer_types=tuple(_LAYER_KINDS[t] for t in c["layer_types"]),
+      layer_types=tuple(LAYER_KINDS[t] for t in c["layer_types"]),
       query_pre_attn_scalar=float(c["query_pre_attn_scalar"]),
   )
 

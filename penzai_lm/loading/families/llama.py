@@ -18,8 +18,9 @@ from penzai_lm.loading.families.common import rope_scaling
 from penzai_lm.loading.families.common import unsupported
 
 
-def _shared(arch: str, c: dict[str, Any]) -> dict[str, Any]:
-  """Fields every Llama-like checkpoint maps the same way."""
+def llama_shared_fields(arch: str, c: dict[str, Any]) -> dict[str, Any]:
+  """Fields every Llama-like checkpoint maps the same way (Qwen3 and Phi-3
+  too); the caller adds the biases and sets its own ``family``."""
   require_one_of(arch, c, "hidden_act", ("silu",))
   return dict(
       family="llama",
@@ -40,14 +41,14 @@ def _shared(arch: str, c: dict[str, Any]) -> dict[str, Any]:
 def _llama(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   bias = bool(c.get("attention_bias"))
   return dict(
-      _shared(arch, c), qkv_bias=bias, attention_output_bias=bias,
+      llama_shared_fields(arch, c), qkv_bias=bias, attention_output_bias=bias,
       mlp_bias=bool(c.get("mlp_bias")),
   )
 
 
 def _mistral(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   return dict(
-      _shared(arch, c), qkv_bias=False, attention_output_bias=False,
+      llama_shared_fields(arch, c), qkv_bias=False, attention_output_bias=False,
       mlp_bias=False, sliding_window=c.get("sliding_window"),
   )
 
@@ -56,7 +57,7 @@ def _qwen2(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   if c.get("use_sliding_window"):
     raise unsupported(arch, "sliding-window layers (use_sliding_window=True)")
   return dict(
-      _shared(arch, c), qkv_bias=True, attention_output_bias=False,
+      llama_shared_fields(arch, c), qkv_bias=True, attention_output_bias=False,
       mlp_bias=False,
   )
 
