@@ -10,10 +10,18 @@ model was trained on. The environment here matches transformers'
 
 Files without a template get a documented fallback chosen from their
 vocabulary (see `fallback_template`).
+
+A template comes with a checkpoint, so it is untrusted code: it renders in
+a `template_limits.BoundedSandbox`, which also bounds its time, loop
+iterations and output (`DEFAULT_LIMITS`, scaled up with the size of the
+conversation); one over a limit raises `TemplateLimitError` (a
+``ValueError``) naming the template's source and the limit. The sandbox has
+no ``lipsum`` global (no chat template uses it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -22,14 +30,24 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-import jinja2.sandbox
+
+from penzai_lm.tokenizer import template_limits
+from penzai_lm.tokenizer.template_limits import TemplateLimitError
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "DEFAULT_LIMITS",
     "GEMMA_TEMPLATE",
+    "TemplateLimitError",
     "fallback_template",
+    "limits_for",
     "render_chat_template",
 ]
+
+# Real chat templates render in milliseconds, with a few loop iterations per
+# message and output about the size of the conversation.
+DEFAULT_LIMITS = template_limits.Limits(
+    max_chars=1 << 20, max_iterations=1_000_000, timeout_s=5.0)
 
 # Gemma's turn format (text-only version of the Gemma 3 instruct template):
 # <bos><start_of_turn>user\n{system\n\n}{text}<end_of_turn>\n
@@ -102,16 +120,44 @@ def _strftime_now(fmt: str) -> str:
   return datetime.datetime.now().strftime(fmt)
 
 
-@functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+@functools.cache
+def _environment() -> template_limits.BoundedSandbox:
+  return template_limits.BoundedSandbox(
       trim_blocks=True, lstrip_blocks=True,
       extensions=[jinja2.ext.loopcontrols],
+      filters={"tojson": _tojson},
+      globals_={"raise_exception": _raise_exception,
+                "strftime_now": _strftime_now},
   )
-  env.filters["tojson"] = _tojson
-  env.globals["raise_exception"] = _raise_exception
-  env.globals["strftime_now"] = _strftime_now
-  return env.from_string(template)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+  return _environment().from_string(template)
+
+
+def _input_chars(value: Any, depth: int = 0) -> int:
+  """Characters of the strings in the template's inputs (nested)."""
+  if isinstance(value, (str, bytes)):
+    return len(value)
+  if depth > 8:
+    return 0
+  if isinstance(value, Mapping):
+    return sum(_input_chars(k, depth + 1) + _input_chars(v, depth + 1)
+               for k, v in value.items())
+  if isinstance(value, (list, tuple)):
+    return sum(_input_chars(v, depth + 1) for v in value)
+  return 8
+
+
+def limits_for(variables: Mapping[str, Any],
+               base: template_limits.Limits = DEFAULT_LIMITS
+               ) -> template_limits.Limits:
+  """``base`` with the size limit raised to 4x the inputs' characters (a
+  long conversation renders to about its own size)."""
+  chars = _input_chars(dict(variables))
+  return dataclasses.replace(
+      base, max_chars=max(base.max_chars, 4 * chars + (64 << 10)))
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -141,6 +187,8 @@ def render_chat_template(
     *,
     add_generation_prompt: bool = True,
     special_tokens: Mapping[str, str] | None = None,
+    source: str | None = None,
+    limits: template_limits.Limits | None = None,
     **kwargs: Any,
 ) -> str:
   """Renders ``messages`` with a Jinja2 chat template.
@@ -152,6 +200,9 @@ def render_chat_template(
       assistant's turn.
     special_tokens: Template variables such as ``bos_token`` and
       ``eos_token`` (token strings).
+    source: Where the template comes from (e.g. "the chat template of
+      model.gguf"), for error messages.
+    limits: Bounds on rendering (default: `limits_for` the inputs).
     **kwargs: Further template variables (e.g. ``tools``), overriding
       ``special_tokens``.
 
@@ -160,15 +211,20 @@ def render_chat_template(
 
   Raises:
     ValueError: If the template raises (e.g. roles that do not alternate) or
-      cannot be parsed.
+      cannot be parsed. `TemplateLimitError` (a ``ValueError``) if it goes
+      over a limit: time, loop iterations, or output size.
   """
   messages = _check_messages(messages)
   variables = {"tools": None, "documents": None, **(special_tokens or {})}
   variables.update(kwargs)
+  variables.update(messages=messages,
+                   add_generation_prompt=add_generation_prompt)
+  budget = template_limits.Budget(
+      limits or limits_for(variables), source or "the chat template")
   try:
-    return _compile(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt,
-        **variables,
-    )
+    # Compiling folds constants (calling filters): it is charged too.
+    with template_limits.using_budget(budget):
+      compiled = _compile(template)
+    return _environment().render_bounded(compiled, variables, budget)
   except jinja2.exceptions.TemplateError as e:
     raise ValueError(f"The chat template rejected these messages: {e}") from e

@@ -62,6 +62,8 @@ class Tokenizer:
       ``skip_special_tokens=True``.
     chat_template: The Jinja2 chat template: the files' own, else a fallback
       (see `chat_template.fallback_template`), else None.
+    chat_template_source: Where the template comes from (named in errors,
+      e.g. when it goes over a rendering limit).
     clean_up_tokenization_spaces: Whether `decode` removes spaces before
       punctuation (transformers' option; False for the GGUF models).
     architecture: ``general.architecture`` of a GGUF file (or the
@@ -81,6 +83,7 @@ class Tokenizer:
       chat_template: str | None = None,
       clean_up_tokenization_spaces: bool = False,
       architecture: str | None = None,
+      chat_template_source: str | None = None,
   ):
     self.backend = backend
     self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -109,7 +112,9 @@ class Tokenizer:
     if chat_template is None:
       chat_template = chat_template_lib.fallback_template(
           lambda t: backend.token_to_id(t) is not None)
+      chat_template_source = "the built-in fallback chat template"
     self.chat_template = chat_template
+    self.chat_template_source = chat_template_source or "the chat template"
     self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
     self.architecture = architecture
 
@@ -162,6 +167,9 @@ class Tokenizer:
         extra_eos_ids=() if eos_extra is None else (eos_extra,),
         chat_template=meta.get("tokenizer.chat_template"),
         architecture=meta.get("general.architecture"),
+        chat_template_source=(
+            "the chat template (tokenizer.chat_template) of "
+            f"{gguf_metadata.gguf_file_path(path_or_reader) or 'a GGUF file'}"),
     )
 
   @classmethod
@@ -214,11 +222,13 @@ class Tokenizer:
     if eos_id is None and extra and extra[0] is not None:
       eos_id = extra[0]
     template = cfg.get("chat_template")
+    source = f"the chat template of {d / 'tokenizer_config.json'}"
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
       named = {t.get("name"): t.get("template") for t in template}
       template = named.get("default", next(iter(named.values()), None))
     if (d / "chat_template.jinja").is_file():
       template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+      source = f"the chat template {d / 'chat_template.jinja'}"
     return cls(
         backend,
         bos_id=bos_id,
@@ -231,6 +241,7 @@ class Tokenizer:
         clean_up_tokenization_spaces=bool(
             cfg.get("clean_up_tokenization_spaces", False)),
         architecture=model_cfg.get("model_type"),
+        chat_template_source=source,
     )
 
   # Vocabulary.
@@ -344,7 +355,9 @@ class Tokenizer:
 
     Raises:
       ValueError: If there is no template, or the template rejects the
-        messages (e.g. roles that do not alternate).
+        messages (e.g. roles that do not alternate), or it goes over a
+        rendering limit (`chat_template.TemplateLimitError`: time, loop
+        iterations, output size).
     """
     if self.chat_template is None:
       raise ValueError(
@@ -355,7 +368,8 @@ class Tokenizer:
     return chat_template_lib.render_chat_template(
         self.chat_template, messages,
         add_generation_prompt=add_generation_prompt,
-        special_tokens=self.special_tokens_map(), **kwargs)
+        special_tokens=self.special_tokens_map(),
+        source=self.chat_template_source, **kwargs)
 
   def encode_chat(
       self,
