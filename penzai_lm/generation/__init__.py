@@ -17,6 +17,9 @@ Conversations that keep the KV cache between calls:
 * `Session(model)`: token level, ``session.generate(new_ids, **options)``
 * `ChatSession(model, tokenizer)`: chat messages, ``chat.send(text)``
 
+Both run one turn at a time when shared by threads (`SessionBusyError` for
+a second concurrent stream); an `Engine` is safe to share.
+
 Tools: `CalculatorTool` (calculator calls answered with forced tokens).
 
 Every function runs on an `Engine` (`default_engine()` unless ``engine=``
@@ -37,6 +40,7 @@ from penzai_lm.generation.results import FINISH_REASONS
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.results import Timings
 from penzai_lm.generation.session import Session
+from penzai_lm.generation.session import SessionBusyError
 from penzai_lm.generation.stream import GenerationStream
 from penzai_lm.generation.stream import StreamEvent
 from penzai_lm.generation.stream import stream
@@ -53,6 +57,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStream",
     "Session",
+    "SessionBusyError",
     "StopStringMatcher",
     "StreamEvent",
     "TextView",

@@ -9,6 +9,12 @@
   re-bound parameter is a new key. Entries hold weak references to the
   model's leaves: an entry whose model is gone is dropped, so the cache
   never keeps an old model (or its weights) alive.
+
+Both are thread-safe (an `Engine`, the default one included, is shared by
+every thread that generates): a lock guards each LRU, and concurrent misses
+of one key wait for the first thread's value instead of each making their
+own (a compilation takes seconds, a prepared model holds a copy of the
+weights).
 """
 
 from __future__ import annotations
@@ -31,6 +37,31 @@ def _aval_key(x):
   return (np.shape(x), np.dtype(dtype), bool(getattr(x, "weak_type", False)))
 
 
+class _InFlight:
+  """Keys being made, so that concurrent misses make each value once.
+
+  Used under the cache's lock: `claim` says whether the caller makes the
+  value (True) or must wait for the maker (an event) and look again.
+  """
+
+  def __init__(self):
+    self._events: dict = {}
+
+  def claim(self, key) -> threading.Event | None:
+    """None if the caller now makes ``key``, else the event to wait on."""
+    event = self._events.get(key)
+    if event is None:
+      self._events[key] = threading.Event()
+    return event
+
+  def release(self, key) -> None:
+    """Called (under the lock) when the maker is done, even on failure:
+    waiters look again and, without a value, one of them makes it."""
+    event = self._events.pop(key, None)
+    if event is not None:
+      event.set()
+
+
 class ProgramCache:
   """Compiled programs, LRU-bounded. Thread-safe.
 
@@ -45,6 +76,7 @@ class ProgramCache:
     self.compilations = 0
     self._programs: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
+    self._making = _InFlight()
     self._warned = False
 
   def get(self, name: str, fn: Callable, static: Any, args: tuple,
@@ -54,7 +86,8 @@ class ProgramCache:
     the XLA options ``compiler_options()`` (asked on a miss only).
 
     Returns:
-      ``(compiled, seconds spent compiling)`` (0 on a hit).
+      ``(compiled, seconds spent compiling)`` (0 on a hit; the time spent
+      waiting when another thread was compiling it).
     """
     leaves, treedef = jax.tree_util.tree_flatten(args)
     key = (name, static, treedef, tuple(_aval_key(x) for x in leaves))
@@ -63,24 +96,35 @@ class ProgramCache:
     except TypeError:
       self._warn_unhashable()
       key = None
-    with self._lock:
-      program = None if key is None else self._programs.get(key)
-      if program is not None:
-        self._programs.move_to_end(key)
-        return program, 0.0
-    start = time.perf_counter()
-    lowered = jax.jit(functools.partial(fn, static),
-                      donate_argnums=donate).lower(*args)
-    options = compiler_options()
-    program = (lowered.compile(compiler_options=dict(options))
-               if options else lowered.compile())
-    elapsed = time.perf_counter() - start
-    with self._lock:
-      self.compilations += 1
+    start, waited = time.perf_counter(), False
+    while key is not None:
+      with self._lock:
+        program = self._programs.get(key)
+        if program is not None:
+          self._programs.move_to_end(key)
+          return program, time.perf_counter() - start if waited else 0.0
+        event = self._making.claim(key)
+      if event is None:
+        break  # This thread compiles it.
+      event.wait()
+      waited = True
+    try:
+      lowered = jax.jit(functools.partial(fn, static),
+                        donate_argnums=donate).lower(*args)
+      options = compiler_options()
+      program = (lowered.compile(compiler_options=dict(options))
+                 if options else lowered.compile())
+      elapsed = time.perf_counter() - start
+      with self._lock:
+        self.compilations += 1
+        if key is not None:
+          self._programs[key] = program
+          while len(self._programs) > self.size:
+            self._programs.popitem(last=False)
+    finally:
       if key is not None:
-        self._programs[key] = program
-        while len(self._programs) > self.size:
-          self._programs.popitem(last=False)
+        with self._lock:
+          self._making.release(key)
     return program, elapsed
 
   def items(self, name: str | None = None) -> list[tuple[Any, Any]]:
@@ -125,24 +169,34 @@ class IdentityCache:
     self.size = size
     self._entries: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
+    self._making = _InFlight()
 
   def get_or_make(self, model, extra: Any, make: Callable[[], Any]) -> Any:
     """The cached value for ``(model, extra)``, made with ``make()`` on a
     miss."""
     key, leaves = model_key(model)
     key = (key, extra)
-    with self._lock:
-      entry = self._entries.get(key)
-      if entry is not None and _alive(entry[0], leaves):
-        self._entries.move_to_end(key)
-        return entry[1]
-    value = make()
-    with self._lock:
-      for k in [k for k, e in self._entries.items() if not _alive(e[0])]:
-        del self._entries[k]
-      self._entries[key] = (_refs(leaves), value)
-      while len(self._entries) > self.size:
-        self._entries.popitem(last=False)
+    while True:
+      with self._lock:
+        entry = self._entries.get(key)
+        if entry is not None and _alive(entry[0], leaves):
+          self._entries.move_to_end(key)
+          return entry[1]
+        event = self._making.claim(key)
+      if event is None:
+        break  # This thread makes it.
+      event.wait()
+    try:
+      value = make()
+      with self._lock:
+        for k in [k for k, e in self._entries.items() if not _alive(e[0])]:
+          del self._entries[k]
+        self._entries[key] = (_refs(leaves), value)
+        while len(self._entries) > self.size:
+          self._entries.popitem(last=False)
+    finally:
+      with self._lock:
+        self._making.release(key)
     return value
 
   def __len__(self) -> int:

@@ -198,6 +198,21 @@ def default_engine() -> Engine:
   return _DEFAULT_ENGINE
 
 
+def resolve_engine(engine) -> Engine:
+  """``engine``, or the default engine for None.
+
+  Raises:
+    TypeError: for anything but an `Engine` or None.
+  """
+  if engine is None:
+    return _DEFAULT_ENGINE
+  if not isinstance(engine, Engine):
+    raise TypeError(
+        "engine must be a penzai_lm.generation.Engine (or None for the"
+        f" default one), got {type(engine).__name__}.")
+  return engine
+
+
 def clear_compiled_cache() -> None:
   """Drops the default engine's compiled programs and prepared models."""
   _DEFAULT_ENGINE.clear()
@@ -255,5 +270,5 @@ def generate(model, prompts: Any, *, engine: Engine | None = None,
   Raises:
     ValueError / TypeError: for invalid requests, before anything runs.
   """
-  return (engine or _DEFAULT_ENGINE).generate(
+  return resolve_engine(engine).generate(
       model, prompts, cancel=cancel, chunk_size=chunk_size, **options)

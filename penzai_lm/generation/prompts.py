@@ -83,9 +83,9 @@ def normalize_prompts(
           " (tokenizer.encode(text)), or to generate from text use"
           " generate_text(model, tokenizer, prompts).")
     else:
-      bad = next(i for i in items if not (is_int(i) or is_sequence(i)))
-      if any(is_int(i) for i in items) and any(is_sequence(i) for i in items):
-        bad = next(i for i in items if is_sequence(i))
+      odd = [i for i in items if not (is_int(i) or is_sequence(i))]
+      # Else ids and lists are mixed: show the first list.
+      bad = odd[0] if odd else next(i for i in items if is_sequence(i))
       raise ValueError(
           "prompts must be a list of token ids (one prompt) or a list of"
           " lists of token ids (a batch); got a list that mixes ids and"

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from penzai import pz
 
 from penzai_lm import sampling
 from penzai_lm.generation import shapes as shapes_lib
@@ -42,8 +43,14 @@ from penzai_lm.generation.state import Continuation
 from penzai_lm.interp.points import parse_point
 from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model import TransformerLM
+from penzai_lm.model import memory
 
 DEFAULT_MAX_NEW_TOKENS = 128
+# Rows (prompts x samples) of one request at most. The memory check
+# (`_check_batch_early`) refuses batches whose caches cannot fit, but a small
+# model fits a huge batch: this bound keeps an absurd num_samples (2**20 and
+# up) from spending minutes and gigabytes on per-row seeds and settings.
+MAX_ROWS = 1 << 16
 
 
 def derive_seed(seed: int, sample: int) -> int:
@@ -285,10 +292,16 @@ def build_request(
   batch_axis = None
   if cached and len(model.batch_axes) == 1:
     batch_axis = next(iter(model.batch_axes))
-  rows = normalize_prompts(prompts, vocab, batch_axis)
   if not is_int(num_samples) or num_samples < 1:
     raise ValueError(
         f"num_samples must be a positive integer, got {num_samples!r}.")
+  _check_batch_early(model, cached, prompts, int(num_samples))
+  rows = normalize_prompts(prompts, vocab, batch_axis)
+  if len(rows) * int(num_samples) > MAX_ROWS:
+    raise ValueError(
+        f"num_samples={num_samples!r} with {len(rows)} prompt(s) asks for"
+        f" {len(rows) * int(num_samples)} rows; a request has at most"
+        f" {MAX_ROWS} rows. Lower num_samples or split the request.")
   if not is_int(logprobs_top_n) or not 0 <= logprobs_top_n <= vocab:
     raise ValueError(
         f"logprobs_top_n must be an integer in [0, {vocab}], got"
@@ -317,6 +330,44 @@ def build_request(
       capture=capture)
 
 
+def _batch_hint(prompts: Any) -> tuple[int, int]:
+  """(prompts, tokens of a prompt at least), read off shapes only."""
+  if isinstance(prompts, pz.nx.NamedArrayBase):
+    sizes = dict(prompts.named_shape)
+    length = sizes.pop("seq", 1)
+    return (next(iter(sizes.values())) if len(sizes) == 1 else 1), length
+  shape = getattr(prompts, "shape", None)
+  if isinstance(shape, tuple) and len(shape) == 2:
+    return shape
+  if is_sequence(prompts) and len(prompts) and is_sequence(prompts[0]):
+    return len(prompts), 1
+  return 1, 1
+
+
+def _check_batch_early(model, cached: bool, prompts: Any,
+                       num_samples: int) -> None:
+  """Refuses a batch that cannot fit before anything is built per row.
+
+  Planning checks the exact shapes, but only after per-row lists are
+  built: for 2**31 rows (a large ``num_samples``, or a broadcast array of
+  prompts) that alone would take minutes and all memory.
+  """
+  n, length = (int(x) for x in _batch_hint(prompts))
+  if cached:
+    if len(model.batch_axes) == 1:
+      shapes_lib.check_cached_batch(model, n, num_samples)
+    return
+  rows = n * num_samples
+  slots = shapes_lib.bucket(length, shapes_lib.MIN_PROMPT_BUCKET)
+  memory.check_fits(
+      f"generate() with {memory.format_count(n)} prompt(s) x"
+      f" {memory.format_count(num_samples)} sample(s): at least "
+      + memory.describe_cache(model.config, rows, slots)
+      + ", with its output and sampling buffers,",
+      memory.request_bytes(model.config, rows, slots),
+      "Lower the batch (prompts x num_samples).")
+
+
 def _capture_names(model, capture: Any) -> tuple[str, ...]:
   """Validated, de-duplicated point names (`penzai_lm.model.hooks`)."""
   if capture is None:
@@ -328,5 +379,8 @@ def _capture_names(model, capture: Any) -> tuple[str, ...]:
         "capture must be a point name or a list of them (e.g."
         f" ['blocks.3.resid_post']), got {capture!r}.")
   for name in names:
-    parse_point(model, name)
+    try:
+      parse_point(model, name)
+    except ValueError as e:
+      raise ValueError(f"capture: {e}") from None
   return tuple(dict.fromkeys(names))

@@ -55,11 +55,22 @@ def _prompt_batch(request: Request):
           np.arange(B) < rows)
 
 
+MAX_CHUNK_SIZE = 1 << 30  # Loop steps are int32 on device.
+
+
 def check_chunk_size(chunk_size) -> None:
   if (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
-      or chunk_size < 1):
+      or not 1 <= chunk_size <= MAX_CHUNK_SIZE):
     raise ValueError(
-        f"chunk_size must be a positive integer, got {chunk_size!r}.")
+        f"chunk_size must be a positive integer (at most 2**30), got"
+        f" {chunk_size!r}.")
+
+
+def check_cancel(cancel) -> None:
+  if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+    raise TypeError(
+        f"cancel must be a threading.Event (or have is_set()), got"
+        f" {type(cancel).__name__}.")
 
 
 class Run:
@@ -127,6 +138,7 @@ class Run:
     steps between which ``cancel`` (a ``threading.Event``) is checked.
     """
     check_chunk_size(chunk_size)
+    check_cancel(cancel)
     if cancel is not None and cancel.is_set():
       self.cancel()
       return self.result()

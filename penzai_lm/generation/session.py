@@ -23,6 +23,13 @@ Sampling settings are per call, as in `penzai_lm.generation.generate`;
 repetition and presence penalties see the whole conversation. Prompt-bucket
 padding takes cache slots (never positions): a turn of ``n`` tokens uses at
 most ``max(8, 2n)`` slots.
+
+Threads: a session runs one turn at a time (`penzai_lm.generation.turns`):
+``generate`` and ``reset`` from several threads are serialised (each waits
+for the turn before it, a streamed one included, until that stream is done
+or closed); ``stream`` waits for another thread's ``generate`` but is
+refused with `SessionBusyError` while another thread's stream is open.
+Reading ``tokens`` and the other properties never waits for a turn.
 """
 
 from __future__ import annotations
@@ -30,18 +37,35 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from penzai import pz
+
 from penzai_lm.generation import engine as engine_lib
 from penzai_lm.generation.prompts import token_list
 from penzai_lm.generation.results import GenerationResult
+from penzai_lm.generation.run import check_chunk_size
 from penzai_lm.generation.run import Run
 from penzai_lm.generation.shapes import next_power_of_two
 from penzai_lm.generation.state import Continuation
 from penzai_lm.generation.stream import GenerationStream
+from penzai_lm.generation.turns import SessionBusyError
+from penzai_lm.generation.turns import Turn
+from penzai_lm.generation.turns import TurnGate
 from penzai_lm.model import TransformerLM
+from penzai_lm.model import memory
+
+__all__ = ["Session", "SessionBusyError"]
 
 
 class Session:
   """A conversation with one model and a KV cache kept between calls.
+
+  Thread-safe: one turn at a time. ``generate`` and ``reset`` wait for the
+  running turn (another thread's ``generate``, or its stream until that is
+  done or closed), so N threads calling ``generate`` give N complete turns
+  in some order. ``stream`` waits for another thread's ``generate`` but
+  raises `SessionBusyError` while another thread's stream is open (it
+  would wait as long as that stream's reader takes). A call from the
+  thread that opened the open stream ends it first (``"cancelled"``).
 
   Attributes:
     model: The uncached `TransformerLM` (the session converts it).
@@ -64,6 +88,10 @@ class Session:
         compiles once per prompt bucket. Attention reads every slot, so a
         larger cache decodes a little slower.
       engine: The `Engine` to run on (default: `default_engine()`).
+
+    Raises:
+      ValueError: for a bad ``min_cache_len``, or one whose cache cannot
+        fit in the available memory (`memory.InsufficientMemoryError`).
     """
     if not isinstance(model, TransformerLM):
       raise TypeError(
@@ -76,11 +104,22 @@ class Session:
           f" {min_cache_len!r}.")
     self.model = model
     self.min_cache_len = min_cache_len
-    self.engine = engine or engine_lib.default_engine()
+    self.engine = engine_lib.resolve_engine(engine)
+    self._gate = TurnGate("this Session")
     self._tokens: list[int] = []
     self._pending: list[int] = []
     self._continuation = self._empty()
+    if self._continuation.cache_len:
+      # Checked now: the first turn would allocate it.
+      size = self._continuation.cache_len
+      memory.check_fits(
+          f"Session(min_cache_len={memory.format_count(min_cache_len)}): "
+          + memory.describe_cache(model.config, 1, size)
+          + ", with its output and sampling buffers,",
+          memory.request_bytes(model.config, 1, size),
+          "Lower min_cache_len.")
     self._run = None  # The latest run, until its state is taken over.
+    self._run_turn: Turn | None = None  # The turn it runs in.
     self._new: list[int] = []  # Its new (non-pending) prompt tokens.
 
   # Calls.
@@ -90,8 +129,10 @@ class Session:
              **settings) -> GenerationStream:
     """Appends ``tokens`` and streams the reply (`GenerationStream`).
 
-    Starting another call ends a reply that is still streaming (its finish
-    reason becomes ``"cancelled"``, its tokens so far are kept).
+    The turn lasts until the stream is done (iterated to the end, closed
+    or garbage-collected). Starting another call in the same thread ends a
+    reply that is still streaming (its finish reason becomes
+    ``"cancelled"``, its tokens so far are kept).
 
     Args:
       tokens: New token ids (may be empty to continue the last reply).
@@ -101,56 +142,95 @@ class Session:
         by `ChatSession`) to stream text.
       **settings: Keywords of `penzai_lm.generation.generate` except
         ``num_samples``, ``use_cache`` and ``prompts``.
+
+    Raises:
+      SessionBusyError: if another thread's stream is open.
     """
-    run = self._start(tokens, settings)
-    return GenerationStream(run, chunk_size=chunk_size, cancel=cancel,
-                            text=None if text is None else text(run.request))
+    check_chunk_size(chunk_size)
+    turn = self._gate.begin("stream")
+    run = None
+    try:
+      with self._gate.lock:
+        run = self._start(tokens, settings, turn)
+      out = GenerationStream(
+          run, chunk_size=chunk_size, cancel=cancel,
+          text=None if text is None else text(run.request))
+    except BaseException:
+      with self._gate.lock:
+        if run is not None and self._run is run:  # It never started.
+          self._run = self._run_turn = None
+      self._gate.end(turn)
+      raise
+    self._gate.attach(turn, out)
+    return out
 
   def generate(self, tokens: Any = (), *, chunk_size: int = 8,
                cancel: threading.Event | None = None,
                **settings) -> GenerationResult:
-    """Appends ``tokens`` and generates a reply; see `stream`."""
-    run = self._start(tokens, settings)
-    return run.run_to_end(cancel=cancel, chunk_size=chunk_size)
+    """Appends ``tokens`` and generates a reply; see `stream`.
+
+    Waits for a turn running in another thread (see the class docstring).
+    """
+    check_chunk_size(chunk_size)
+    turn = self._gate.begin("call")
+    try:
+      with self._gate.lock:
+        run = self._start(tokens, settings, turn)
+      return run.run_to_end(cancel=cancel, chunk_size=chunk_size)
+    finally:
+      self._gate.end(turn)
 
   def reset(self) -> None:
-    """Forgets the conversation (the next call starts an empty cache)."""
-    self._finish_run()
-    self._tokens, self._pending = [], []
-    self._continuation = self._empty()
+    """Forgets the conversation (the next call starts an empty cache).
+
+    Waits for a turn running in another thread, like `generate`.
+    """
+    turn = self._gate.begin("call")
+    try:
+      with self._gate.lock:
+        self._finish_run()
+        self._tokens, self._pending = [], []
+        self._continuation = self._empty()
+    finally:
+      self._gate.end(turn)
 
   # State.
 
   @property
   def tokens(self) -> list[int]:
     """The conversation so far (a copy; a reply joins once finished)."""
-    self._finish_run(only_if_finished=True)
-    return list(self._tokens)
+    with self._gate.lock:
+      self._settle()
+      return list(self._tokens)
 
   @property
   def pending(self) -> list[int]:
     """Conversation tokens not in the cache yet (a copy)."""
-    self._finish_run(only_if_finished=True)
-    return list(self._pending)
+    with self._gate.lock:
+      self._settle()
+      return list(self._pending)
 
   @property
   def cached_tokens(self) -> int:
     """Tokens of the conversation held in the cache."""
-    self._finish_run(only_if_finished=True)
-    return len(self._tokens) - len(self._pending)
+    with self._gate.lock:
+      self._settle()
+      return len(self._tokens) - len(self._pending)
 
   @property
   def cache_len(self) -> int:
     """Slots of the cache (0 before the first call)."""
-    self._finish_run(only_if_finished=True)
-    c = self._continuation
-    return 0 if c is None or c.state is None else c.cache_len
+    with self._gate.lock:
+      self._settle()
+      c = self._continuation
+      return 0 if c is None or c.state is None else c.cache_len
 
   @property
   def slots_used(self) -> int:
     """Cache slots in use (tokens plus prompt-bucket padding)."""
-    self._finish_run(only_if_finished=True)
-    return self._continuation.start_slot if self._continuation else 0
+    with self._gate.lock:
+      self._settle()
+      return self._continuation.start_slot if self._continuation else 0
 
   # Internals.
 
@@ -163,7 +243,8 @@ class Session:
         size = min(size, limit)
     return Continuation(state=None, start_slot=0, positions=0, cache_len=size)
 
-  def _start(self, tokens, settings) -> Run:
+  def _start(self, tokens, settings, turn: Turn) -> Run:
+    """Starts a run in ``turn`` (the caller holds the turn and the lock)."""
     for key in ("num_samples", "use_cache", "prompts"):
       if key in settings:
         raise ValueError(
@@ -177,16 +258,31 @@ class Session:
           "the session is empty: give at least one token to start it.")
     run = self.engine.start(self.model, [prompt],
                             continuation=self._continuation, **settings)
-    self._run, self._new = run, ids
+    self._run, self._new, self._run_turn = run, ids, turn
     return run
 
-  def _finish_run(self, only_if_finished: bool = False) -> None:
-    """Takes over the latest run's state, ending it if still running (or,
-    with ``only_if_finished``, leaving a running one alone)."""
+  def _settle(self) -> None:
+    """Takes over the latest run's state once nothing can change it: its
+    turn is over, or it has finished and no chunk of its stream is running
+    (a chunk may still cut its tokens at a stop string). Holds the lock."""
     run = self._run
-    if run is None or (only_if_finished and not run.finished):
+    if run is None:
       return
-    self._run = None
+    if self._gate.active(self._run_turn):
+      stream = self._run_turn.open_stream()
+      if not run.finished or (stream is not None and not stream.idle):
+        return
+    self._finish_run()
+
+  def _finish_run(self) -> None:
+    """Takes over the latest run's state, ending it if still running.
+
+    Holds the lock, and the turn unless the run is settled (`_settle`).
+    """
+    run = self._run
+    if run is None:
+      return
+    self._run = self._run_turn = None
     if not run.finished:
       run.cancel()
     kept = run.tokens_of(0)
@@ -215,9 +311,19 @@ class Session:
 
 
 def _flat(tokens: Any) -> list:
+  if isinstance(tokens, pz.nx.NamedArrayBase):
+    rows = {a: n for a, n in tokens.named_shape.items() if a != "seq"}
+    if ("seq" not in tokens.named_shape or tokens.positional_shape
+        or any(n != 1 for n in rows.values())):
+      raise ValueError(
+          "a Session holds one row: a named array of tokens needs a 'seq'"
+          f" axis and no other axis longer than 1, got"
+          f" {dict(tokens.named_shape)}.")
+    tokens = tokens.unwrap(*rows, "seq").reshape(-1)
   if hasattr(tokens, "tolist"):
     tokens = tokens.tolist()
-  if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+  if isinstance(tokens, (str, bytes, dict, set, frozenset)) or not hasattr(
+      tokens, "__iter__"):
     raise TypeError(
         f"tokens must be a list of token ids, got {type(tokens).__name__}.")
   tokens = list(tokens)

@@ -18,6 +18,7 @@ import dataclasses
 import jax
 
 from penzai_lm.generation.state import Continuation
+from penzai_lm.model import memory
 
 MIN_PROMPT_BUCKET = 8
 MIN_QUEUE = 16
@@ -121,6 +122,19 @@ def _check_context(rows: RowsInfo, limit: int, history: int) -> None:
         " lower max_new_tokens.")
 
 
+def check_cached_batch(model, num_prompts: int, num_samples: int) -> None:
+  """Refuses more rows than a `KVCachingTransformerLM` (one batch axis)
+  was built for."""
+  (axis, batch), = model.batch_axes.items()
+  rows = num_prompts * num_samples
+  if batch < rows:
+    raise ValueError(
+        f"the cached model was built for {batch} row(s) but the request"
+        f" needs {rows} ({num_prompts} prompt(s) x {num_samples} sample(s));"
+        " rebuild it with KVCachingTransformerLM.from_uncached(model,"
+        f" cache_len, {{{axis!r}: {rows}}}) or pass the uncached model.")
+
+
 def _cached_model_shapes(model, rows: RowsInfo, gather: bool):
   """(axis, batch, prefill batch, prompt_len, cache_len) for a given
   `KVCachingTransformerLM` (its batch and cache size are fixed)."""
@@ -137,13 +151,7 @@ def _cached_model_shapes(model, rows: RowsInfo, gather: bool):
         f"the cached model has batch axes {model.batch_axes}; generate()"
         " supports exactly one batch axis.")
   (axis, batch), = model.batch_axes.items()
-  if batch < rows.num_rows:
-    raise ValueError(
-        f"the cached model was built for {batch} row(s) but the request"
-        f" needs {rows.num_rows} ({rows.num_prompts} prompt(s) x"
-        f" {rows.num_samples} sample(s)); rebuild it with"
-        f" KVCachingTransformerLM.from_uncached(model, cache_len,"
-        f" {{{axis!r}: {rows.num_rows}}}) or pass the uncached model.")
+  check_cached_batch(model, rows.num_prompts, rows.num_samples)
   cache_len = model.cache_len
   longest = max(rows.prompt_lengths)
   if longest > cache_len:
@@ -171,7 +179,8 @@ def plan(model, rows: RowsInfo, *, cached_model: bool, use_cache: bool,
     The prefill shape (whose ``decode`` is the decode shape).
 
   Raises:
-    ValueError: if the request does not fit the model.
+    ValueError: if the request does not fit the model, or its buffers do
+      not fit in the available memory (`memory.InsufficientMemoryError`).
   """
   config = model.config
   max_cache = config.max_cache_len  # None: no limit but the context.
@@ -225,5 +234,38 @@ def plan(model, rows: RowsInfo, *, cached_model: bool, use_cache: bool,
       vocab=config.vocab_size,
       capture=rows.capture,
   )
+  check_memory(config, decode, rows, cached_model=cached_model,
+               continuation=continuation)
   return PrefillShape(decode=decode, batch=prefill, prompt_len=prompt_len,
                       gather=gather, continued=continuation is not None)
+
+
+def check_memory(config, decode: DecodeShape, rows: RowsInfo, *,
+                 cached_model: bool = False,
+                 continuation: Continuation | None = None) -> None:
+  """Refuses a request whose buffers cannot fit in the available memory.
+
+  Raises:
+    memory.InsufficientMemoryError: naming the request and the limit.
+  """
+  B, C = decode.batch, decode.cache_len
+  if decode.use_cache:
+    what = memory.describe_cache(config, B, C)
+  else:
+    what = f"a token buffer of {memory.format_count(C)} slots x {B} rows"
+  who = "a Session turn" if continuation is not None else "generate()"
+  what = (f"{who} with {rows.num_prompts} prompt(s) x"
+          f" {memory.format_count(rows.num_samples)} sample(s) and"
+          f" max_new_tokens up to {max(rows.max_new_tokens)}: {what}, with"
+          " its output and sampling buffers,")
+  if continuation is not None:
+    hint = ("Lower max_new_tokens or start a new session (reset()) with a"
+            " smaller min_cache_len.")
+  elif cached_model:
+    hint = ("Rebuild the KVCachingTransformerLM with a smaller cache_len or"
+            " batch.")
+  else:
+    hint = ("Lower max_new_tokens, shorten the prompts, or lower the batch"
+            " (prompts x num_samples).")
+  memory.check_fits(what, memory.request_bytes(
+      config, B, C, top_n=decode.top_n, kv_cache=decode.use_cache), hint)

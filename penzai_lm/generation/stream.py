@@ -20,6 +20,10 @@ boundary: the running rows finish with ``"cancelled"``, nothing keeps
 running (every chunk is waited for before it is yielded) and
 ``stream.result`` holds what was generated.
 
+Threads: one thread at a time iterates a stream; ``close()`` from another
+thread waits for the chunk in flight (at most ``chunk_size`` steps), then
+stops it.
+
 Example::
 
     with stream(model, prompt, max_new_tokens=64) as s:
@@ -32,11 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from penzai_lm.generation import engine as engine_lib
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.run import Run
+from penzai_lm.generation.run import check_cancel
 from penzai_lm.generation.run import check_chunk_size
 
 DEFAULT_CHUNK_SIZE = 8
@@ -86,10 +91,7 @@ class GenerationStream:
   def __init__(self, run: Run, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                cancel: threading.Event | None = None, text=None):
     check_chunk_size(chunk_size)
-    if cancel is not None and not hasattr(cancel, "is_set"):
-      raise TypeError(
-          f"cancel must be a threading.Event (or have is_set()), got"
-          f" {type(cancel).__name__}.")
+    check_cancel(cancel)
     self.run = run
     self.chunk_size = chunk_size
     self.text = text
@@ -97,6 +99,10 @@ class GenerationStream:
     self._cancel_requested = False
     self._reported = [False] * run.rows
     self._done = False
+    # Held while a chunk runs, so close() from another thread waits for it
+    # (closing a generator that is executing raises).
+    self._step = threading.RLock()
+    self._on_done: list[Callable[[], None]] = []
     self._events = self._generate()
 
   # Iteration.
@@ -105,7 +111,8 @@ class GenerationStream:
     return self
 
   def __next__(self) -> StreamEvent:
-    return next(self._events)
+    with self._step:
+      return next(self._events)
 
   def __enter__(self) -> GenerationStream:
     return self
@@ -114,8 +121,10 @@ class GenerationStream:
     self.close()
 
   def __del__(self):
+    # A stream dropped unfinished releases what it holds (a session's turn).
     try:
       self._events.close()
+      self._finish()
     except Exception:  # pylint: disable=broad-except
       pass
 
@@ -123,6 +132,33 @@ class GenerationStream:
   def done(self) -> bool:
     """Whether iteration is over (or the stream was closed)."""
     return self._done
+
+  @property
+  def idle(self) -> bool:
+    """Whether no chunk is running now (nothing changes the run until the
+    next ``next()``)."""
+    if not self._step.acquire(blocking=False):
+      return False
+    self._step.release()
+    return True
+
+  def add_done_callback(self, fn: Callable[[], None]) -> None:
+    """Calls ``fn()`` once the stream is done (iteration over, closed or
+    garbage-collected); at once if it already is."""
+    if self._done:
+      fn()
+    else:
+      self._on_done.append(fn)
+
+  def _finish(self) -> None:
+    """Marks the stream done (ending a running run) and runs the done
+    callbacks, once."""
+    self._done = True
+    if not self.run.finished:
+      self.run.cancel()
+    callbacks, self._on_done = self._on_done, []
+    for fn in callbacks:
+      fn()
 
   def _cancelled(self) -> bool:
     return self._cancel_requested or (
@@ -145,9 +181,7 @@ class GenerationStream:
         yield from self._drain()
       yield from self._drain()
     finally:
-      self._done = True
-      if not run.finished:
-        run.cancel()
+      self._finish()
 
   def _drain(self) -> Iterator[StreamEvent]:
     run = self.run
@@ -183,10 +217,9 @@ class GenerationStream:
   def close(self) -> None:
     """Stops generation (running rows: ``"cancelled"``)."""
     self._cancel_requested = True
-    self._events.close()
-    self._done = True
-    if not self.run.finished:
-      self.run.cancel()
+    with self._step:
+      self._events.close()
+      self._finish()
 
   def cancel(self) -> None:
     """Asks generation to stop at the next chunk boundary."""
@@ -206,16 +239,24 @@ class GenerationStream:
     """The result so far: final once iteration is over or the stream is
     closed; before that, rows still running have finish reason None. With a
     text view it has ``texts`` and ``stop_strings_matched``."""
-    result = self.run.result()
-    if self.text is not None:
-      self.text.fill(result, finished=self.run.finished)
-    return result
+    return result_with_text(self.run, self.text)
 
   def run_to_end(self) -> GenerationResult:
     """Consumes the remaining events and returns the result."""
     for _ in self:
       pass
     return self.result
+
+
+def result_with_text(run: Run, text=None,
+                     finished: bool | None = None) -> GenerationResult:
+  """``run.result()`` with the texts of a `TextView` filled in (text held
+  back is flushed once ``finished``, default ``run.finished``)."""
+  result = run.result()
+  if text is not None:
+    text.fill(result, finished=run.finished if finished is None
+              else finished)
+  return result
 
 
 def stream(model, prompts, *, engine: engine_lib.Engine | None = None,
@@ -240,5 +281,5 @@ def stream(model, prompts, *, engine: engine_lib.Engine | None = None,
   Returns:
     A `GenerationStream` yielding `StreamEvent`s.
   """
-  return (engine or engine_lib.default_engine()).stream(
+  return engine_lib.resolve_engine(engine).stream(
       model, prompts, chunk_size=chunk_size, cancel=cancel, **options)

@@ -247,7 +247,7 @@ def _text_stream(model, tokenizer, prompt_or_prompts, stop_strings,
   if options.get("stop_tokens") is None:
     options = dict(options,
                    default_stop_tokens=default_stop_tokens(model, tokenizer))
-  run = (engine or engine_lib.default_engine()).start(
+  run = engine_lib.resolve_engine(engine).start(
       model, prompts, tool=_tool(tokenizer, calculator, tool), **options)
   view = TextView.for_request(tokenizer, run.request, stop_strings,
                               skip_special_tokens)

@@ -8,3 +8,4 @@ from penzai_lm.model.transformer import leading_padding
 from penzai_lm.model.transformer import positions_from_padding
 from penzai_lm.model.kv_cache import CacheOverflowError
 from penzai_lm.model.kv_cache import KVCachingTransformerLM
+from penzai_lm.model.memory import InsufficientMemoryError

@@ -23,6 +23,7 @@ State variables (labels under ``variable_name_prefix``, default "sampler"):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ from penzai import pz
 from penzai_lm.model.build import head_axes
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
 from penzai_lm.model.cache_attention import write_at
+from penzai_lm.model import memory
 from penzai_lm.model.config import TransformerConfig
 from penzai_lm.model.transformer import TransformerLM
 from penzai_lm.model.transformer import check_tokens
@@ -199,6 +201,11 @@ class KVCachingTransformerLM(pz.nn.Layer):
 
     Returns:
       The cached model, with empty caches.
+
+    Raises:
+      ValueError: for invalid arguments; `memory.InsufficientMemoryError`
+        (a ``ValueError``) if the caches cannot fit in the memory available
+        (checked before anything is allocated).
     """
     if not isinstance(uncached, TransformerLM):
       raise ValueError(
@@ -213,6 +220,17 @@ class KVCachingTransformerLM(pz.nn.Layer):
           f" {config.max_cache_len} learned positions (config.max_cache_len)."
       )
     _check_batch_axes(batch_axes)
+    # Refused before anything is allocated: a cache that cannot fit would
+    # otherwise end in XLA's RESOURCE_EXHAUSTED or the kernel's OOM killer.
+    rows = math.prod(batch_axes.values())
+    memory.check_fits(
+        f"KVCachingTransformerLM.from_uncached(cache_len="
+        f"{memory.format_count(cache_len)},"
+        f" batch_axes={batch_axes}): "
+        + memory.describe_cache(config, rows, cache_len),
+        memory.kv_cache_bytes(config, rows, cache_len)
+        + rows * cache_len * 8,  # Cached tokens and their positions.
+        "Lower cache_len or the batch.")
     if pad_id is None:
       pad_id = 0 if config.pad_token_id is None else config.pad_token_id
     if not 0 <= pad_id < config.vocab_size:

@@ -207,17 +207,20 @@ class SamplingSettings:
       rows = _per_row(field.name, value, batch_size)
       if field.kind == "float":
         rows = [_as_float(field.name, r, v) for r, v in enumerate(rows)]
+        # Checked as stored: a value float32 rounds to 0 (a top_p of 1e-300)
+        # breaks its requirement like 0 does.
+        checked = np.asarray(rows, np.float32).tolist()
       else:
-        rows = [_as_int(field.name, r, v) for r, v in enumerate(rows)]
+        rows = checked = [_as_int(field.name, r, v) for r, v in enumerate(rows)]
       if field.ok is not None:
-        _check_rows(field.name, rows, field.ok, field.requirement)
+        _check_rows(field.name, rows, field.ok, field.requirement, checked)
+      if field.name == "top_k":  # Before the int32 cast (no overflow).
+        _check_rows("top_k", rows, lambda k: 0 <= k <= top_k_cap,
+                    f"must be in [0, top_k_cap={top_k_cap}] (0 turns top-k "
+                    "off); pass a larger top_k_cap to SamplingSettings.make "
+                    "if you need more candidates")
       arrays[field.name] = np.asarray(
           rows, np.float32 if field.kind == "float" else np.int32)
-    _check_rows("top_k", arrays["top_k"].tolist(),
-                lambda k: 0 <= k <= top_k_cap,
-                f"must be in [0, top_k_cap={top_k_cap}] (0 turns top-k off); "
-                "pass a larger top_k_cap to SamplingSettings.make if you need "
-                "more candidates")
     seeds = [secrets.randbits(32) if v is None else _as_int("seed", r, v)
              for r, v in enumerate(_per_row("seed", seed, batch_size))]
     _check_rows("seed", seeds, lambda s: 0 <= s < 2**32,
@@ -285,12 +288,24 @@ def _per_row(name: str, value: Any, batch_size: int) -> list[Any]:
   return values
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _as_float(name: str, row: int, value: Any) -> float:
+  """A finite number that stays finite as float32 (how it is stored)."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise ValueError(f"{name}[{row}] must be a real number, got {value!r}.")
-  value = float(value)
+  try:
+    value = float(value)
+  except OverflowError:  # A huge int or Fraction.
+    value = float("inf") if value > 0 else float("-inf")
   if not np.isfinite(value):
     raise ValueError(f"{name}[{row}] must be finite, got {value!r}.")
+  if abs(value) > _FLOAT32_MAX:
+    raise ValueError(
+        f"{name}[{row}] must be finite as float32 (|value| <="
+        f" {_FLOAT32_MAX:.4g}, the range of the stored setting), got"
+        f" {value!r}.")
   return value
 
 
@@ -301,9 +316,12 @@ def _as_int(name: str, row: int, value: Any) -> int:
   return int(value)
 
 
-def _check_rows(name: str, values: list[Any], ok, requirement: str) -> None:
+def _check_rows(name: str, values: list[Any], ok, requirement: str,
+                checked: list[Any] | None = None) -> None:
+  """Raises for the first row whose value (``checked[row]`` if given: the
+  value as stored) breaks ``ok``; the message shows ``values[row]``."""
   for row, v in enumerate(values):
-    if not ok(v):
+    if not ok(v if checked is None else checked[row]):
       raise ValueError(
           f"{name}[{row}] = {v!r} is invalid: {name} {requirement}.")
 
@@ -324,8 +342,9 @@ def _logit_bias(bias: Any, batch_size: int,
     return None
   if isinstance(bias, Mapping):
     per_row = [bias] * batch_size
-  elif _is_sequence(bias) and all(isinstance(b, Mapping) for b in bias):
-    per_row = _per_row("logit_bias", bias, batch_size)
+  elif _is_sequence(bias) and all(
+      b is None or isinstance(b, Mapping) for b in bias):
+    per_row = [b or {} for b in _per_row("logit_bias", bias, batch_size)]
   else:
     raise ValueError("logit_bias must be a dict {token_id: bias} for every row "
                      "or a list with one such dict per row, got "
@@ -334,7 +353,7 @@ def _logit_bias(bias: Any, batch_size: int,
   for row, mapping in enumerate(per_row):
     for token, value in mapping.items():
       token = _token_id(f"logit_bias[{row}]", token, vocab_size)
-      dense[row, token] = _as_float(f"logit_bias[{row}][{token}]", row, value)
+      dense[row, token] = _as_float(f"logit_bias[{row}]", token, value)
   return dense
 
 
