@@ -28,13 +28,9 @@ def optional_float(value) -> float | None:
   return None if value is None else float(value)
 
 
-def _config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
-  if c.get("attn_logit_softcapping") is not None:
-    # transformers' Gemma 3 stores this option but never applies it, so it is
-    # unclear what such a checkpoint expects.
-    raise unsupported(
-        arch, f"attn_logit_softcapping={c['attn_logit_softcapping']}"
-    )
+def gemma_shared_fields(arch: str, c: dict[str, Any]) -> dict[str, Any]:
+  """The feature fields Gemma 2 and Gemma 3 share (GeGLU, pre and post
+  norms, scaled embeddings, sliding and global layers)."""
   if c.get("use_bidirectional_attention"):
     raise unsupported(arch, "bidirectional attention")
   require_one_of(
@@ -42,14 +38,12 @@ def _config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
   )
   bias = bool(c.get("attention_bias"))
   return dict(
-      family="gemma3",
       norm_kind="rms",
       position_embedding="rope",
       mlp_kind="gated",
       qkv_bias=bias,
       attention_output_bias=bias,
       mlp_bias=False,
-      qk_norm=True,
       post_norms=True,
       embedding_scale=float(c["hidden_size"]) ** 0.5,
       final_logit_softcap=optional_float(c.get("final_logit_softcapping")),
@@ -58,11 +52,21 @@ def _config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
       norm_eps=float(c["rms_norm_eps"]),
       rope_base=float(c["rope_theta"]),
       rope_scaling=rope_scaling(arch, c),
-      local_rope_base=float(c["rope_local_base_freq"]),
       sliding_window=c["sliding_window"],
       layer_types=tuple(LAYER_KINDS[t] for t in c["layer_types"]),
       query_pre_attn_scalar=float(c["query_pre_attn_scalar"]),
   )
+
+
+def _config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
+  if c.get("attn_logit_softcapping") is not None:
+    # transformers' Gemma 3 stores this option but never applies it, so it is
+    # unclear what such a checkpoint expects.
+    raise unsupported(
+        arch, f"attn_logit_softcapping={c['attn_logit_softcapping']}"
+    )
+  return dict(gemma_shared_fields(arch, c), family="gemma3", qk_norm=True,
+              local_rope_base=float(c["rope_local_base_freq"]))
 
 
 def _globals(config, t):
