@@ -8,6 +8,7 @@ import pytest
 from penzai import pz
 
 from penzai_lm.generation import default_engine
+from penzai_lm.generation import Engine
 from penzai_lm.generation.prepare import unstack_layers
 from penzai_lm.generation import generate
 from penzai_lm.model import KVCachingTransformerLM
@@ -283,11 +284,16 @@ def test_changed_parameters_are_seen():
 
 
 def test_decode_program_is_shared_across_prompt_buckets(model):
-  _greedy(model, prompts([5, 8], seed=16))  # Prompt bucket 8, cache 16.
-  decode = default_engine().program_count("decode")
+  # An engine of its own: the default one's LRU may be full from earlier
+  # tests, and a new prefill would then evict a decode program.
+  engine = Engine()
+  _greedy(model, prompts([5, 8], seed=16), engine=engine)  # Prompt 8, cache 16.
+  assert engine.program_count("decode") == 1
   # Prompt bucket 16 with the same cache bucket: only a new prefill.
-  result = _greedy(model, prompts([12, 3], seed=16), max_new_tokens=1)
-  assert default_engine().program_count("decode") == decode
+  result = _greedy(model, prompts([12, 3], seed=16), max_new_tokens=1,
+                   engine=engine)
+  assert engine.program_count("decode") == 1
+  assert engine.program_count("prefill") == 2
   assert result.lengths == [1, 1]
   assert result.tokens[1] == _greedy(
       model, prompts([12, 3], seed=16)[1]).tokens[0][:1]
