@@ -134,10 +134,16 @@ def test_cached_logits_match_transformers(hf_dir):
   )
 
 
+GREEDY_CASES = ("llama_gqa_headdim", "mistral_window", "qwen2_5", "qwen3",
+                "phi3", "gemma2", "gemma3", "gpt2")
+
+
 def test_greedy_generation_matches_transformers(hf_dir):
   """Cached greedy decoding: `penzai_lm.generate` on the cached model
   (`KVCachingTransformerLM.from_uncached`) gives transformers' tokens."""
   name, path, hf_model = hf_dir
+  if name not in GREEDY_CASES:
+    pytest.skip("one case per architecture (the logit tests cover the rest)")
   model = load_model(path)
   prompt = [int(i) for i in np.random.RandomState(4).randint(3, 99, size=7)]
   new = 6
