@@ -1,8 +1,16 @@
-"""`penzai_lm.load`: a real checkpoint and its tokenizer, ready to run."""
+"""`penzai_lm.load`: a real checkpoint and its tokenizer, ready to run.
+
+Loading streams: the checkpoint is checked without reading tensor data
+(`penzai_lm.checkpoints.open_checkpoint`), then each tensor is read,
+converted to the model's dtype and layout and put on the device before the
+next (`penzai_lm.loading.parameters.stream_parameters`). Peak host memory
+is the weights plus about one block's tensors (see docs/loading.md).
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import jax.numpy as jnp
@@ -11,12 +19,16 @@ from penzai import pz
 
 from penzai_lm.checkpoints import SPECS
 from penzai_lm.checkpoints import ArchitectureSpec
-from penzai_lm.checkpoints import read_checkpoint
+from penzai_lm.checkpoints import open_checkpoint
 from penzai_lm.fetch import resolve_model_path
 from penzai_lm.loading.config_mapping import config_from_checkpoint
 from penzai_lm.loading.families import ADAPTERS
 from penzai_lm.loading.families import FamilyAdapter
-from penzai_lm.loading.parameters import parameters_from_checkpoint
+from penzai_lm.loading.parameters import Place
+from penzai_lm.loading.parameters import place_on_default_device
+from penzai_lm.loading.parameters import stream_parameters
+from penzai_lm.loading.progress import progress_bar
+from penzai_lm.loading.progress import show_progress
 from penzai_lm.model import TransformerLM
 from penzai_lm.model import build_transformer
 from penzai_lm.tokenizer import Tokenizer
@@ -41,11 +53,13 @@ def load_model(
     use_layer_stack: bool = True,
     specs: Sequence[ArchitectureSpec] = SPECS,
     adapters: Mapping[str, FamilyAdapter] = ADAPTERS,
+    freeze: bool = True,
+    progress: bool | None = None,
 ) -> TransformerLM:
   """Loads a model without its tokenizer; arguments as for `load`."""
   return _load(
       name_or_path, dtype, use_layer_stack, specs, adapters,
-      with_tokenizer=False,
+      with_tokenizer=False, freeze=freeze, progress=progress,
   )[0]
 
 
@@ -56,6 +70,8 @@ def load(
     use_layer_stack: bool = True,
     specs: Sequence[ArchitectureSpec] = SPECS,
     adapters: Mapping[str, FamilyAdapter] = ADAPTERS,
+    freeze: bool = True,
+    progress: bool | None = None,
 ) -> tuple[TransformerLM, Tokenizer]:
   """Loads a model and its tokenizer.
 
@@ -72,21 +88,34 @@ def load(
       (`penzai_lm.checkpoints.SPECS` by default).
     adapters: Architecture name -> family adapter
       (`penzai_lm.loading.families.ADAPTERS` by default).
+    freeze: Weights as `pz.ParameterValue` leaves (the default): the model
+      is a plain pytree, so ``jax.jit(f)(model)``, ``jax.grad`` and
+      ``jax.tree.map`` take it as is. False gives `pz.Parameter` variables,
+      Penzai's mutable form (for `pz.variable_jit` or loops that update
+      weights in place); freeze those with `pz.freeze_params` before
+      passing the model to a JAX transformation.
+    progress: Show a progress bar on stderr for loads longer than a few
+      seconds. None (the default): only when stderr is a terminal, unless
+      the ``PENZAI_LM_PROGRESS`` environment variable says "0" or "1".
 
   Returns:
     ``(model, tokenizer)``; ``model`` is the uncached `TransformerLM`.
   """
   return _load(
       name_or_path, dtype, use_layer_stack, specs, adapters,
-      with_tokenizer=True,
+      with_tokenizer=True, freeze=freeze, progress=progress,
   )
 
 
 def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
-          with_tokenizer):
+          with_tokenizer, freeze, progress=None,
+          place: Place = place_on_default_device):
+  """`load`; ``place`` puts each finished parameter on its device(s)."""
+  if not isinstance(freeze, bool):
+    raise TypeError(f"freeze must be True or False, got {freeze!r}.")
   dtype = _resolve_dtype(dtype)
   path = resolve_model_path(name_or_path)
-  checkpoint = read_checkpoint(path, dtype=np.float32, specs=specs)
+  checkpoint = open_checkpoint(path, specs=specs)
   config = config_from_checkpoint(
       checkpoint, dtype=dtype, use_layer_stack=use_layer_stack,
       adapters=adapters,
@@ -104,5 +133,12 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
     if config.pad_token_id is None and tokenizer.pad_id is not None:
       config = config.replace(pad_token_id=tokenizer.pad_id)
   model = build_transformer(config)
-  params = parameters_from_checkpoint(checkpoint, config, adapters=adapters)
-  return pz.bind_variables(model, params), tokenizer
+  total = checkpoint.num_parameters * np.dtype(dtype).itemsize
+  with progress_bar(total, f"Loading {Path(path).name}",
+                    show_progress(progress)) as bar:
+    params = stream_parameters(
+        checkpoint, config, adapters=adapters, place=place,
+        on_read=bar.update,
+    )
+  model = pz.bind_variables(model, params)
+  return (pz.freeze_params(model) if freeze else model), tokenizer

@@ -248,6 +248,8 @@ def build_transformer(
     config: TransformerConfig,
     seed: int | None = None,
     name: str = "transformer",
+    *,
+    freeze: bool = True,
 ) -> transformer.TransformerLM:
   """Builds a `TransformerLM`.
 
@@ -256,6 +258,8 @@ def build_transformer(
     seed: Integer seed for random weights, or None to leave every parameter
       as a slot for a loader to bind (`pz.bind_variables`).
     name: Prefix of every parameter label.
+    freeze: Random weights as `pz.ParameterValue` leaves (a plain pytree,
+      as `penzai_lm.load` returns); False gives `pz.Parameter` variables.
 
   Returns:
     The uncached model.
@@ -265,10 +269,13 @@ def build_transformer(
     return model
   if not isinstance(seed, int):
     raise ValueError(f"seed must be an integer or None, got {seed!r}.")
+  if not isinstance(freeze, bool):
+    raise TypeError(f"freeze must be True or False, got {freeze!r}.")
   parameters = random_parameters(
       lambda rng: _build(config, rng, name), model, seed
   )
-  return pz.bind_variables(model, parameters)
+  model = pz.bind_variables(model, parameters)
+  return pz.freeze_params(model) if freeze else model
 
 
 def _build(config, rng, name) -> transformer.TransformerLM:

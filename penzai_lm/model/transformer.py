@@ -28,6 +28,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from penzai import pz
 
 from penzai_lm.model.config import TransformerConfig
@@ -74,7 +75,10 @@ def check_tokens(tokens, vocab_size: int, what: str = "tokens") -> None:
     raise ValueError(f"{what} must have an integer dtype, got {tokens.dtype}.")
   data = tokens.data_array
   if not isinstance(data, jax.core.Tracer) and data.size:
-    low, high = int(jnp.min(data)), int(jnp.max(data))
+    # numpy, not jnp: under a jit that closes over concrete tokens, jnp
+    # would turn them into tracers and int() would fail.
+    host = np.asarray(data)
+    low, high = int(host.min()), int(host.max())
     if low < 0 or high >= vocab_size:
       bad = low if low < 0 else high
       raise ValueError(

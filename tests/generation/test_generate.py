@@ -272,7 +272,9 @@ def test_timings_are_reported(model):
 def test_changed_parameters_are_seen():
   """Prepared (unstacked, converted) models are cached per model identity;
   assigning a new parameter value must not reuse stale weights."""
-  model = conftest.build_transformer(conftest.config("llama_gqa"), seed=7)
+  # Mutable `pz.Parameter`s (freeze=False): the value is assigned in place.
+  model = conftest.build_transformer(conftest.config("llama_gqa"), seed=7,
+                                     freeze=False)
   rows = prompts([5, 8], seed=15)
   before = _greedy(model, rows)
   head = pz.select(model).at_instances_of(pz.Parameter).where(

@@ -113,7 +113,9 @@ def _jit_logits(model, tokens):
 def _ours(model, ids) -> np.ndarray:
   """``(seq, vocabulary)`` logits of a (patched) model."""
   tokens = pz.nx.wrap(jnp.asarray([ids], jnp.int32)).tag("batch", "seq")
-  out = _jit_logits(pz.freeze_params(model), tokens)
+  # Loaded models hold frozen weights (`pz.ParameterValue`): plain
+  # `jax.jit` takes them as arguments, with no `pz.freeze_params` first.
+  out = _jit_logits(model, tokens)
   return np.asarray(out.unwrap("batch", "seq", "vocabulary"))[0]
 
 
@@ -451,7 +453,7 @@ def test_logit_lens_matches_transformers(models):
 def test_saliency_matches_transformers(models):
   name, model, tokenizer, hf = models
   ids = tokenizer.encode(CLEAN)
-  frozen = pz.freeze_params(model)
+  frozen = model  # As loaded: a plain pytree for jax.jit and jax.grad.
   target = int(_theirs(hf, ids).logits[0, -1].argmax())  # " Paris"
   last = len(ids) - 1
 

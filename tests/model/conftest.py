@@ -20,7 +20,7 @@ def _model(name, stacked):
 
 def perturbed_model(cfg, seed=7):
   """A random model of ``cfg`` whose every parameter is perturbed."""
-  model = build_transformer(cfg, seed=seed)
+  model = build_transformer(cfg, seed=seed, freeze=False)
   # Random init leaves norm scales at 1 and biases at 0; perturb them so the
   # tests see every parameter.
   def perturb(param):

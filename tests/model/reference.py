@@ -13,7 +13,8 @@ from penzai import pz
 
 
 def _params(model):
-  _, params = pz.unbind_params(model, freeze=True)
+  params = pz.select(pz.freeze_params(model)).at_instances_of(
+      pz.ParameterValue).get_sequence()
   return {p.label: p.value for p in params}
 
 

@@ -96,7 +96,8 @@ def test_layer_stack_equals_unstacked_blocks():
   for name in ("llama_gqa", "gemma3"):
     unstacked = _model(name, False)
     stacked = build_transformer(config(name, True))  # parameter slots
-    _, params = pz.unbind_params(unstacked, freeze=True)
+    params = pz.select(pz.freeze_params(unstacked)).at_instances_of(
+        pz.ParameterValue).get_sequence()
     by_label = {p.label: p.value for p in params}
     n = unstacked.config.num_layers
     values = {}
