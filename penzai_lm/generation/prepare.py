@@ -12,7 +12,8 @@ every decode step copies all the weights once more (SmolLM2-sized, batch 1:
 8 tok/s stacked against 34 unstacked), and the per-layer caches are sliced
 and re-stacked too. Decoding therefore runs on an equivalent model whose
 stacks are replaced by a Sequential of per-layer blocks (per-layer state
-variables get one variable per layer).
+variables get one variable per layer). On CPU those blocks' weights alias
+the stacked buffers (`_take`), so decoding holds one copy of the weights.
 """
 
 from __future__ import annotations
@@ -34,10 +35,41 @@ from penzai_lm.interp.cache import insert_captures
 from penzai_lm.model import KVCachingTransformerLM
 
 
+def _host_view(data) -> np.ndarray | None:
+  """A zero-copy numpy view of a concrete array held on one CPU device."""
+  if isinstance(data, jax.core.Tracer) or not isinstance(data, jax.Array):
+    return None
+  devices = data.sharding.device_set
+  if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+    return None
+  view = np.asarray(data)
+  return view if view.ctypes.data == data.unsafe_buffer_pointer() else None
+
+
+def _take(x: pz.nx.NamedArrayBase, axis: str, index: int):
+  """``x[{axis: index}]``, without a copy where the layout allows.
+
+  On CPU a block of a stacked weight whose ``blocks`` axis is the major
+  one (as loaders lay it out) is a contiguous run of the stacked buffer, and
+  ``jax.device_put`` of a numpy view of a JAX-owned CPU buffer aliases it
+  (the view keeps the buffer alive). So the per-layer decode weights share
+  memory with the user's stacked model instead of being a second copy of
+  every weight (SmolLM2 fp32: 0.54 GB less during generate).
+  """
+  if (isinstance(x, pz.nx.NamedArray) and not x.positional_shape
+      and next(iter(x.named_axes)) == axis):
+    view = _host_view(x.data_array)
+    if view is not None:
+      rest = collections.OrderedDict(list(x.named_axes.items())[1:])
+      return pz.nx.NamedArray(named_axes=rest,
+                              data_array=jax.device_put(view[index]))
+  return x[{axis: index}]
+
+
 def _slice_axis(tree, axis: str, index: int):
   return (pz.select(tree).at_instances_of(pz.nx.NamedArrayBase)
           .where(lambda x: axis in x.named_shape)
-          .apply(lambda x: x[{axis: index}]))
+          .apply(lambda x: _take(x, axis, index)))
 
 
 def _unstack(stack: pz.nn.LayerStack) -> pz.nn.Sequential:

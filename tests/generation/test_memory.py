@@ -61,3 +61,33 @@ def test_a_cached_model_batch_is_checked_before_rows_are_built(model):
   with pytest.raises(ValueError, match="built for 2 row"):
     generate(cached, [1, 2], num_samples=2**31)
   assert time.perf_counter() - start < 5
+
+
+def test_decode_weights_share_the_stacked_buffers(model):
+  """Decoding runs on per-layer blocks; on CPU they alias the user's stacked
+  weights instead of being a second copy of every weight (issue 10)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from penzai import pz  # pylint: disable=g-import-not-at-top
+
+  from penzai_lm.generation import prepare  # pylint: disable=g-import-not-at-top
+
+  stacked = [p.value.data_array for p in pz.select(model).at_instances_of(
+      pz.ParameterValue).get_sequence() if "blocks" in p.value.named_shape]
+  assert stacked, "the fixture model should have a layer stack"
+  spans = [(a.unsafe_buffer_pointer(), a.nbytes) for a in stacked]
+
+  def inside(array):
+    start = array.unsafe_buffer_pointer()
+    return any(lo <= start and start + array.nbytes <= lo + n
+               for lo, n in spans)
+
+  unstacked = prepare.unstack_layers(model)
+  weights = [p.value.data_array for p in pz.select(unstacked)
+             .at_instances_of(pz.ParameterValue).get_sequence()
+             if "/blocks/" in p.label]
+  assert len(weights) == len(stacked) * model.config.num_layers
+  assert all(isinstance(w, jax.Array) and inside(w) for w in weights)
+  # The decode tokens are those of the stacked model run uncached.
+  plain = generate(model, [1, 2, 3], max_new_tokens=4, **GREEDY)
+  assert plain.tokens == generate(model, [1, 2, 3], max_new_tokens=4,
+                                  use_cache=False, **GREEDY).tokens
