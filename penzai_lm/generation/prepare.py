@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.generation.placement import placement_of
 from penzai_lm.generation.state import CacheLabels
 from penzai_lm.generation.state import LeafSpec
 from penzai_lm.generation.state import StateLayout
@@ -268,19 +269,23 @@ def _prepare_runnable(runnable, user_labels, batch_axis, batch,
       stateless, cached, batch_axis, batch, cache_len))
   model_leaves, treedef = jax.tree_util.tree_flatten(stateless)
   state_leaves, state_treedef = jax.tree_util.tree_flatten(list(state0))
-  specs, args = [], []
-  for x in state_leaves:
+  specs, args, which = [], [], []
+  for i, x in enumerate(state_leaves):
     fill = _constant_fill(x) if hasattr(x, "shape") else None
     specs.append(LeafSpec(tuple(np.shape(x)), np.dtype(x.dtype), fill))
     if fill is None:
       args.append(x)
+      which.append(i)
+  placement = placement_of(stateless, list(state0))
+  if placement is not None:
+    args = placement.put(args, which)
   labels = None
   if cached:
     labels = CacheLabels(end=runnable.cache_end_index.label,
                          positions=runnable.kv_positions.label,
                          tokens=runnable.previous_tokens.label)
   layout = StateLayout(state_treedef, tuple(specs), labels,
-                       frozenset(user_labels))
+                       frozenset(user_labels), placement)
   return PreparedModel(model_leaves, treedef, layout, args)
 
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from penzai import pz
 
 from penzai_lm import sampling
+from penzai_lm.generation.placement import constrain
 from penzai_lm.generation.shapes import DecodeShape
 from penzai_lm.generation.shapes import PrefillShape
 from penzai_lm.generation.state import CACHE_FULL
@@ -200,7 +201,7 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
     seen, seen_mask = dtokens, ~dpadding
   B = decode.batch
   zeros = jnp.zeros((B,), jnp.int32)
-  return LoopState(
+  return constrain(layout.placement, LoopState(
       model_state=model_state,
       slots=jnp.asarray(start + P - 1, jnp.int32),
       next_token=dtokens[:, P - 1],
@@ -215,7 +216,7 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
       sampler=sampling.init_sampler_state(seen, seen_mask,
                                           vocab_size=decode.vocab),
       out=Outputs.empty(B, decode.cache_len, decode.top_n),
-  )
+  ))
 
 
 def _feed_fn(shape: DecodeShape, model, layout: StateLayout):
@@ -341,6 +342,6 @@ def decode_program(static, model_leaves, carry: LoopState,
   c = jax.lax.while_loop(
       cond, lambda c: _loop_step(shape, feed_model, inputs, c), c)
   full = c.feed & (c.slots >= shape.cache_len)
-  return dataclasses.replace(c, reason=jnp.where(full, CACHE_FULL, c.reason),
-                             feed=c.feed & ~full,
-                             tail=c.tail & (c.slots < shape.cache_len))
+  return constrain(layout.placement, dataclasses.replace(
+      c, reason=jnp.where(full, CACHE_FULL, c.reason), feed=c.feed & ~full,
+      tail=c.tail & (c.slots < shape.cache_len)))

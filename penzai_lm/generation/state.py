@@ -71,12 +71,15 @@ class StateLayout:
     labels: The cache bookkeeping labels, or None without a KV cache.
     user_labels: Labels of the state variables of the user's model (patch
       state), as opposed to the caches the engine adds.
+    placement: Where the state lives on a sharded model's mesh
+      (`penzai_lm.generation.placement.Placement`); None on one device.
   """
 
   treedef: Any
   leaves: tuple[LeafSpec, ...]
   labels: CacheLabels | None = None
   user_labels: frozenset[str] = frozenset()
+  placement: Any = None
 
   def initial(self, args) -> list:
     """The state from its non-constant leaves ``args`` (inside a program)."""
@@ -274,17 +277,22 @@ class Continuation:
     """
     if self.state is None:
       args = iter(empty_args)
-      return [next(args) if s.fill is None else jnp.full(s.shape, s.fill,
-                                                          s.dtype)
-              for s in layout.leaves]
-    if layout.labels is None or len(self.state) != len(layout.leaves) or any(
+      leaves = [next(args) if s.fill is None else jnp.full(s.shape, s.fill,
+                                                            s.dtype)
+                for s in layout.leaves]
+    elif layout.labels is None or len(self.state) != len(layout.leaves) or any(
         not _fits(np.shape(x), s) for x, s in zip(self.state, layout.leaves)):
       raise ValueError(
           "the previous state does not belong to this model (different"
           " structure or shapes); start a new session for this model.")
-    return [x if tuple(x.shape) == s.shape else jnp.pad(
-        x, [(0, n - o) for o, n in zip(x.shape, s.shape)],
-        constant_values=s.fill) for x, s in zip(self.state, layout.leaves)]
+    else:
+      leaves = [x if tuple(x.shape) == s.shape else jnp.pad(
+          x, [(0, n - o) for o, n in zip(x.shape, s.shape)],
+          constant_values=s.fill) for x, s in zip(self.state, layout.leaves)]
+    # On a mesh, every turn passes the state in the same shardings (those
+    # the prefill was compiled for).
+    return leaves if layout.placement is None else layout.placement.put(
+        leaves)
 
 
 def _axes(value) -> list:

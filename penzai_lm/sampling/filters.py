@@ -113,7 +113,12 @@ def top_k_candidates(scaled: jax.Array,
     ``(vals, ids)``, f32 and int32 of shape (batch, num).
   """
   vals, ids = jax.lax.top_k(scaled, num)
-  return jax.lax.optimization_barrier((vals, ids))
+  # One barrier per output: a barrier on the (vals, ids) tuple aborts XLA:CPU
+  # when the program runs on several devices (a sharded model): its top-k
+  # rewrite then finds the barrier, not a get-tuple-element, as the top-k's
+  # user.
+  return (jax.lax.optimization_barrier(vals),
+          jax.lax.optimization_barrier(ids))
 
 
 def candidate_keep_mask(

@@ -1,0 +1,237 @@
+"""Sharding over a device mesh: `penzai_lm.shard` and SPMD generation.
+
+The mesh checks need 8 devices, which XLA simulates on CPU only when
+``--xla_force_host_platform_device_count=8`` is set before JAX starts, so
+they run in one subprocess (`mesh_checks`, printing JSON) that does the
+single-device run and the 2x4 and 8x1 ("data", "model") runs on one engine;
+the tests compare the results. Compilation dominates, so each mesh runs one
+forward pass, one patched generate (per-row steering, per-row head
+ablation, captures, top log-probs) and a two-turn `Session`, compiled with
+XLA's cheaper backend options (the same for every mesh; partitioning is
+what is tested). Validation runs in-process on a mesh over the one CPU
+device.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from penzai import pz
+
+import penzai_lm
+from penzai_lm import sharding
+from penzai_lm.model import TransformerConfig
+
+# Head groups, query heads, neurons and vocabulary divide by 4 and 8.
+CONFIG = TransformerConfig(
+    family="llama", vocab_size=128, hidden_size=32, num_layers=1,
+    num_heads=16, num_kv_heads=8, head_dim=4, mlp_hidden_size=64,
+    eos_token_ids=(2,))
+MESHES = {"2x4": (2, 4), "8x1": (8, 1)}
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
+GREEDY = dict(temperature=0.0, stop_tokens=[])
+CAPTURE = ["blocks.0.attn.pattern", "blocks.0.mlp.neurons"]
+
+
+def _fast_compile(program, shape):
+  del program, shape
+  return {"xla_backend_optimization_level": 0,
+          "xla_llvm_disable_expensive_passes": True}
+
+
+def _arrays(tree):
+  """Named arrays and numbers as nested lists (JSON)."""
+  return jax.tree_util.tree_map(
+      lambda x: np.asarray(x.unwrap(*x.named_shape) if isinstance(
+          x, pz.nx.NamedArrayBase) else x, np.float64).tolist(),
+      tree, is_leaf=pz.nx.is_namedarray)
+
+
+def _run(model, engine) -> dict:
+  """Everything compared between one device and a mesh."""
+  from penzai_lm import interp  # pylint: disable=g-import-not-at-top
+  tokens = pz.nx.wrap(np.asarray([PROMPTS[0][:3] * 2, PROMPTS[1] * 2],
+                                 np.int32)).tag("batch", "seq")
+  logits = jax.jit(lambda m, t: m(t))(model, tokens)
+  patched = interp.insert_at(
+      model, "blocks.0.resid_post",
+      interp.AddVector.build(np.linspace(-1, 1, 32), strength=[0.0, 4.0]))
+  patched = interp.insert_at(
+      patched, "blocks.0.attn.head_out",
+      interp.Ablate.heads(CONFIG, [[0], [5, 6]]))
+  run = engine.start(patched, PROMPTS, max_new_tokens=6, capture=CAPTURE,
+                     logprobs_top_n=3, **GREEDY)
+  steered = run.run_to_end()
+  cache = run.carry.model_state[0].sharding  # Layer 0's keys.
+  session = penzai_lm.Session(model, min_cache_len=32, engine=engine)
+  turns = [session.generate(ids, max_new_tokens=5, **GREEDY)
+           for ids in ([3, 4, 5], [6, 7])]
+  return dict(
+      logits=_arrays(logits.unwrap("batch", "seq", "vocabulary")),
+      tokens=steered.tokens, logprobs=steered.logprobs,
+      top_logprobs=[[[lp for _, lp in top] for top in row]
+                    for row in steered.top_logprobs],
+      captures=_arrays(steered.captures),
+      session_tokens=[t.tokens for t in turns],
+      session_logprobs=[t.logprobs for t in turns],
+      cache_spec=list(getattr(cache, "spec", ())),
+      compilations=engine.compilations)
+
+
+def mesh_checks() -> dict:
+  """Runs in the 8-device subprocess; returns the results by mesh."""
+  model = penzai_lm.build_transformer(CONFIG, seed=5)
+  # Shared: no program may cross meshes.
+  engine = penzai_lm.Engine(compiler_options=_fast_compile)
+  out = {"single": _run(model, engine)}
+  for name, shape in MESHES.items():
+    mesh = jax.make_mesh(shape, ("data", "model"))
+    out[name] = _run(penzai_lm.shard(model, mesh), engine)
+  three = jax.sharding.Mesh(np.asarray(jax.devices()[:3]), ("model",))
+  try:
+    penzai_lm.shard(model, three)
+  except ValueError as e:
+    out["not_dividing"] = str(e)
+  return out
+
+
+@pytest.fixture(scope="module")
+def results():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+      os.environ.get("XLA_FLAGS", "")
+      + " --xla_force_host_platform_device_count=8"))
+  code = ("import json, tests.test_sharding as t;"
+          " print('RESULT' + json.dumps(t.mesh_checks()))")
+  done = subprocess.run([sys.executable, "-c", code], env=env, text=True,
+                        capture_output=True, timeout=600,
+                        cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert done.returncode == 0, done.stderr[-3000:]
+  line, = [l for l in done.stdout.splitlines() if l.startswith("RESULT")]
+  return json.loads(line[len("RESULT"):])
+
+
+def _max_diff(a, b) -> float:
+  return max((float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+              for x, y in zip(jax.tree_util.tree_leaves(a),
+                              jax.tree_util.tree_leaves(b))), default=0.0)
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_sharded_generation_equals_one_device(results, mesh):
+  single, sharded = results["single"], results[mesh]
+  assert sharded["tokens"] == single["tokens"]
+  assert sharded["session_tokens"] == single["session_tokens"]
+  for key in ("logits", "logprobs", "top_logprobs", "captures",
+              "session_logprobs"):
+    assert _max_diff(sharded[key], single[key]) < 1e-5, key
+  # The steering and ablation act per row.
+  assert single["tokens"][0] != single["tokens"][1]
+
+
+def test_state_follows_the_mesh_and_nothing_recompiles(results):
+  # Layer 0's keys (batch, kv slots, head_groups, projection): heads over
+  # "model", the batch of 2 over "data" only where it divides.
+  assert results["single"]["cache_spec"] == []
+  assert results["2x4"]["cache_spec"][:3] == ["data", None, "model"]
+  # (JAX reports a split over the 1-device "model" axis as none.)
+  assert "data" not in results["8x1"]["cache_spec"]
+  per_run = results["single"]["compilations"]
+  assert results["2x4"]["compilations"] == 2 * per_run
+  assert results["8x1"]["compilations"] == 3 * per_run
+
+
+def test_a_mesh_axis_that_does_not_divide_is_named(results):
+  message = results["not_dividing"]  # 128 tokens over 3 devices.
+  assert "'transformer/embedder.embeddings'" in message
+  assert "'vocabulary' of size 128" in message and "3 devices" in message
+  assert "rules={'vocabulary': None}" in message
+
+
+# In-process: rules and validation on a mesh over the one CPU device.
+
+
+@functools.cache
+def _model(freeze=True):
+  return penzai_lm.build_transformer(
+      CONFIG.replace(use_layer_stack=False), seed=1, freeze=freeze)
+
+
+def _mesh(names=("data", "model")):
+  return jax.make_mesh((1,) * len(names), names,
+                       devices=jax.devices()[:1])
+
+
+def _specs(model) -> dict:
+  return {p.label.split("/", 1)[1]: tuple(p.value.data_array.sharding.spec)
+          for p in pz.select(model).at_instances_of(
+              (pz.Parameter, pz.ParameterValue)).get_sequence()}
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_shard_places_every_parameter_by_its_axes(freeze):
+  model = _model(freeze)
+  sharded = penzai_lm.shard(model, _mesh())
+  kind = pz.ParameterValue if freeze else pz.Parameter
+  assert pz.select(sharded).at_instances_of(kind).count() == pz.select(
+      model).at_instances_of(kind).count()
+  specs = _specs(sharded)
+  assert specs["embedder.embeddings"] == ("model", None)
+  assert specs["block_0/attention/key.weights"] == (None, "model", None)
+  assert specs["block_0/mlp/out_linear.weights"] == ("model", None)
+  assert specs["lm_head.weights"] == (None, "model")
+  assert specs["final_norm/scale.weights"] == (None,)
+  # Explicit-axis meshes (jax.make_mesh's default) are used as Auto ones.
+  def first(m):
+    return pz.select(m).at_instances_of(kind).get_sequence()[
+        0].value.data_array.sharding
+  assert set(first(sharded).mesh.axis_types) == {
+      jax.sharding.AxisType.Auto}
+  assert isinstance(first(model), jax.sharding.SingleDeviceSharding)
+
+
+def test_rules_are_typed_data_and_can_be_overridden():
+  rules = sharding.DEFAULT_RULES
+  assert rules.mesh_axes("head_groups") == ("model",)
+  assert rules.mesh_axes("batch") == ("data",)
+  assert rules.mesh_axes("embedding") == ()
+  assert rules.override(vocabulary=None).mesh_axes("vocabulary") == ()
+  assert hash(rules) == hash(sharding.ShardingRules.of(rules.as_dict()))
+  specs = _specs(penzai_lm.shard(_model(), _mesh(), {"vocabulary": None}))
+  assert specs["embedder.embeddings"] == (None, None)
+  assert specs["block_0/mlp/out_linear.weights"] == ("model", None)
+  only = sharding.ShardingRules.of({"neurons": "model"})  # Complete rules.
+  specs = _specs(penzai_lm.shard(_model(), _mesh(), only))
+  assert specs["embedder.embeddings"] == (None, None)
+  # For loaders: one tensor at a time, axes in the data's order.
+  placed = sharding.parameter_sharding(
+      {"neurons": 64, "embedding": 32}, _mesh(), label="w")
+  assert tuple(placed.spec) == ("model", None)
+  # A mesh with only a "model" axis: tensor parallel, no data axis needed.
+  assert _specs(penzai_lm.shard(_model(), _mesh(("model",))))[
+      "embedder.embeddings"] == ("model", None)
+
+
+@pytest.mark.parametrize("mesh, rules, error, message", [
+    ("not a mesh", None, TypeError, "mesh must be a jax.sharding.Mesh"),
+    (None, {"neurons": "tensor"}, ValueError,
+     "names mesh axis 'tensor', but the mesh has axes"),
+    (None, {"neuron": "model"}, ValueError,
+     "axis 'neuron' \\(did you mean 'neurons'\\?\\), which the model does"),
+    (None, {"neurons": 3}, TypeError, "rule for axis 'neurons' must be"),
+    (None, ["neurons"], TypeError, "rules must be None, a mapping"),
+    (None, {"head_groups": "model", "query_heads": "model"}, ValueError,
+     "query.weights'.*would reuse mesh axes \\['model'\\]"),
+    ("other", None, ValueError, "default sharding rules use mesh axes"),
+])
+def test_bad_meshes_and_rules_say_what_to_fix(mesh, rules, error, message):
+  if mesh is None:
+    mesh = _mesh()
+  elif mesh == "other":
+    mesh = _mesh(("x", "y"))
+  with pytest.raises(error, match=message):
+    penzai_lm.shard(_model(), mesh, rules)
