@@ -3,25 +3,43 @@
 XLA compilation is most of this suite's time on CPU, and many tests compile
 the same programs (same tiny configs, same buckets) through engines and
 models of their own. A persistent compilation cache in a fresh directory
-per test session lets identical programs compile once per run; nothing is
-shared between runs (CI stays hermetic). Tests count compilations through
+per test process lets identical programs compile once per run; nothing is
+shared between runs (CI stays hermetic). The same directory goes to the
+processes tests start (notebook kernels, CLI runs) through JAX's
+environment variables. Tests count compilations through
 `Engine.compilations`, which this does not change.
 """
+
+import os
+import shutil
+import tempfile
 
 import jax
 import pytest
 
+_CACHE = pytest.StashKey[str]()
+_PREVIOUS = pytest.StashKey[dict]()
+_SETTINGS = {
+    "jax_compilation_cache_dir": None,  # Set per process below.
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+}
 
-@pytest.fixture(scope="session", autouse=True)
-def _compilation_cache(tmp_path_factory):
-  previous = {name: getattr(jax.config, name) for name in (
-      "jax_compilation_cache_dir",
-      "jax_persistent_cache_min_compile_time_secs",
-      "jax_persistent_cache_min_entry_size_bytes")}
-  jax.config.update("jax_compilation_cache_dir",
-                    str(tmp_path_factory.mktemp("jax_cache")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  yield
-  for name, value in previous.items():
+
+def pytest_configure(config):
+  cache = tempfile.mkdtemp(prefix="penzai_lm_jax_cache_")
+  config.stash[_CACHE] = cache
+  config.stash[_PREVIOUS] = {
+      name: getattr(jax.config, name) for name in _SETTINGS}
+  for name, value in {**_SETTINGS, "jax_compilation_cache_dir": cache}.items():
     jax.config.update(name, value)
+    os.environ[name.upper()] = str(value)
+
+
+def pytest_unconfigure(config):
+  for name, value in config.stash.get(_PREVIOUS, {}).items():
+    jax.config.update(name, value)
+    os.environ.pop(name.upper(), None)
+  cache = config.stash.get(_CACHE, None)
+  if cache:
+    shutil.rmtree(cache, ignore_errors=True)

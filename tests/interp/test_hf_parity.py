@@ -30,11 +30,11 @@ transformers = pytest.importorskip("transformers")
 
 import penzai_lm  # pylint: disable=g-import-not-at-top
 from penzai_lm import interp  # pylint: disable=g-import-not-at-top
-from penzai_lm.fetch import resolve_model_path  # pylint: disable=g-import-not-at-top
+from tests import real_models  # pylint: disable=g-import-not-at-top
 
 pytestmark = pytest.mark.slow
 
-MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
+MODELS = real_models.NAMES
 CLEAN = "The Eiffel Tower is in the city of"
 CORRUPT = "The Colosseum is in the city of"  # Same token count, both models.
 TOL = 1e-3
@@ -93,13 +93,8 @@ def _one_torch_thread():
 @pytest.fixture(scope="module", params=MODELS)
 def models(request, _one_torch_thread):
   name = request.param
-  path = resolve_model_path(name)
-  model, tokenizer = penzai_lm.load(name)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(
-      path.parent, gguf_file=path.name, dtype=torch.float32,
-      attn_implementation="eager",
-  ).eval()
-  return name, model, tokenizer, hf
+  model, tokenizer = real_models.ours(name)
+  return name, model, tokenizer, real_models.theirs(name)
 
 
 # ---------------------------------------------------------------- helpers

@@ -12,8 +12,8 @@ from penzai import pz
 
 import penzai_lm
 from penzai_lm import interp
-from penzai_lm.fetch import resolve_model_path
 from penzai_lm.generation.prepare import unstack_layers
+from tests import real_models
 from tests.model.configs import config
 
 CLEAN = [5, 6, 7, 8, 9, 10]
@@ -233,16 +233,12 @@ HF_CELLS = dict(layers=[3, 6], positions=[3, 8])
 @pytest.mark.slow
 def test_sweep_matches_transformers():
   torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
   name = "smollm2-135m-instruct"
-  model, tokenizer = penzai_lm.load(name)
-  path = resolve_model_path(name)
+  model, tokenizer = real_models.ours(name)
   threads = torch.get_num_threads()
   torch.set_num_threads(1)  # See test_hf_parity.py.
   try:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32,
-        attn_implementation="eager").eval()
+    hf = real_models.theirs(name)
     clean, corrupt = tokenizer.encode(HF_CLEAN), tokenizer.encode(HF_CORRUPT)
     assert len(clean) == len(corrupt) == 9, (clean, corrupt)
     paris, rome = tokenizer.encode(" Paris"), tokenizer.encode(" Rome")

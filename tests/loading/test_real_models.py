@@ -9,8 +9,7 @@ from penzai import pz
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import penzai_lm  # pylint: disable=g-import-not-at-top
-from penzai_lm.fetch import resolve_model_path  # pylint: disable=g-import-not-at-top
+from tests import real_models  # pylint: disable=g-import-not-at-top
 
 pytestmark = pytest.mark.slow
 
@@ -20,14 +19,10 @@ LONG_TEXT = " ".join(
 )
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
+@pytest.fixture(scope="module", params=real_models.NAMES)
 def models(request):
-  path = resolve_model_path(request.param)
-  model, tokenizer = penzai_lm.load(request.param)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(
-      path.parent, gguf_file=path.name, torch_dtype=torch.float32
-  ).eval()
-  return request.param, model, tokenizer, hf
+  model, tokenizer = real_models.ours(request.param)
+  return request.param, model, tokenizer, real_models.theirs(request.param)
 
 
 @jax.jit
