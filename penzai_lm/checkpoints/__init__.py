@@ -9,6 +9,11 @@ model's ``state_dict()`` (numpy float32 or bfloat16), plus a complete
 >>> ckpt.architecture, ckpt.config["num_hidden_layers"]
 ('llama', 30)
 
+`open_checkpoint` checks the same file the same way but reads no tensor data:
+its :class:`LazyCheckpoint` reads one tensor at a time (what
+``penzai_lm.load`` streams from, to keep host memory at the size of the
+weights).
+
 The supported architectures are declared once, as
 :class:`ArchitectureSpec` s in :mod:`penzai_lm.checkpoints.specs`
 (:data:`SPECS`); the readers interpret them. Every reader also takes a
@@ -26,9 +31,12 @@ import numpy as np
 from penzai_lm.checkpoints.checkpoint import Checkpoint
 from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.checkpoint import CheckpointFileNotFoundError
+from penzai_lm.checkpoints.checkpoint import LazyCheckpoint
 from penzai_lm.checkpoints.gguf_reader import SUPPORTED_GGUF_ARCHITECTURES
+from penzai_lm.checkpoints.gguf_reader import open_gguf
 from penzai_lm.checkpoints.gguf_reader import read_gguf
 from penzai_lm.checkpoints.hf_reader import SUPPORTED_HF_CLASSES
+from penzai_lm.checkpoints.hf_reader import open_hf_dir
 from penzai_lm.checkpoints.hf_reader import read_hf_dir
 from penzai_lm.checkpoints.layout import ARCHITECTURE_CLASSES
 from penzai_lm.checkpoints.layout import GUARANTEED_CONFIG_KEYS
@@ -59,6 +67,27 @@ def read_checkpoint(
   return read_gguf(p, dtype=dtype, specs=specs)
 
 
+def open_checkpoint(
+    path: str | os.PathLike,
+    *,
+    specs: Sequence[ArchitectureSpec] = SPECS,
+) -> LazyCheckpoint:
+  """Checks a GGUF file or a Hugging Face directory; reads no tensor data.
+
+  Every check `read_checkpoint` makes before reading tensor data runs here
+  (and raises the same errors); ``.read(name, dtype)`` of the result then
+  reads one tensor, with the values `read_checkpoint` would give it.
+
+  Args:
+    path: A ``.gguf`` file or a Hugging Face model directory.
+    specs: The architectures to recognize (default: the built-in ones).
+  """
+  p = Path(path).expanduser()
+  if p.is_dir():
+    return open_hf_dir(p, specs=specs)
+  return open_gguf(p, specs=specs)
+
+
 __all__ = [
     "ARCHITECTURE_CLASSES",
     "ArchitectureSpec",
@@ -66,12 +95,16 @@ __all__ = [
     "CheckpointError",
     "CheckpointFileNotFoundError",
     "GUARANTEED_CONFIG_KEYS",
+    "LazyCheckpoint",
     "SPECS",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_GGUF_ARCHITECTURES",
     "SUPPORTED_HF_CLASSES",
     "expected_tensor_shapes",
     "normalize_config",
+    "open_checkpoint",
+    "open_gguf",
+    "open_hf_dir",
     "read_checkpoint",
     "read_gguf",
     "read_hf_dir",

@@ -1,11 +1,18 @@
-"""The canonical checkpoint container shared by every reader."""
+"""The canonical checkpoint containers shared by every reader.
+
+`Checkpoint` holds every tensor in memory (what `read_checkpoint` returns);
+`LazyCheckpoint` has been checked the same way but reads each tensor only
+when asked (what `open_checkpoint` returns, and what `penzai_lm.load`
+streams from). Both give the same values.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
@@ -66,6 +73,75 @@ class Checkpoint:
         f"Checkpoint(architecture={self.architecture!r}, "
         f"source={self.source!r}, tensors={len(self.tensors)}, "
         f"parameters={self.num_parameters:,}, dtype={self.dtype})"
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class LazyCheckpoint:
+  """A checked checkpoint whose tensors are read one at a time, on request.
+
+  The readers' ``open_*`` functions check everything they can without
+  reading tensor data, exactly as far as `read_checkpoint` does before it
+  reads (headers against the files, config values, layer count, every
+  tensor's shape); `read` then reads one tensor.
+
+  Attributes:
+    architecture, config, source, gguf_reader: As `Checkpoint`'s.
+    shapes: HF ``state_dict`` name -> shape of every tensor that
+      `Checkpoint.tensors` holds, in the same order.
+    reader: ``(name, dtype) -> array``, the reader's own: a new array of
+      one tensor (``dtype`` resolved by `read`).
+  """
+
+  architecture: str
+  config: dict[str, Any]
+  shapes: dict[str, tuple[int, ...]] = dataclasses.field(repr=False)
+  source: str
+  reader: Callable[[str, np.dtype], np.ndarray] = dataclasses.field(
+      repr=False
+  )
+  gguf_reader: Any = dataclasses.field(default=None, repr=False)
+
+  @property
+  def num_parameters(self) -> int:
+    return sum(math.prod(s) for s in self.shapes.values())
+
+  def read(self, name: str, dtype=np.float32) -> np.ndarray:
+    """Tensor ``name`` as a new array, checked for NaN/inf.
+
+    Its values are those that ``read_checkpoint(source, dtype)`` holds:
+    in bfloat16, the float32 values rounded to nearest even (a bfloat16
+    file's tensors are returned as stored).
+
+    Args:
+      name: A key of `shapes`.
+      dtype: float32 (default) or bfloat16.
+
+    Raises:
+      KeyError: an unknown name.
+      CheckpointError: unreadable data or NaN/inf values (named by file and
+        tensor).
+    """
+    if name not in self.shapes:
+      raise KeyError(f"{self.source} has no tensor {name!r}")
+    return self.reader(name, resolve_dtype(dtype))
+
+  def materialize(self, dtype=np.float32) -> Checkpoint:
+    """Every tensor read into a `Checkpoint`."""
+    dtype = resolve_dtype(dtype)
+    return Checkpoint(
+        architecture=self.architecture,
+        config=self.config,
+        tensors={n: self.reader(n, dtype) for n in self.shapes},
+        source=self.source,
+        gguf_reader=self.gguf_reader,
+    )
+
+  def __repr__(self) -> str:
+    return (
+        f"LazyCheckpoint(architecture={self.architecture!r}, "
+        f"source={self.source!r}, tensors={len(self.shapes)}, "
+        f"parameters={self.num_parameters:,})"
     )
 
 

@@ -4,7 +4,9 @@ Supported GGUF architectures: those of the specs with a ``gguf`` part
 (:mod:`penzai_lm.checkpoints.specs`): ``llama`` (HF ``LlamaForCausalLM``) and
 ``gemma3`` (HF ``Gemma3ForCausalLM``). Tensors are dequantized once with
 ``gguf.quants.dequantize`` (any type gguf-py knows: F32/F16/BF16, Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, K-quants, ...) and converted to HF conventions:
+Q5_0, Q5_1, Q8_0, K-quants, ...), one tensor and a chunk of rows at a time
+(`open_gguf` checks the file and reads tensors on request; `read_gguf` reads
+them all), and converted to HF conventions:
 
 * GGUF lists shapes as ``[in, out]``; the numpy arrays are ``(out, in)``, which
   is already HF's ``nn.Linear`` layout.
@@ -28,6 +30,7 @@ public names are re-exported here.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -35,12 +38,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from penzai_lm.checkpoints import layout
+from penzai_lm.checkpoints.architectures import spec_for
 from penzai_lm.checkpoints.architectures import unsupported_architecture_message
 from penzai_lm.checkpoints.checkpoint import Checkpoint
 from penzai_lm.checkpoints.checkpoint import CheckpointError
+from penzai_lm.checkpoints.checkpoint import LazyCheckpoint
 from penzai_lm.checkpoints.checkpoint import check_path_exists
 from penzai_lm.checkpoints.checkpoint import resolve_dtype
-from penzai_lm.checkpoints.checkpoint import to_dtype
 from penzai_lm.checkpoints.config_normalization import normalize_config
 from penzai_lm.checkpoints.gguf_file import GGUF_MAGIC
 from penzai_lm.checkpoints.gguf_file import open_checked
@@ -49,9 +53,10 @@ from penzai_lm.checkpoints.gguf_metadata import config_from_gguf
 from penzai_lm.checkpoints.gguf_metadata import llama3_rope_scaling
 from penzai_lm.checkpoints.gguf_metadata import read_gguf_architecture
 from penzai_lm.checkpoints.gguf_tensors import dequantize
+from penzai_lm.checkpoints.gguf_tensors import hf_conventions
 from penzai_lm.checkpoints.gguf_tensors import hf_tensor_name
 from penzai_lm.checkpoints.gguf_tensors import permute_rows
-from penzai_lm.checkpoints.gguf_tensors import to_hf_values
+from penzai_lm.checkpoints.gguf_tensors import read_gguf_tensor
 from penzai_lm.checkpoints.gguf_tensors import unpermute_rows
 from penzai_lm.checkpoints.spec_types import ArchitectureSpec
 from penzai_lm.checkpoints.specs import GEMMA3_ROPE_LOCAL_BASE_FREQ
@@ -134,6 +139,77 @@ def _with_rope_freqs(
   return normalize_config(spec, raw, source=f"GGUF file {path}")
 
 
+def _read_tensor(
+    path: Path, spec: ArchitectureSpec, config: dict, tensors: dict,
+    name: str, dtype: np.dtype,
+) -> np.ndarray:
+  """HF tensor ``name``; ``tensors`` maps HF names to (GGUF name, tensor)."""
+  gname, t = tensors[name]
+  unpermute, offset = hf_conventions(
+      spec, gname, name, config["num_attention_heads"],
+      config["num_key_value_heads"],
+  )
+  return read_gguf_tensor(
+      path, t, dtype, unpermute_heads=unpermute, norm_offset=offset
+  )
+
+
+def open_gguf(
+    path: str | os.PathLike,
+    *,
+    specs: Sequence[ArchitectureSpec] = SPECS,
+) -> LazyCheckpoint:
+  """Checks a GGUF model file; reads no tensor data but ``rope_freqs``.
+
+  The file's layout, metadata, config and tensor shapes are checked as
+  `read_gguf` checks them; `LazyCheckpoint.read` then dequantizes one
+  tensor at a time.
+
+  Args:
+    path: Path to a ``.gguf`` file of an architecture of ``specs``.
+    specs: The architectures to recognize (default: the built-in ones).
+
+  Returns:
+    The checkpoint, with ``gguf_reader`` set to the open reader.
+
+  Raises:
+    As `read_gguf`, except for the errors about tensor data.
+  """
+  # Fail with ImportError up front if gguf-py is missing, rather than as a
+  # "corrupt file" error from inside the reader.
+  import gguf  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+
+  path = check_path_exists(path, "GGUF file")
+  reader, spec = _open_supported(path, specs)
+  by_name = {t.name: t for t in reader.tensors}
+  if "token_embd.weight" not in by_name:
+    raise CheckpointError(f"GGUF file {path} has no token_embd.weight tensor")
+  vocab = int(by_name["token_embd.weight"].shape[-1])
+  config = config_from_gguf(reader, spec, set(by_name), vocab)
+  hf_names, extra_gguf = _hf_names(spec, by_name, path)
+  if "rope_freqs.weight" in extra_gguf:
+    config = _with_rope_freqs(
+        spec, config, extra_gguf["rope_freqs.weight"], path
+    )
+
+  # Config against the tensors' shapes before the (slow, memory-hungry)
+  # dequantization of any tensor.
+  shapes = {
+      hf: tuple(int(d) for d in reversed(by_name[g].shape.tolist()))
+      for g, hf in hf_names.items()
+  }
+  layout.validate_shapes(spec, config, shapes, str(path))
+  tensors = {hf: (g, by_name[g]) for g, hf in hf_names.items()}
+  return LazyCheckpoint(
+      architecture=spec.name,
+      config=config,
+      shapes=shapes,
+      source=str(path),
+      reader=functools.partial(_read_tensor, path, spec, config, tensors),
+      gguf_reader=reader,
+  )
+
+
 def read_gguf(
     path: str | os.PathLike,
     dtype=np.float32,
@@ -160,51 +236,10 @@ def read_gguf(
       sizes that disagree with the tensors, NaN/inf weights (named by
       tensor).
   """
-  # Fail with ImportError up front if gguf-py is missing, rather than as a
-  # "corrupt file" error from inside the reader.
-  import gguf  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
-
   dtype = resolve_dtype(dtype)
-  path = check_path_exists(path, "GGUF file")
-  reader, spec = _open_supported(path, specs)
-  by_name = {t.name: t for t in reader.tensors}
-  if "token_embd.weight" not in by_name:
-    raise CheckpointError(f"GGUF file {path} has no token_embd.weight tensor")
-  vocab = int(by_name["token_embd.weight"].shape[-1])
-  config = config_from_gguf(reader, spec, set(by_name), vocab)
-  hf_names, extra_gguf = _hf_names(spec, by_name, path)
-  if "rope_freqs.weight" in extra_gguf:
-    config = _with_rope_freqs(
-        spec, config, extra_gguf["rope_freqs.weight"], path
-    )
-
-  # Config against the tensors' shapes before the (slow, memory-hungry)
-  # dequantization of every tensor.
-  layout.validate_shapes(
-      spec,
-      config,
-      {
-          hf: tuple(reversed(by_name[g].shape.tolist()))
-          for g, hf in hf_names.items()
-      },
-      str(path),
-  )
-  heads = config["num_attention_heads"]
-  kv_heads = config["num_key_value_heads"]
-  tensors: dict[str, np.ndarray] = {}
-  for gname, hf in hf_names.items():
-    arr = dequantize(by_name[gname], path)
-    arr = to_hf_values(spec, gname, hf, arr, heads, kv_heads)
-    tensors[hf] = to_dtype(arr, dtype)
-
-  ckpt = Checkpoint(
-      architecture=spec.name,
-      config=config,
-      tensors=tensors,
-      source=str(path),
-      gguf_reader=reader,
-  )
-  layout.validate(ckpt, spec)
+  lazy = open_gguf(path, specs=specs)
+  ckpt = lazy.materialize(dtype)
+  layout.validate(ckpt, spec_for(lazy.architecture, specs))
   return ckpt
 
 
@@ -214,6 +249,7 @@ __all__ = [
     "GGUF_MAGIC",
     "SUPPORTED_GGUF_ARCHITECTURES",
     "hf_tensor_name",
+    "open_gguf",
     "open_gguf_reader",
     "permute_rows",
     "read_gguf",

@@ -5,13 +5,16 @@ Supported classes: those of the architecture specs
 Qwen2ForCausalLM, Gemma3ForCausalLM (also the text part of
 Gemma3ForConditionalGeneration) and GPT2LMHeadModel. The spec says which
 classes and ``model_type`` values select it, and which tensors to drop or
-rename. No torch is needed: tensors are read with
-``safetensors.safe_open(framework="np")``; bfloat16 tensors (which numpy cannot
-name) are read straight from the file's byte layout as ``ml_dtypes.bfloat16``.
+rename. No torch is needed: tensors are read one at a time by
+:mod:`~penzai_lm.checkpoints.safetensors_io`.
+
+`open_hf_dir` checks a directory without reading tensor data and returns a
+`LazyCheckpoint`; `read_hf_dir` reads every tensor of it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -19,22 +22,24 @@ import struct
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from penzai_lm.checkpoints import layout
+from penzai_lm.checkpoints.architectures import spec_for
 from penzai_lm.checkpoints.checkpoint import CORRUPT_HINT
 from penzai_lm.checkpoints.checkpoint import Checkpoint
 from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.checkpoint import CheckpointFileNotFoundError
+from penzai_lm.checkpoints.checkpoint import LazyCheckpoint
 from penzai_lm.checkpoints.checkpoint import check_path_exists
 from penzai_lm.checkpoints.checkpoint import resolve_dtype
-from penzai_lm.checkpoints.checkpoint import to_dtype
+from penzai_lm.checkpoints.safetensors_io import TensorLocation
+from penzai_lm.checkpoints.safetensors_io import check_float_dtypes
+from penzai_lm.checkpoints.safetensors_io import read_tensor
 from penzai_lm.checkpoints.spec_types import ArchitectureSpec
 from penzai_lm.checkpoints.spec_types import frozen_map
 from penzai_lm.checkpoints.specs import SPECS
 from penzai_lm.checkpoints.validation import CONFIG_HINT
-from penzai_lm.checkpoints.validation import check_finite
 from penzai_lm.checkpoints.validation import check_layer_count
 from penzai_lm.checkpoints.validation import check_safetensors_header
 from penzai_lm.checkpoints.validation import layer_indices
@@ -58,13 +63,6 @@ def _model_type_table(
 SUPPORTED_HF_CLASSES: Mapping[str, str] = frozen_map(
     {cls: spec.name for cls, spec in _class_table(SPECS).items()}
 )
-
-_SAFETENSORS_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-}
 
 # Non-parameter buffers some checkpoints of any architecture carry.
 _ROTARY_BUFFER = re.compile(r"\.rotary_emb\.inv_freq$")  # old llama files
@@ -183,52 +181,6 @@ def _read_header(file: Path) -> tuple[dict[str, Any], int]:
   return check_safetensors_header(str(file), header, 8 + n, size), 8 + n
 
 
-def _read_safetensors(
-    file: Path, names: dict[str, str], entries: dict[str, Any], base: int,
-    dtype: np.dtype,
-) -> dict[str, np.ndarray]:
-  """Reads tensors ``names`` (file name -> canonical name) of one file.
-
-  Each is checked for NaN/inf as it is converted, while it is in cache.
-  """
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-
-  out: dict[str, np.ndarray] = {}
-  raw_names = []
-  try:
-    with safe_open(str(file), framework="np") as f:
-      for name in names:
-        kind = entries[name]["dtype"]
-        if kind == "BF16":
-          raw_names.append(name)  # numpy cannot name bf16: read raw below
-          continue
-        if kind not in _SAFETENSORS_DTYPES:
-          raise CheckpointError(
-              f"{file}: tensor {name!r} has dtype {kind}; only floating-point"
-              " (F32/F16/BF16/F64) weights are supported"
-          )
-        out[names[name]] = to_dtype(f.get_tensor(name), dtype)
-        check_finite(out[names[name]], f"{file}: tensor {name!r}")
-    if raw_names:
-      mm = np.memmap(file, dtype=np.uint8, mode="r")
-      for name in raw_names:
-        info = entries[name]
-        start, end = info["data_offsets"]
-        buf = mm[base + start : base + end]
-        arr = np.frombuffer(buf, dtype=ml_dtypes.bfloat16).reshape(info["shape"])
-        out[names[name]] = np.array(to_dtype(arr, dtype))  # copy off the mmap
-        check_finite(out[names[name]], f"{file}: tensor {name!r}")
-      del mm
-  except CheckpointError:
-    raise
-  except Exception as e:  # SafetensorError, OSError, ...
-    raise CheckpointError(
-        f"Cannot read safetensors file {file}: {type(e).__name__}: {e};"
-        f" {CORRUPT_HINT}"
-    ) from e
-  return out
-
-
 def _canonical_namer(spec: ArchitectureSpec):
   """File tensor name -> plain CausalLM state_dict name, or None to drop."""
   dropped = [_ROTARY_BUFFER, *(re.compile(p) for p in spec.hf.dropped_tensors)]
@@ -303,34 +255,35 @@ def _text_config(
   return text
 
 
-def read_hf_dir(
+def _read_tensor(
+    locations: dict[str, TensorLocation], name: str, dtype: np.dtype
+) -> np.ndarray:
+  """Canonical tensor ``name``, from where ``locations`` says it is."""
+  return read_tensor(locations[name], dtype)
+
+
+def open_hf_dir(
     path: str | os.PathLike,
-    dtype=np.float32,
     *,
     specs: Sequence[ArchitectureSpec] = SPECS,
-) -> Checkpoint:
-  """Reads a Hugging Face model directory into a canonical :class:`Checkpoint`.
+) -> LazyCheckpoint:
+  """Checks a Hugging Face model directory; reads no tensor data.
 
   Everything is checked before it is trusted, in an order that keeps a bad
   file cheap: safetensors headers against their files, then the config's
   layer count and values against the tensors the headers list, then the
-  shapes the config implies against the headers' shapes; only then is any
-  tensor data read (and checked for NaN/inf).
+  shapes the config implies against the headers' shapes, then the
+  tensors' dtypes. Tensor data is read (and checked for NaN/inf) by
+  `LazyCheckpoint.read`, one tensor at a time.
 
   Args:
     path: Directory with ``config.json`` and ``model.safetensors`` (or a
       sharded ``model.safetensors.index.json`` with its shards).
-    dtype: float32 (default) or bfloat16.
     specs: The architectures to recognize (default: the built-in ones).
 
   Raises:
-    CheckpointFileNotFoundError (a FileNotFoundError and a CheckpointError):
-      the directory, config.json, the weights or a shard are missing.
-    CheckpointError (a ValueError): unsupported architecture, unreadable or
-      corrupt files, nonsensical config values, a config that disagrees with
-      the tensors, NaN/inf weights.
+    As `read_hf_dir`, except for the errors about tensor data.
   """
-  dtype = resolve_dtype(dtype)
   path = check_path_exists(path, "Model directory")
   if not path.is_dir():
     raise CheckpointError(
@@ -358,21 +311,47 @@ def read_hf_dir(
     for _, _, keep in headers.values():
       for name in [n for n, c in keep.items() if c == "lm_head.weight"]:
         del keep[name]
-  layout.validate_shapes(
-      spec,
-      config,
-      {
-          c: entries[name]["shape"]
-          for entries, _, keep in headers.values()
-          for name, c in keep.items()
-      },
-      str(path),
+  locations = {
+      c: TensorLocation(file, name, entries[name], base)
+      for file, (entries, base, keep) in headers.items()
+      for name, c in keep.items()
+  }
+  shapes = {c: tuple(loc.entry["shape"]) for c, loc in locations.items()}
+  layout.validate_shapes(spec, config, shapes, str(path))
+  check_float_dtypes(locations.values())
+  return LazyCheckpoint(
+      architecture=spec.name, config=config, shapes=shapes, source=str(path),
+      reader=functools.partial(_read_tensor, locations),
   )
-  tensors: dict[str, np.ndarray] = {}
-  for file, (entries, base, keep) in headers.items():
-    tensors.update(_read_safetensors(file, keep, entries, base, dtype))
-  ckpt = Checkpoint(
-      architecture=spec.name, config=config, tensors=tensors, source=str(path)
-  )
-  layout.validate(ckpt, spec)
+
+
+def read_hf_dir(
+    path: str | os.PathLike,
+    dtype=np.float32,
+    *,
+    specs: Sequence[ArchitectureSpec] = SPECS,
+) -> Checkpoint:
+  """Reads a Hugging Face model directory into a canonical :class:`Checkpoint`.
+
+  Everything is checked before it is trusted, in an order that keeps a bad
+  file cheap (see `open_hf_dir`); only then is any tensor data read (and
+  checked for NaN/inf).
+
+  Args:
+    path: Directory with ``config.json`` and ``model.safetensors`` (or a
+      sharded ``model.safetensors.index.json`` with its shards).
+    dtype: float32 (default) or bfloat16.
+    specs: The architectures to recognize (default: the built-in ones).
+
+  Raises:
+    CheckpointFileNotFoundError (a FileNotFoundError and a CheckpointError):
+      the directory, config.json, the weights or a shard are missing.
+    CheckpointError (a ValueError): unsupported architecture, unreadable or
+      corrupt files, nonsensical config values, a config that disagrees with
+      the tensors, NaN/inf weights.
+  """
+  dtype = resolve_dtype(dtype)
+  lazy = open_hf_dir(path, specs=specs)
+  ckpt = lazy.materialize(dtype)
+  layout.validate(ckpt, spec_for(lazy.architecture, specs))
   return ckpt

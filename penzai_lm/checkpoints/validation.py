@@ -27,12 +27,12 @@ import math
 import numbers
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from penzai_lm.checkpoints.checkpoint import CORRUPT_HINT
 from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.spec_types import ArchitectureSpec
+from penzai_lm.checkpoints.tensor_io import all_finite
 
 # The deepest public LMs have ~130 layers; anything past this is a corrupt or
 # hostile config, and checking it up front keeps per-layer loops short.
@@ -408,21 +408,13 @@ def _check_divisibility(
 # ---- Weights ---------------------------------------------------------------
 
 
-def _all_finite(arr: np.ndarray) -> bool:
-  if arr.dtype == np.dtype(ml_dtypes.bfloat16):
-    # NaN/inf are the bf16 values whose exponent bits are all set; testing
-    # the bits is faster than ml_dtypes' isfinite.
-    return not bool(((arr.view(np.uint16) & 0x7F80) == 0x7F80).any())
-  return bool(np.isfinite(arr).all())
-
-
 def check_finite(arr: np.ndarray, where: str) -> None:
   """Raises if ``arr`` holds NaN or inf; ``where`` names file and tensor.
 
-  One vectorized pass per tensor (~1 ns per value); the counts in the message
-  are only computed on failure.
+  One pass per tensor in cache-sized steps (~1.5 ns per value); the counts
+  in the message are only computed on failure.
   """
-  if _all_finite(arr):
+  if all_finite(arr):
     return
   values = np.asarray(arr, dtype=np.float32).reshape(-1)
   nan = int(np.isnan(values).sum())

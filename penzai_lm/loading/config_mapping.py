@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from penzai_lm.checkpoints import Checkpoint
+from penzai_lm.checkpoints import LazyCheckpoint
 from penzai_lm.loading.families import ADAPTERS
 from penzai_lm.loading.families import FamilyAdapter
 from penzai_lm.loading.families import adapter_for
@@ -49,7 +50,7 @@ def _size_fields(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_checkpoint(
-    checkpoint: Checkpoint,
+    checkpoint: Checkpoint | LazyCheckpoint,
     *,
     dtype=jnp.float32,
     use_layer_stack: bool = True,
@@ -58,7 +59,8 @@ def config_from_checkpoint(
   """The `TransformerConfig` of a checkpoint.
 
   Args:
-    checkpoint: A checkpoint in canonical (Hugging Face) form.
+    checkpoint: A checkpoint in canonical (Hugging Face) form, read or
+      opened (only its architecture and config are used).
     dtype: Dtype of parameters and activations.
     use_layer_stack: Whether the model scans over a layer stack.
     adapters: Architecture name -> family adapter (default: the built-in

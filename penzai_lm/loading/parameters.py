@@ -1,26 +1,193 @@
 """Turns canonical (Hugging Face) tensors into the model's parameters.
 
 The family adapter (`penzai_lm.loading.families`) maps tensor names and
-layouts to parameter labels; this module casts them, and stacks the blocks'
-tensors along ``blocks`` when the model uses a layer stack.
+layouts to parameter labels; this module reads the tensors one at a time,
+casts them, stacks the blocks' tensors along ``blocks`` when the model uses
+a layer stack, and places each finished parameter on the device before the
+next one is read. Its conventions:
+
+* Adapters look tensors up in a mapping that reads a tensor when it is
+  looked up (`_Tensors`). Vectors (norm scales, biases) come as float32, so
+  that an adapter's norm offset (Gemma's ``1 + w``) rounds once, as it
+  always did; matrices come in the parameter dtype, and adapters only
+  rearrange them (reshape, transpose, slice), which commutes with the cast.
+  So the parameters are bitwise those of casting the float32 checkpoint,
+  and a bfloat16 file loads as bfloat16 without a float32 copy.
+* Every finished array is C-contiguous and 64-byte aligned
+  (`penzai_lm.checkpoints.tensor_io`) and goes through one hook,
+  ``place(label, axes, array) -> jax.Array`` (`Place`; by default
+  `place_on_default_device`, which on CPU aliases the array instead of
+  copying it). ``label`` is the full parameter label, ``axes`` its axis
+  names: what a sharding rule needs.
+* A layer-stacked parameter is one ``(num_layers, ...)`` buffer, filled
+  layer by layer as the blocks are read and placed when full, so no
+  per-layer copies are stacked afterwards. One block's tensors are in
+  flight at a time.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Callable, Iterator, Mapping
 
+import jax
 import numpy as np
 from penzai import pz
 
 from penzai_lm.checkpoints import Checkpoint
+from penzai_lm.checkpoints import LazyCheckpoint
+from penzai_lm.checkpoints.tensor_io import aligned_empty
+from penzai_lm.checkpoints.tensor_io import copy_into
+from penzai_lm.checkpoints.tensor_io import is_aligned
 from penzai_lm.loading.families import ADAPTERS
 from penzai_lm.loading.families import FamilyAdapter
 from penzai_lm.loading.families import adapter_for
 from penzai_lm.model import TransformerConfig
 
+# ``place(label, axes, array) -> jax.Array``: puts one finished parameter
+# (a host array of the parameter dtype) where it belongs.
+Place = Callable[[str, tuple[str, ...], np.ndarray], jax.Array]
+
+
+def place_on_default_device(
+    label: str, axes: tuple[str, ...], array: np.ndarray
+) -> jax.Array:
+  """The default `Place`: ``jax.device_put`` onto the default device."""
+  del label, axes  # One device: nothing to decide.
+  return jax.device_put(array)
+
+
+class _Tensors(Mapping[str, np.ndarray]):
+  """A checkpoint's tensors for an adapter, read when looked up.
+
+  Every lookup reads (and the caller owns) a new array: vectors as
+  ``vector_dtype`` (None: as stored, for eager checkpoints), matrices as
+  ``dtype``.
+  """
+
+  def __init__(self, source, dtype: np.dtype, vector_dtype,
+               on_read: Callable[[int], Any]):
+    self._source, self._dtype = source, dtype
+    self._vector_dtype, self._on_read = vector_dtype, on_read
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    shape = self._source.shapes[name]
+    dtype = self._vector_dtype if len(shape) <= 1 else self._dtype
+    array = self._source.read(name, dtype)
+    self._on_read(array.size * self._dtype.itemsize)
+    return array
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._source.shapes)
+
+  def __len__(self) -> int:
+    return len(self._source.shapes)
+
+
+class _EagerSource:
+  """A `Checkpoint` read like a `LazyCheckpoint` (copies, not views)."""
+
+  def __init__(self, checkpoint: Checkpoint):
+    self.architecture = checkpoint.architecture
+    self._tensors = checkpoint.tensors
+    self.shapes = {n: tuple(t.shape) for n, t in checkpoint.tensors.items()}
+
+  def read(self, name: str, dtype=None) -> np.ndarray:
+    return np.array(self._tensors[name], dtype=dtype)  # None: as stored
+
+
+def _finished(data: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """``data`` as a C-contiguous aligned array of ``dtype``; no copy if it is
+  one already (a buffer the loader read and owns)."""
+  data = np.asarray(data)
+  if data.dtype == dtype and is_aligned(data):
+    return data
+  out = aligned_empty(data.shape, dtype)
+  copy_into(out, data)
+  return out
+
+
+def _fill_stacks(adapter, config, tensors, dtype, stacks) -> None:
+  """Reads the blocks one by one into ``stacks``: key -> (buffer, axes)."""
+  n = config.num_layers
+  for i in range(n):
+    layer = adapter.layer_tensors(config, tensors, i)
+    if i and set(layer) != set(stacks):
+      raise ValueError(
+          f"Block {i} has parameters {sorted(layer)}, block 0"
+          f" {sorted(stacks)}: they cannot be stacked."
+      )
+    for key in list(layer):
+      data, axes = layer.pop(key)  # Dropped after the copy: one in flight.
+      if i == 0:
+        stacks[key] = (aligned_empty((n, *data.shape), dtype), tuple(axes))
+      buffer = stacks[key][0]
+      if tuple(data.shape) != buffer.shape[1:]:
+        raise ValueError(
+            f"Block {i}'s {key} has shape {tuple(data.shape)}, block 0's"
+            f" {buffer.shape[1:]}: they cannot be stacked."
+        )
+      copy_into(buffer[i], data)
+      del data
+
+
+def stream_parameters(
+    source: LazyCheckpoint | Checkpoint,
+    config: TransformerConfig,
+    name: str = "transformer",
+    *,
+    adapters: Mapping[str, FamilyAdapter] = ADAPTERS,
+    place: Place = place_on_default_device,
+    on_read: Callable[[int], Any] = lambda nbytes: None,
+) -> list[pz.Parameter]:
+  """Parameters for ``build_transformer(config)``, one tensor at a time.
+
+  Args:
+    source: The checkpoint: a `LazyCheckpoint` (read as it goes) or a
+      `Checkpoint`.
+    config: The configuration derived from it.
+    name: The model's parameter label prefix.
+    adapters: Architecture name -> family adapter (default: the built-in
+      ones).
+    place: Puts each finished parameter on its device(s).
+    on_read: Called with the bytes (in the parameter dtype) of each tensor
+      read, e.g. a progress bar's ``update``.
+
+  Returns:
+    Parameters to bind with ``pz.bind_variables``.
+  """
+  adapter = adapter_for(source.architecture, adapters)
+  dtype = np.dtype(config.parameter_dtype)
+  if isinstance(source, Checkpoint):
+    source, vector_dtype = _EagerSource(source), None
+  else:
+    vector_dtype = np.dtype(np.float32)
+  tensors = _Tensors(source, dtype, vector_dtype, on_read)
+
+  def make(label, data, axes):
+    label, axes = f"{name}/{label}", tuple(axes)
+    value = place(label, axes, _finished(data, dtype))
+    return pz.Parameter(value=pz.nx.wrap(value).tag(*axes), label=label)
+
+  params = []
+  outside = adapter.global_tensors(config, tensors)
+  for key in list(outside):
+    params.append(make(key, *outside.pop(key)))
+  if config.use_layer_stack:
+    stacks = {}
+    _fill_stacks(adapter, config, tensors, dtype, stacks)
+    for key in list(stacks):
+      buffer, axes = stacks.pop(key)
+      params.append(make(f"blocks/{key}", buffer, ("blocks", *axes)))
+  else:
+    for i in range(config.num_layers):
+      layer = adapter.layer_tensors(config, tensors, i)
+      for key in list(layer):
+        params.append(make(f"block_{i}/{key}", *layer.pop(key)))
+  return params
+
 
 def parameters_from_checkpoint(
-    checkpoint: Checkpoint,
+    checkpoint: Checkpoint | LazyCheckpoint,
     config: TransformerConfig,
     name: str = "transformer",
     *,
@@ -29,30 +196,14 @@ def parameters_from_checkpoint(
   """Parameters for a model built by ``build_transformer(config)``.
 
   Args:
-    checkpoint: The checkpoint, in canonical (Hugging Face) form.
+    checkpoint: The checkpoint, in canonical (Hugging Face) form: read
+      (`read_checkpoint`) or opened (`open_checkpoint`).
     config: The configuration derived from it.
     name: The model's parameter label prefix.
     adapters: Architecture name -> family adapter (default: the built-in
       ones).
 
   Returns:
-    Parameters to bind with ``pz.bind_variables``.
+    Parameters to bind with ``pz.bind_variables``, on the default device.
   """
-  adapter = adapter_for(checkpoint.architecture, adapters)
-  t = checkpoint.tensors
-  dtype = np.dtype(config.parameter_dtype)
-  layers = [adapter.layer_tensors(config, t, i) for i in range(config.num_layers)]
-
-  def make(label, data, axes):
-    data = np.ascontiguousarray(np.asarray(data).astype(dtype))
-    return pz.Parameter(value=pz.nx.wrap(data).tag(*axes), label=f"{name}/{label}")
-
-  params = [make(k, *v) for k, v in adapter.global_tensors(config, t).items()]
-  if config.use_layer_stack:
-    for key, (_, axes) in layers[0].items():
-      stacked = np.stack([layer[key][0] for layer in layers])
-      params.append(make(f"blocks/{key}", stacked, ("blocks", *axes)))
-  else:
-    for i, layer in enumerate(layers):
-      params.extend(make(f"block_{i}/{k}", *v) for k, v in layer.items())
-  return params
+  return stream_parameters(checkpoint, config, name, adapters=adapters)

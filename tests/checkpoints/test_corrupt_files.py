@@ -23,6 +23,7 @@ from penzai_lm.checkpoints import expected_tensor_shapes
 from penzai_lm.checkpoints import gguf_reader
 from penzai_lm.checkpoints import hf_reader
 from penzai_lm.checkpoints import normalize_config
+from penzai_lm.checkpoints import open_checkpoint
 from penzai_lm.checkpoints import read_checkpoint
 from penzai_lm.checkpoints.checkpoint import CheckpointFileNotFoundError
 from tests.checkpoints import corrupt_file_builders as b
@@ -207,6 +208,10 @@ def test_config_errors_come_before_reading_tensor_data(
     raise AssertionError("tensor data read before the config was checked")
 
   monkeypatch.setattr(gguf_reader, "dequantize", no_data)
-  monkeypatch.setattr(hf_reader, "_read_safetensors", no_data)
+  monkeypatch.setattr(gguf_reader, "read_gguf_tensor", no_data)
+  monkeypatch.setattr(hf_reader, "read_tensor", no_data)
+  path = build(tmp_path)
   with pytest.raises(CheckpointError):
-    read_checkpoint(build(tmp_path))
+    read_checkpoint(path)
+  with pytest.raises(CheckpointError):  # the streaming loader's entry point
+    open_checkpoint(path)

@@ -46,6 +46,12 @@ class FamilyAdapter:
       parameters outside the blocks (embeddings, final norm, output head).
     layer_tensors: ``(config, tensors, layer) -> {label: Tensor}`` for one
       block; labels are relative to the block (``attention/query.weights``).
+
+  When loading, ``tensors`` reads a tensor when it is looked up (look each
+  up once): vectors come as float32, matrices in the parameter dtype
+  (`penzai_lm.loading.parameters`). Arithmetic belongs on vectors (a norm
+  offset); matrices are only rearranged (reshape, transpose, slice), so that
+  a bfloat16 load equals casting the float32 one.
   """
 
   config_fields: Callable[[str, dict[str, Any]], dict[str, Any]]
