@@ -97,7 +97,39 @@ def mesh_checks() -> dict:
     penzai_lm.shard(model, three)
   except ValueError as e:
     out["not_dividing"] = str(e)
+  out["load"] = _load_checks(jax.make_mesh(MESHES["2x4"], ("data", "model")))
   return out
+
+
+def _load_checks(mesh) -> dict:
+  """`load(..., mesh=)` puts each tensor on its shards as it reads it: the
+  same model as loading, then `shard`."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  from tests.loading.synthetic_checkpoints import write_random_llama  # pylint: disable=g-import-not-at-top
+
+  with tempfile.TemporaryDirectory() as tmp:
+    path = write_random_llama(tmp, dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4),
+        kind="F32", shards=1)
+    direct = penzai_lm.load_model(path, mesh=mesh)
+    after = penzai_lm.shard(penzai_lm.load_model(path), mesh)
+  values = lambda m: (pz.select(m).at_instances_of(pz.ParameterValue)  # noqa: E731
+                      .get_sequence())
+  pairs = list(zip(values(direct), values(after)))
+  return dict(
+      count=len(pairs),
+      same_labels=all(a.label == b.label for a, b in pairs),
+      same_shardings=all(a.value.data_array.sharding.is_equivalent_to(
+          b.value.data_array.sharding, a.value.data_array.ndim)
+                         for a, b in pairs),
+      split=sum(len(a.value.data_array.sharding.device_set) == 8
+                and not a.value.data_array.sharding.is_fully_replicated
+                for a, _ in pairs),
+      max_diff=max(float(np.abs(np.asarray(a.value.data_array)
+                                - np.asarray(b.value.data_array)).max())
+                   for a, b in pairs))
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +182,21 @@ def test_a_mesh_axis_that_does_not_divide_is_named(results):
   assert "'transformer/embedder.embeddings'" in message
   assert "'vocabulary' of size 128" in message and "3 devices" in message
   assert "rules={'vocabulary': None}" in message
+
+
+def test_load_places_each_tensor_on_its_shards(results):
+  load = results["load"]
+  assert load["count"] > 0 and load["same_labels"] and load["same_shardings"]
+  assert load["split"] > 0  # Some weights are split, not all replicated.
+  assert load["max_diff"] == 0.0
+
+
+def test_load_checks_mesh_and_rules_before_reading(tmp_path):
+  # Nothing is read: the path does not even have to hold a checkpoint.
+  with pytest.raises(ValueError, match="rules= needs mesh="):
+    penzai_lm.load_model(tmp_path, rules={"vocabulary": None})
+  with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+    penzai_lm.load_model(tmp_path, mesh=("data", "model"))
 
 
 # In-process: rules and validation on a mesh over the one CPU device.

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from penzai import pz
@@ -30,7 +31,9 @@ from penzai_lm.loading.parameters import stream_parameters
 from penzai_lm.loading.progress import progress_bar
 from penzai_lm.loading.progress import show_progress
 from penzai_lm.model import TransformerLM
+from penzai_lm import sharding
 from penzai_lm.model import build_transformer
+from penzai_lm.sharding import ShardingRules
 from penzai_lm.tokenizer import Tokenizer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -55,11 +58,14 @@ def load_model(
     adapters: Mapping[str, FamilyAdapter] = ADAPTERS,
     freeze: bool = True,
     progress: bool | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: ShardingRules | Mapping[str, Any] | None = None,
 ) -> TransformerLM:
   """Loads a model without its tokenizer; arguments as for `load`."""
   return _load(
       name_or_path, dtype, use_layer_stack, specs, adapters,
       with_tokenizer=False, freeze=freeze, progress=progress,
+      place=_placement(mesh, rules),
   )[0]
 
 
@@ -72,6 +78,8 @@ def load(
     adapters: Mapping[str, FamilyAdapter] = ADAPTERS,
     freeze: bool = True,
     progress: bool | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: ShardingRules | Mapping[str, Any] | None = None,
 ) -> tuple[TransformerLM, Tokenizer]:
   """Loads a model and its tokenizer.
 
@@ -97,6 +105,11 @@ def load(
     progress: Show a progress bar on stderr for loads longer than a few
       seconds. None (the default): only when stderr is a terminal, unless
       the ``PENZAI_LM_PROGRESS`` environment variable says "0" or "1".
+    mesh: A ``jax.sharding.Mesh`` to shard the model over: each tensor goes
+      straight to its shards as it is read (no whole copy on one device);
+      the result equals ``penzai_lm.shard(load(...), mesh, rules)``.
+    rules: With ``mesh``: the axis rules (`penzai_lm.sharding.resolve_rules`;
+      None for `penzai_lm.sharding.DEFAULT_RULES`).
 
   Returns:
     ``(model, tokenizer)``; ``model`` is the uncached `TransformerLM`.
@@ -104,7 +117,29 @@ def load(
   return _load(
       name_or_path, dtype, use_layer_stack, specs, adapters,
       with_tokenizer=True, freeze=freeze, progress=progress,
+      place=_placement(mesh, rules),
   )
+
+
+def _placement(mesh, rules) -> Place:
+  """Where each parameter goes: the default device, or its mesh shards.
+
+  The mesh and rules are checked here, before anything is read.
+  """
+  if mesh is None:
+    if rules is not None:
+      raise ValueError("rules= needs mesh=: pass the jax.sharding.Mesh to"
+                       " shard the model over.")
+    return place_on_default_device
+  mesh = sharding.check_mesh(mesh)
+  rules = sharding.resolve_rules(rules, mesh)
+
+  def place(label, axes, array):
+    where = sharding.parameter_sharding(
+        dict(zip(axes, array.shape)), mesh, rules, label=label)
+    return jax.device_put(array, where)
+
+  return place
 
 
 def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
