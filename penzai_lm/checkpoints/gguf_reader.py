@@ -1,8 +1,10 @@
 """Reads llama.cpp GGUF files into the canonical (Hugging Face) form.
 
 Supported GGUF architectures: those of the specs with a ``gguf`` part
-(:mod:`penzai_lm.checkpoints.specs`): ``llama`` (HF ``LlamaForCausalLM``) and
-``gemma3`` (HF ``Gemma3ForCausalLM``). Tensors are dequantized once with
+(:mod:`penzai_lm.checkpoints.specs`): ``llama`` (HF ``LlamaForCausalLM``, and
+Mistral, which llama.cpp writes as ``llama``), ``qwen2``, ``qwen3``, ``phi3``
+(fused ``attn_qkv`` / ``ffn_up`` kept as HF's ``qkv_proj`` / ``gate_up_proj``),
+``gemma2`` and ``gemma3``. Tensors are dequantized once with
 ``gguf.quants.dequantize`` (any type gguf-py knows: F32/F16/BF16, Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, K-quants, ...), one tensor and a chunk of rows at a time
 (`open_gguf` checks the file and reads tensors on request; `read_gguf` reads
@@ -11,9 +13,11 @@ them all), and converted to HF conventions:
 * GGUF lists shapes as ``[in, out]``; the numpy arrays are ``(out, in)``, which
   is already HF's ``nn.Linear`` layout.
 * llama.cpp permutes the rows of llama q/k projections (and biases) for its
-  interleaved-pair RoPE; they are un-permuted here to HF's rotate-half layout.
-* gemma3 files store RMSNorm weights as ``1 + w``; HF's Gemma3RMSNorm stores
-  ``w`` (and computes ``x * (1 + w)``), so 1 is subtracted (in float32).
+  interleaved-pair RoPE; they are un-permuted here to HF's rotate-half layout
+  (only llama: the other architectures are written unpermuted).
+* gemma2 and gemma3 files store RMSNorm weights as ``1 + w``; HF's Gemma
+  RMSNorms store ``w`` (and compute ``x * (1 + w)``), so 1 is subtracted (in
+  float32).
 * A missing ``output.weight`` means tied embeddings: no ``lm_head.weight`` and
   ``tie_word_embeddings=True``.
 
@@ -107,6 +111,11 @@ def _hf_names(
   unknown = []
   hf_names = {}
   for name in by_name:
+    if name in spec.gguf.refused_tensors:
+      raise CheckpointError(
+          f"GGUF file {path} ({spec.gguf.architecture}) has tensor {name!r}:"
+          f" it encodes {spec.gguf.refused_tensors[name]}"
+      )
     if name in spec.gguf.extra_tensors:
       extra_gguf[name] = by_name[name]
       continue
@@ -219,8 +228,8 @@ def read_gguf(
   """Reads a GGUF model file into a canonical :class:`Checkpoint`.
 
   Args:
-    path: Path to a ``.gguf`` file of architecture ``llama`` or ``gemma3``
-      (those of ``specs``).
+    path: Path to a ``.gguf`` file of a supported architecture (those of
+      ``specs``).
     dtype: float32 (default) or bfloat16 (``ml_dtypes.bfloat16``, or the
       strings "bfloat16"/"bf16").
     specs: The architectures to recognize (default: the built-in ones).

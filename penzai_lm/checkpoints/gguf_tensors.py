@@ -14,8 +14,8 @@ The conventions:
 * llama.cpp permutes the rows of llama q/k projections (and biases) for its
   interleaved-pair RoPE; they are un-permuted here to HF's rotate-half layout
   (``GGUFSpec.unpermute_qk``).
-* gemma3 files store RMSNorm weights as ``1 + w``; HF's Gemma3RMSNorm stores
-  ``w`` (and computes ``x * (1 + w)``), so 1 is subtracted (in float32)
+* gemma2/gemma3 files store RMSNorm weights as ``1 + w``; HF's Gemma RMSNorms
+  store ``w`` (and compute ``x * (1 + w)``), so 1 is subtracted (in float32)
   (``GGUFSpec.norm_offset``).
 
 Block tensor names come from the spec's ``GGUFSpec.block_names``.

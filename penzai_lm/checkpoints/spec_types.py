@@ -277,6 +277,9 @@ class GGUFSpec:
     fixed_config: Config values llama.cpp hard-codes for the architecture.
     optional_metadata: Further metadata copied when present.
     query_scale: How ``query_pre_attn_scalar`` is derived, or None.
+    refused_tensors: Tensor name -> the feature it encodes, which the model
+      does not implement; a file with such a tensor is refused with an error
+      naming the feature (Phi-3's ``rope_factors_long.weight``: LongRoPE).
   """
 
   architecture: str
@@ -292,9 +295,14 @@ class GGUFSpec:
   )
   optional_metadata: tuple[MetadataField, ...] = ()
   query_scale: GGUFQueryScale | None = None
+  refused_tensors: Mapping[str, str] = dataclasses.field(
+      default_factory=frozen_map
+  )
 
   def __post_init__(self):
-    _freeze_mappings(self, "block_names", "bias_flags", "fixed_config")
+    _freeze_mappings(
+        self, "block_names", "bias_flags", "fixed_config", "refused_tensors"
+    )
 
 
 # ---- The spec -------------------------------------------------------------

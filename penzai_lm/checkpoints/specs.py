@@ -57,6 +57,19 @@ _LLAMA_GGUF_BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 
+# Gemma's sandwich norms (gemma2, gemma3) on top of the Llama names.
+_GEMMA_GGUF_BLOCK = {
+    **_LLAMA_GGUF_BLOCK,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+# llama.cpp's converter permutes q/k rows only for the llama architecture
+# (which is also what it writes for MistralForCausalLM); qwen2, qwen3, gemma2,
+# gemma3 and phi3 keep HF's rotate-half rows, as transformers' GGUF loader
+# assumes (it un-permutes for "llama" only).
+
 # Defaults below are those of the transformers 5.x config classes.
 
 LLAMA = ArchitectureSpec(
@@ -90,6 +103,8 @@ LLAMA = ArchitectureSpec(
     ),
 )
 
+# No gguf part: llama.cpp's converter writes MistralForCausalLM as "llama"
+# (q/k permuted, no sliding window in that format), read by LLAMA's spec.
 MISTRAL = ArchitectureSpec(
     name="mistral",
     hf=HFSpec(classes=("MistralForCausalLM",), model_types=("mistral",)),
@@ -121,6 +136,12 @@ QWEN2 = ArchitectureSpec(
     rope=RopeSpec(theta=10000.0),
     sliding_layers=SlidingFromLayer(),
     layout=DecoderLayout(qkv_bias=True),
+    gguf=GGUFSpec(
+        architecture="qwen2",
+        block_names=_LLAMA_GGUF_BLOCK,
+        head_dim_keys=("attention.key_length", "rope.dimension_count"),
+        fixed_config={"hidden_act": "silu"},
+    ),
 )
 
 # Qwen3: Qwen2's config (no sliding window by default), no biases unless
@@ -136,6 +157,17 @@ QWEN3 = ArchitectureSpec(
     sliding_layers=SlidingFromLayer(),
     layout=DecoderLayout(
         qkv_bias="attention_bias", output_bias="attention_bias", qk_norm=True
+    ),
+    gguf=GGUFSpec(
+        architecture="qwen3",
+        block_names={
+            **_LLAMA_GGUF_BLOCK,
+            "attn_q_norm": "self_attn.q_norm",
+            "attn_k_norm": "self_attn.k_norm",
+        },
+        bias_flags={"attention_bias": "blk.0.attn_q.bias"},
+        head_dim_keys=("attention.key_length", "rope.dimension_count"),
+        fixed_config={"hidden_act": "silu"},
     ),
 )
 
@@ -156,6 +188,36 @@ PHI3 = ArchitectureSpec(
     ),
     rope=RopeSpec(theta=10000.0),
     layout=DecoderLayout(fused_qkv=True, fused_gate_up=True),
+    gguf=GGUFSpec(
+        architecture="phi3",
+        block_names={
+            "attn_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm",
+            "attn_qkv": "self_attn.qkv_proj",
+            "attn_output": "self_attn.o_proj",
+            "ffn_up": "mlp.gate_up_proj",  # gate, then up
+            "ffn_down": "mlp.down_proj",
+        },
+        fixed_config={"hidden_act": "silu"},
+        optional_metadata=(
+            # llama.cpp writes 0 for "no window".
+            MetadataField(
+                "attention.sliding_window", "sliding_window",
+                lambda v: int(v) or None,
+            ),
+            MetadataField(
+                "rope.scaling.original_context_length",
+                "original_max_position_embeddings", int,
+            ),
+        ),
+        refused_tensors={
+            name: "LongRoPE (the 128k-context Phi-3 models' rope_scaling with"
+            " long_factor / short_factor), which is not supported"
+            for name in (
+                "rope_factors_long.weight", "rope_factors_short.weight"
+            )
+        },
+    ),
 )
 
 # Gemma 2: Gemma 3's block without q/k norms; sliding and global layers
@@ -180,6 +242,30 @@ GEMMA2 = ArchitectureSpec(
     layout=DecoderLayout(
         qkv_bias="attention_bias", output_bias="attention_bias",
         sandwich_norms=True,
+    ),
+    gguf=GGUFSpec(
+        architecture="gemma2",
+        block_names=_GEMMA_GGUF_BLOCK,
+        # Gemma2RMSNorm computes x * (1 + w); llama.cpp stores 1 + w.
+        norm_offset=1.0,
+        bias_flags={"attention_bias": "blk.0.attn_q.bias"},
+        default_head_dim=256,
+        fixed_config={
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window_pattern": 2,  # llama.cpp: even layers slide
+        },
+        optional_metadata=(
+            MetadataField("attention.sliding_window", "sliding_window", int),
+            MetadataField(
+                "final_logit_softcapping", "final_logit_softcapping", float
+            ),
+            MetadataField(
+                "attn_logit_softcapping", "attn_logit_softcapping", float
+            ),
+        ),
+        # llama.cpp: 1/sqrt(head_dim), except Gemma 2 27B (46 layers), which
+        # uses 1/sqrt(hidden_size / num_heads) (its query_pre_attn_scalar 144).
+        query_scale=GGUFQueryScale(hidden_per_head_layer_counts=(46,)),
     ),
 )
 
@@ -225,19 +311,9 @@ GEMMA3 = ArchitectureSpec(
     gguf=GGUFSpec(
         architecture="gemma3",
         block_names={
-            "attn_norm": "input_layernorm",
-            "post_attention_norm": "post_attention_layernorm",
-            "ffn_norm": "pre_feedforward_layernorm",
-            "post_ffw_norm": "post_feedforward_layernorm",
-            "attn_q": "self_attn.q_proj",
-            "attn_k": "self_attn.k_proj",
-            "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj",
+            **_GEMMA_GGUF_BLOCK,
             "attn_q_norm": "self_attn.q_norm",
             "attn_k_norm": "self_attn.k_norm",
-            "ffn_gate": "mlp.gate_proj",
-            "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj",
         },
         # Gemma3RMSNorm computes x * (1 + w); llama.cpp stores 1 + w.
         norm_offset=1.0,

@@ -403,14 +403,16 @@ def test_corrupt_header(llama_mixed, tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-  w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+  w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
   w.add_block_count(1)
   w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  with pytest.raises(ValueError, match="'phi3'.*llama, gemma3"):
+  with pytest.raises(
+      ValueError, match="'phi2'.*llama, qwen2, qwen3, phi3, gemma2, gemma3"
+  ):
     read_gguf(tmp_path / "phi.gguf")
 
 
