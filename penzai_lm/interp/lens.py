@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import jax
 from penzai import pz
 
 from penzai_lm.model import TransformerLM
@@ -57,8 +58,9 @@ def unembed(model, resid: pz.nx.NamedArray, **side_inputs
   start = _index_of_point(layers, "final_norm")
   # The final norm sits right before its hook point.
   x = resid
-  for layer in layers[start - 1:]:
-    x = layer(x, **side_inputs)
+  with jax.default_matmul_precision(model.config.matmul_precision):
+    for layer in layers[start - 1:]:
+      x = layer(x, **side_inputs)
   return x
 
 
@@ -85,6 +87,7 @@ def logits_from_embeddings(model, embeddings: pz.nx.NamedArray, *,
   if token_positions is None:
     token_positions = pz.nx.arange("seq", embeddings.named_shape["seq"])
   x = embeddings
-  for layer in layers[1:]:
-    x = layer(x, token_positions=token_positions, **side_inputs)
+  with jax.default_matmul_precision(model.config.matmul_precision):
+    for layer in layers[1:]:
+      x = layer(x, token_positions=token_positions, **side_inputs)
   return x

@@ -146,13 +146,14 @@ class KVCachingTransformerLM(pz.nn.Layer):
       return write_at(buffer, update, "seq", end)
 
     kv_positions = write(slots, positions.astype(jnp.int32))
-    logits = self.body(
-        tokens,
-        token_positions=positions,
-        kv_token_positions=kv_positions,
-        cache_end_index=end,
-        **side_inputs,
-    )
+    with jax.default_matmul_precision(self.config.matmul_precision):
+      logits = self.body(
+          tokens,
+          token_positions=positions,
+          kv_token_positions=kv_positions,
+          cache_end_index=end,
+          **side_inputs,
+      )
     self.kv_positions.value = kv_positions
     self.previous_tokens.value = write(
         self.previous_tokens.value, tokens.astype(jnp.int32)

@@ -135,7 +135,9 @@ class TransformerLM(pz.nn.Layer):
       )
     if token_positions is None:
       token_positions = pz.nx.arange("seq", seq_len)
-    return self.body(tokens, token_positions=token_positions, **side_inputs)
+    with jax.default_matmul_precision(self.config.matmul_precision):
+      return self.body(tokens, token_positions=token_positions,
+                       **side_inputs)
 
 
 def leading_padding(tokens: pz.nx.NamedArray, pad_id: int) -> pz.nx.NamedArray:
