@@ -43,3 +43,20 @@ def pytest_unconfigure(config):
   cache = config.stash.get(_CACHE, None)
   if cache:
     shutil.rmtree(cache, ignore_errors=True)
+
+
+def _heavy(item) -> bool:
+  """Files that take minutes: the real-model parity tests and notebooks."""
+  return (item.get_closest_marker("slow") is not None
+          or str(item.path).endswith(".ipynb"))
+
+
+def pytest_collection_modifyitems(config, items):
+  """Heavy files first (a stable sort: the order is otherwise unchanged).
+
+  pytest-xdist hands whole files to its two workers in collection order;
+  with a minutes-long file collected late, one worker ran it alone at the
+  end (a fresh-clone run: 27.6 min of tests for 45 min of CPU).
+  """
+  del config
+  items.sort(key=lambda item: not _heavy(item))
