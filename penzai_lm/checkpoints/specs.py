@@ -65,6 +65,13 @@ _GEMMA_GGUF_BLOCK = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 
+# Metadata both Gemma GGUF architectures may carry.
+_GEMMA_GGUF_METADATA = (
+    MetadataField("attention.sliding_window", "sliding_window", int),
+    MetadataField("final_logit_softcapping", "final_logit_softcapping", float),
+    MetadataField("attn_logit_softcapping", "attn_logit_softcapping", float),
+)
+
 # llama.cpp's converter permutes q/k rows only for the llama architecture
 # (which is also what it writes for MistralForCausalLM); qwen2, qwen3, gemma2,
 # gemma3 and phi3 keep HF's rotate-half rows, as transformers' GGUF loader
@@ -254,15 +261,7 @@ GEMMA2 = ArchitectureSpec(
             "hidden_activation": "gelu_pytorch_tanh",
             "sliding_window_pattern": 2,  # llama.cpp: even layers slide
         },
-        optional_metadata=(
-            MetadataField("attention.sliding_window", "sliding_window", int),
-            MetadataField(
-                "final_logit_softcapping", "final_logit_softcapping", float
-            ),
-            MetadataField(
-                "attn_logit_softcapping", "attn_logit_softcapping", float
-            ),
-        ),
+        optional_metadata=_GEMMA_GGUF_METADATA,
         # llama.cpp: 1/sqrt(head_dim), except Gemma 2 27B (46 layers), which
         # uses 1/sqrt(hidden_size / num_heads) (its query_pre_attn_scalar 144).
         query_scale=GGUFQueryScale(hidden_per_head_layer_counts=(46,)),
@@ -324,15 +323,7 @@ GEMMA3 = ArchitectureSpec(
             "rope_local_base_freq": GEMMA3_ROPE_LOCAL_BASE_FREQ,
             "sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN,
         },
-        optional_metadata=(
-            MetadataField("attention.sliding_window", "sliding_window", int),
-            MetadataField(
-                "final_logit_softcapping", "final_logit_softcapping", float
-            ),
-            MetadataField(
-                "attn_logit_softcapping", "attn_logit_softcapping", float
-            ),
-        ),
+        optional_metadata=_GEMMA_GGUF_METADATA,
         # llama.cpp: 1/sqrt(head_dim), except Gemma 3 27B (62 layers), which
         # uses 1/sqrt(hidden_size / num_heads).
         query_scale=GGUFQueryScale(hidden_per_head_layer_counts=(62,)),
