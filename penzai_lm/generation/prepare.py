@@ -33,6 +33,8 @@ from penzai_lm.generation.state import LeafSpec
 from penzai_lm.generation.state import StateLayout
 from penzai_lm.interp.cache import CaptureSpec
 from penzai_lm.interp.cache import insert_captures
+from penzai_lm.kernels import on_one_cpu
+from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import KVCachingTransformerLM
 
 
@@ -312,6 +314,10 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
   _check_bound(model)
   decoded = model if decoded is None else decoded
   user_labels = _user_labels(decoded)
+  if on_one_cpu(decoded):
+    # Small products on compiled kernels that read bf16/f16 weights where
+    # they lie (XLA:CPU copies them to float32 before every dot).
+    decoded = with_cpu_kernels(decoded)
   specs = ()
   if capture:
     decoded, captures = insert_captures(

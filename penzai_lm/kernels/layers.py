@@ -1,0 +1,130 @@
+"""Linear layers that run small products on penzai_lm's CPU kernels.
+
+`KernelLinear` and `KernelEmbeddingDecode` are `pz.nn.Linear` and
+`pz.nn.EmbeddingDecode` (subclasses: the same weights, fields and
+selections) whose products with at most `MAX_ROWS` rows of activations
+(decoding) go to `penzai_lm.kernels.ops`; larger ones (prefill) and anything
+the kernels do not cover (parallel axes, views, other dtypes) use penzai's
+own contraction. The engine swaps them in for models on one CPU device
+(`with_cpu_kernels`); user models are never changed in place.
+
+Axis conventions: a weight whose data lists the contracted axes first is
+"in-major" (``[K, N]``, how loaders lay out projections), one that lists
+them last is "out-major" (``[N, K]``, a tied embedding table). Either is
+read as it lies, with no transpose.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from penzai import pz
+
+from penzai_lm.kernels import ops
+
+# Rows up to which the kernels beat XLA's GEMM: above a few dozen rows a
+# product is compute-bound and XLA's blocked GEMM wins.
+MAX_ROWS = 16
+
+
+def kernel_contract(names, left, right):
+  """penzai's ``contract(names, left, right)`` through the kernels, where
+  ``right`` (a weight) has exactly ``names`` plus output axes; None where
+  the kernels do not apply."""
+  if not (isinstance(left, pz.nx.NamedArray)
+          and isinstance(right, pz.nx.NamedArray)):
+    return None
+  if (left.positional_shape or right.positional_shape or not names
+      or not ops.dense_dtype_supported(right.dtype)):
+    return None
+  axes, k = list(right.named_axes), len(names)
+  if set(axes[:k]) == set(names):
+    out_major, in_axes, out_axes = False, axes[:k], axes[k:]
+  elif set(axes[-k:]) == set(names):
+    out_major, in_axes, out_axes = True, axes[-k:], axes[:-k]
+  else:
+    return None
+  if (not set(names) <= set(left.named_shape)
+      or set(out_axes) & set(left.named_shape)):
+    return None
+  row_axes = [a for a in left.named_axes if a not in names]
+  rows = math.prod(left.named_shape[a] for a in row_axes)
+  if not 0 < rows <= MAX_ROWS:
+    return None
+  sizes = right.named_shape
+  n_in = math.prod(sizes[a] for a in in_axes)
+  n_out = math.prod(sizes[a] for a in out_axes)
+  x = left.order_as(*row_axes, *in_axes).data_array.reshape(rows, n_in)
+  w = right.data_array.reshape(
+      (n_out, n_in) if out_major else (n_in, n_out))
+  y = ops.dense(x, w, out_major=out_major)
+  y = y.astype(jnp.result_type(left.dtype, right.dtype)).reshape(
+      *(left.named_shape[a] for a in row_axes),
+      *(sizes[a] for a in out_axes))
+  return pz.nx.NamedArray(
+      named_axes=collections.OrderedDict(
+          [(a, left.named_shape[a]) for a in row_axes]
+          + [(a, sizes[a]) for a in out_axes]),
+      data_array=y)
+
+
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # pylint: disable=unexpected-keyword-arg
+class KernelLinear(pz.nn.Linear):
+  """A `pz.nn.Linear` whose small products run on the CPU kernels."""
+
+  def __call__(self, in_array, **side_inputs):
+    out = kernel_contract(self.in_axis_names, in_array, self.weights.value)
+    return super().__call__(in_array, **side_inputs) if out is None else out
+
+
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # pylint: disable=unexpected-keyword-arg
+class KernelEmbeddingDecode(pz.nn.EmbeddingDecode):
+  """A `pz.nn.EmbeddingDecode` whose small products run on the kernels."""
+
+  def __call__(self, out_embeddings, **side_inputs):
+    table = self.table.embeddings.value
+    names = tuple(a for a in table.named_shape
+                  if a != self.table.vocabulary_axis)
+    out = kernel_contract(names, out_embeddings, table)
+    if out is None:
+      return super().__call__(out_embeddings, **side_inputs)
+    return out
+
+
+def on_one_cpu(model) -> bool:
+  """Whether every array of ``model`` is on one and the same CPU device."""
+  devices = set()
+  for x in jax.tree_util.tree_leaves(model):
+    if isinstance(x, jax.core.Tracer):
+      return False
+    if isinstance(x, jax.Array):
+      devices |= x.sharding.device_set
+    elif isinstance(x, np.ndarray):
+      devices.add(jax.devices()[0])
+  return len(devices) <= 1 and all(d.platform == "cpu" for d in devices)
+
+
+def with_cpu_kernels(model):
+  """``model`` with its plain Linear and EmbeddingDecode layers replaced by
+  their kernel versions, and every layer with a ``use_cpu_kernel`` field
+  (`penzai_lm.quantization.QuantizedLinear`) switched on; unchanged if the
+  kernels are unavailable."""
+  if not ops.available():
+    return model
+  model = (pz.select(model).at_subtrees_where(
+      lambda x: getattr(x, "use_cpu_kernel", None) is False)
+           .apply(lambda layer: dataclasses.replace(layer,
+                                                    use_cpu_kernel=True)))
+  model = (pz.select(model).at_instances_of(pz.nn.Linear)
+           .where(lambda layer: type(layer) is pz.nn.Linear)
+           .apply(lambda layer: KernelLinear(
+               weights=layer.weights, in_axis_names=layer.in_axis_names,
+               out_axis_names=layer.out_axis_names)))
+  return (pz.select(model).at_instances_of(pz.nn.EmbeddingDecode)
+          .where(lambda layer: type(layer) is pz.nn.EmbeddingDecode)
+          .apply(lambda layer: KernelEmbeddingDecode(table=layer.table)))

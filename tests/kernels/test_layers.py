@@ -1,0 +1,92 @@
+"""Kernel layers compute what penzai's layers compute, and the engine
+decodes on them on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from penzai import pz
+
+from penzai_lm.generation import Engine
+from penzai_lm.kernels import KernelEmbeddingDecode
+from penzai_lm.kernels import KernelLinear
+from penzai_lm.kernels import on_one_cpu
+from penzai_lm.kernels import ops
+from penzai_lm.kernels import with_cpu_kernels
+from penzai_lm.model import TransformerConfig
+from penzai_lm.model import build_transformer
+
+pytestmark = pytest.mark.skipif(not ops.available(),
+                                reason="no C++ compiler for the kernels")
+
+
+def _model(family, dtype, stack=True):
+  config = TransformerConfig(
+      family=family, vocab_size=97, hidden_size=64, num_layers=2,
+      num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
+      tie_embeddings=family == "gemma3", parameter_dtype=dtype,
+      activation_dtype=dtype, use_layer_stack=stack,
+      max_position_embeddings=256)
+  return build_transformer(config, seed=0)
+
+
+def _logits(model, rows, seq):
+  tokens = pz.nx.wrap(np.random.default_rng(0).integers(
+      1, 97, (rows, seq)).astype(np.int32)).tag("batch", "seq")
+  fn = jax.jit(lambda m, t: m(t).data_array)
+  return fn(model, tokens), fn.lower(model, tokens).as_text()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_model_matches_penzai_layers(family, dtype):
+  model = _model(family, dtype)
+  fast = with_cpu_kernels(model)
+  linears = pz.select(model).at_instances_of(pz.nn.Linear).where(
+      lambda l: l.in_axis_names).count()
+  assert pz.select(fast).at_instances_of(KernelLinear).count() == (
+      pz.select(model).at_instances_of(pz.nn.Linear).count())
+  assert pz.select(fast).at_instances_of(KernelEmbeddingDecode).count() == (
+      1 if family == "gemma3" else 0)
+  want, _ = _logits(model, 2, 3)
+  got, hlo = _logits(fast, 2, 3)  # 6 rows: the kernels
+  # Every projection and the unembedding went to a kernel (norm scales are
+  # Linear layers too, with nothing to contract: they stay penzai's).
+  assert hlo.count("pzlm_matvec") >= linears
+  want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
+  scale = np.abs(want).max()
+  tol = 1e-5 if dtype == "float32" else 3e-2
+  np.testing.assert_allclose(got, want, atol=tol * scale, rtol=0)
+  assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
+
+
+def test_large_products_stay_with_xla():
+  model = _model("llama", "float32")
+  want, _ = _logits(model, 2, 9)
+  got, hlo = _logits(with_cpu_kernels(model), 2, 9)  # 18 rows > MAX_ROWS
+  assert "pzlm_matvec" not in hlo
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_engine_decodes_on_the_kernels_with_the_same_tokens():
+  model = _model("llama", "bfloat16", stack=False)
+  prompt = [5, 17, 3, 44]
+  engine = Engine()
+  result = engine.generate(model, [prompt], max_new_tokens=6,
+                           temperature=0.0, stop_tokens=[])
+  (_, program), = engine.programs.items("decode")
+  assert "pzlm_matvec" in program.as_text()
+  # The same greedy tokens from full forward passes of the plain model.
+  tokens = list(prompt)
+  for _ in range(6):
+    logits = model(pz.nx.wrap(jnp.asarray([tokens], jnp.int32)).tag(
+        "batch", "seq"))
+    tokens.append(int(jnp.argmax(
+        logits.untag("seq", "vocabulary").data_array[0, -1])))
+  assert list(np.asarray(result.tokens[0])[:6]) == tokens[len(prompt):]
+
+
+def test_on_one_cpu():
+  model = _model("llama", "float32")
+  assert on_one_cpu(model)
+  assert not jax.jit(lambda m: jnp.asarray(on_one_cpu(m)))(model)

@@ -1,0 +1,88 @@
+"""The CPU kernels against numpy, for every weight format and awkward
+shapes (K and N off the tile sizes, rows past the per-pass maximum)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from penzai_lm.kernels import ops
+
+pytestmark = pytest.mark.skipif(not ops.available(),
+                                reason="no C++ compiler for the kernels")
+
+SHAPES = [(1, 576, 1536), (3, 40, 70), (8, 513, 33), (17, 96, 130),
+          (5, 1, 9)]
+
+
+def _x(rows, k, seed=0):
+  return np.random.default_rng(seed).standard_normal((rows, k), np.float32)
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("out_major", [False, True])
+def test_dense_matches_numpy(rows, k, n, dtype, out_major):
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.standard_normal((n, k) if out_major else (k, n),
+                                      np.float32)).astype(dtype)
+  x = _x(rows, k)
+  w64 = np.asarray(w.astype(jnp.float32), np.float64)
+  want = x.astype(np.float64) @ (w64.T if out_major else w64)
+  got = np.asarray(jax.jit(ops.dense, static_argnames="out_major")(
+      x, w, out_major=out_major))
+  assert got.dtype == np.float32 and got.shape == (rows, n)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("rows,k,n,block", [
+    (1, 576, 1536, 32), (9, 64, 40, 32), (2, 96, 7, 96), (18, 33, 5, 33)])
+def test_q8_matches_numpy(rows, k, n, block):
+  rng = np.random.default_rng(2)
+  qs = rng.integers(-128, 128, (n, k), dtype=np.int8)
+  scale = rng.uniform(1e-3, 1e-1, (n, k // block)).astype(np.float32)
+  x = _x(rows, k)
+  w = (qs.astype(np.float64).reshape(n, k // block, block)
+       * scale[..., None]).reshape(n, k)
+  got = np.asarray(jax.jit(ops.q8)(x, qs, scale))
+  np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 1536), (7, 64, 33),
+                                      (20, 544, 3)])
+def test_q4_matches_numpy(rows, k, n):
+  rng = np.random.default_rng(3)
+  qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+  scale = rng.uniform(1e-3, 1e-1, (n, k // 32)).astype(np.float32)
+  mins = rng.uniform(-1, 0, (n, k // 32)).astype(np.float32)
+  # ggml's order: byte j of a block holds value j (low) and j + 16 (high).
+  blocks = qs.reshape(n, k // 32, 16)
+  nibbles = np.concatenate([blocks & 15, blocks >> 4], -1).astype(np.float64)
+  w = (nibbles * scale[..., None] + mins[..., None]).reshape(n, k)
+  x = _x(rows, k)
+  got = np.asarray(jax.jit(ops.q4)(x, qs, scale, mins))
+  np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_bad_shapes_are_errors_not_garbage():
+  x = _x(2, 64)
+  with pytest.raises(Exception, match="w must be"):
+    jax.jit(ops.dense, static_argnames="out_major")(
+        x, np.zeros((63, 8), np.float32), out_major=False).block_until_ready()
+  with pytest.raises(Exception, match="q4"):
+    jax.jit(ops.q4)(_x(1, 48), np.zeros((4, 24), np.uint8),
+                    np.zeros((4, 1), np.float32),
+                    np.zeros((4, 1), np.float32)).block_until_ready()
+
+
+def test_bfloat16_product_has_no_float32_weight_copy():
+  """The point of the kernels: the compiled decode product reads bf16
+  weights as they are (XLA's own dot converts them to f32 first)."""
+  w = jnp.zeros((576, 1536), jnp.bfloat16)
+  x = jnp.zeros((1, 576), jnp.float32)
+  hlo = jax.jit(ops.dense, static_argnames="out_major").lower(
+      x, w, out_major=False).compile().as_text()
+  assert "f32[576,1536]" not in hlo
+  xla_hlo = jax.jit(lambda x, w: x @ w.astype(jnp.float32)).lower(
+      x, w).compile().as_text()
+  assert "f32[576,1536]" in xla_hlo  # what the kernels avoid
