@@ -31,6 +31,7 @@ from penzai_lm.loading.parameters import stream_parameters
 from penzai_lm.loading.progress import progress_bar
 from penzai_lm.loading.progress import show_progress
 from penzai_lm.model import TransformerLM
+from penzai_lm import quantization
 from penzai_lm import sharding
 from penzai_lm.model import build_transformer
 from penzai_lm.sharding import ShardingRules
@@ -60,12 +61,14 @@ def load_model(
     progress: bool | None = None,
     mesh: jax.sharding.Mesh | None = None,
     rules: ShardingRules | Mapping[str, Any] | None = None,
+    quantize: str | None = None,
 ) -> TransformerLM:
   """Loads a model without its tokenizer; arguments as for `load`."""
   return _load(
       name_or_path, dtype, use_layer_stack, specs, adapters,
       with_tokenizer=False, freeze=freeze, progress=progress,
-      place=_placement(mesh, rules),
+      place=_placement(mesh, rules), quantize=_check_quantize(
+          quantize, dtype, mesh),
   )[0]
 
 
@@ -80,6 +83,7 @@ def load(
     progress: bool | None = None,
     mesh: jax.sharding.Mesh | None = None,
     rules: ShardingRules | Mapping[str, Any] | None = None,
+    quantize: str | None = None,
 ) -> tuple[TransformerLM, Tokenizer]:
   """Loads a model and its tokenizer.
 
@@ -110,6 +114,12 @@ def load(
       the result equals ``penzai_lm.shard(load(...), mesh, rules)``.
     rules: With ``mesh``: the axis rules (`penzai_lm.sharding.resolve_rules`;
       None for `penzai_lm.sharding.DEFAULT_RULES`).
+    quantize: Keep the projections quantized (`penzai_lm.quantization`):
+      "int8" (per output channel, from any checkpoint), "q8_0", "q4_0" or
+      "q4_1" (llama.cpp's blocks of 32), or "keep" (GGUF files: each
+      projection in the file's own Q8_0 / Q4_0 / Q4_1 blocks, exactly).
+      Decoding on CPU reads the blocks in compiled kernels; elsewhere they
+      are dequantized inside the program. None (default): float weights.
 
   Returns:
     ``(model, tokenizer)``; ``model`` is the uncached `TransformerLM`.
@@ -117,8 +127,25 @@ def load(
   return _load(
       name_or_path, dtype, use_layer_stack, specs, adapters,
       with_tokenizer=True, freeze=freeze, progress=progress,
-      place=_placement(mesh, rules),
+      place=_placement(mesh, rules), quantize=_check_quantize(
+          quantize, dtype, mesh),
   )
+
+
+def _check_quantize(quantize, dtype, mesh):
+  """``quantize`` if valid with the other arguments (checked before any
+  reading)."""
+  choices = (None, "keep", *quantization.FORMATS)
+  if quantize not in choices:
+    raise ValueError(f"quantize must be one of {choices}, got {quantize!r}.")
+  if quantize is not None and mesh is not None:
+    raise ValueError("quantized models cannot be sharded over a mesh yet;"
+                     " load with quantize=None to shard.")
+  if quantize == "keep" and _resolve_dtype(dtype) != jnp.float32:
+    raise ValueError(
+        "quantize='keep' rebuilds the file's blocks exactly from float32"
+        " weights; load with dtype='float32' (the default).")
+  return quantize
 
 
 def _placement(mesh, rules) -> Place:
@@ -144,7 +171,7 @@ def _placement(mesh, rules) -> Place:
 
 def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
           with_tokenizer, freeze, progress=None,
-          place: Place = place_on_default_device):
+          place: Place = place_on_default_device, quantize=None):
   """`load`; ``place`` puts each finished parameter on its device(s)."""
   if not isinstance(freeze, bool):
     raise TypeError(f"freeze must be True or False, got {freeze!r}.")
@@ -176,4 +203,12 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
         on_read=bar.update,
     )
   model = pz.bind_variables(model, params)
+  del params
+  if quantize == "keep":
+    if checkpoint.gguf_reader is None:
+      raise ValueError(f"quantize='keep' keeps a GGUF file's blocks, and"
+                       f" {path} is not a GGUF file; use quantize='int8'.")
+    quantize = quantization.formats_from_gguf(checkpoint.gguf_reader)
+  if quantize is not None:
+    model = quantization.quantize(model, quantize)
   return (pz.freeze_params(model) if freeze else model), tokenizer

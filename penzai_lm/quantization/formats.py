@@ -1,0 +1,139 @@
+"""Weight formats: quantizers and dequantizers, as llama.cpp defines them.
+
+A quantized weight is out-major: ``N`` outputs by ``K`` contracted values,
+quantized in blocks along K (`QuantizedWeight`). The formats:
+
+* ``"int8"``: weight-only int8 with one float32 scale per output channel
+  (``w = q * scale``, symmetric, ``scale = max|w| / 127``).
+* ``"q8_0"``: llama.cpp's Q8_0: blocks of 32, ``w = q * d`` (int8 ``q``,
+  ``d = max|w| / 127`` rounded to float16).
+* ``"q4_0"``: Q4_0: blocks of 32, ``w = (q - 8) * d`` (``q`` in 0..15,
+  ``d = max / -8`` of the value of largest magnitude, float16).
+* ``"q4_1"``: Q4_1: blocks of 32, ``w = q * d + m`` (``m`` the block's
+  minimum, ``d = (max - min) / 15``, both float16).
+
+4-bit values are two per byte in ggml's order (byte j of a block holds value
+j in its low nibble and value j + 16 in its high nibble), and kept as
+``scale`` and ``mins`` with ``w = q * scale + mins`` (Q4_0's ``mins`` is
+``-8 d``), which is what the kernels read. The quantizers follow ggml's
+reference code (``quantize_row_*_ref``: round half away from zero, the same
+clamps), so quantizing a weight that was dequantized from a GGUF block of
+the same format gives back that block's integers and scales exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
+BLOCK = 32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+  """An out-major quantized ``[N, K]`` weight.
+
+  Attributes:
+    qs: int8 ``[N, K]`` (8-bit formats) or uint8 ``[N, K // 2]`` (4-bit).
+    scale: float32 ``[N, K // block]``.
+    mins: float32 ``[N, K // 32]`` (4-bit formats), else None.
+    format: One of `FORMATS`.
+  """
+
+  qs: jax.Array
+  scale: jax.Array
+  mins: jax.Array | None
+  format: str = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    n, packed = self.qs.shape
+    return n, packed * 2 if self.format in ("q4_0", "q4_1") else packed
+
+  @property
+  def nbytes(self) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize
+               for x in (self.qs, self.scale, self.mins) if x is not None)
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """The ``[N, K]`` weight in ``dtype`` (traceable)."""
+    return dequantize(self.qs, self.scale, self.mins, self.format, dtype)
+
+
+def dequantize(qs, scale, mins, format: str, dtype=jnp.float32):  # pylint: disable=redefined-builtin
+  """The ``[N, K]`` weight of a format's arrays, in ``dtype``."""
+  n = qs.shape[0]
+  if format in ("int8", "q8_0"):
+    q = qs.astype(jnp.float32).reshape(n, scale.shape[1], -1)
+    w = q * scale[..., None]
+  else:
+    blocks = qs.reshape(n, -1, BLOCK // 2)
+    q = jnp.concatenate([blocks & 15, blocks >> 4], axis=-1)
+    w = q.astype(jnp.float32) * scale[..., None] + mins[..., None]
+  return w.reshape(n, -1).astype(dtype)
+
+
+def _round_away(x: np.ndarray) -> np.ndarray:
+  """C's ``roundf``: halves away from zero (numpy's round is to even)."""
+  return np.copysign(np.floor(np.abs(x) + 0.5), x)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+  return x.astype(np.float16).astype(np.float32)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+  with np.errstate(divide="ignore"):
+    return np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(
+        np.float32)
+
+
+def quantize(w: np.ndarray, format: str) -> QuantizedWeight:  # pylint: disable=redefined-builtin
+  """Quantizes an out-major ``[N, K]`` float weight (numpy, on the host).
+
+  Raises:
+    ValueError: for an unknown format, or a block format whose K is not a
+      multiple of 32.
+  """
+  if format not in FORMATS:
+    raise ValueError(f"unknown weight format {format!r}; choose one of"
+                     f" {FORMATS}.")
+  w = np.asarray(w, np.float32)
+  n, k = w.shape
+  if format == "int8":
+    d = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
+    q = _round_away(w * _inverse(d))
+    return QuantizedWeight(jnp.asarray(q.astype(np.int8)), jnp.asarray(d),
+                           None, format)
+  if k % BLOCK:
+    raise ValueError(f"{format} quantizes blocks of {BLOCK} contracted"
+                     f" values, and this weight contracts {k}; use"
+                     " quantize='int8' (one scale per output) instead.")
+  x = w.reshape(n, k // BLOCK, BLOCK)
+  if format == "q8_0":
+    d = np.abs(x).max(axis=-1) / np.float32(127)
+    q = _round_away(x * _inverse(d)[..., None])
+    return QuantizedWeight(jnp.asarray(q.reshape(n, k).astype(np.int8)),
+                           jnp.asarray(_f16(d)), None, format)
+  if format == "q4_0":
+    index = np.abs(x).argmax(axis=-1)[..., None]
+    d = np.take_along_axis(x, index, axis=-1)[..., 0] / np.float32(-8)
+    q = np.minimum(15, np.trunc(x * _inverse(d)[..., None] + np.float32(8.5)))
+    d = _f16(d)
+    mins = -8 * d
+  else:  # q4_1
+    low, high = x.min(axis=-1), x.max(axis=-1)
+    d = (high - low) / np.float32(15)
+    q = np.minimum(15, np.trunc((x - low[..., None]) * _inverse(d)[..., None]
+                                + np.float32(0.5)))
+    d, mins = _f16(d), _f16(low)
+  q = q.astype(np.uint8)
+  packed = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+  return QuantizedWeight(jnp.asarray(packed.reshape(n, k // 2)),
+                         jnp.asarray(d.astype(np.float32)),
+                         jnp.asarray(mins.astype(np.float32)), format)

@@ -1,0 +1,115 @@
+"""`QuantizedLinear`: a linear layer whose weight stays quantized.
+
+It contracts ``in_axes`` of its input into ``out_axes``, like the
+`pz.nn.Linear` it replaces. Its arrays are named arrays over ``quant_out``
+(the N outputs, flattened in ``out_axes`` order), ``quant_in`` (the K
+contracted values flattened in ``in_axes`` order, or K / 2 bytes of 4-bit
+pairs) and ``quant_groups`` (scale groups along K), plus any stacking axis
+(``blocks`` in a layer stack), so `pz.nn.LayerStack` and the engine slice
+them like any other weight. Formats: `penzai_lm.quantization.formats`.
+
+On CPU the engine sets ``use_cpu_kernel``: products of up to
+`penzai_lm.kernels.layers.MAX_ROWS` rows (decoding) read the quantized
+blocks in the kernels; everything else dequantizes to the activations'
+dtype and contracts with penzai's `contract` (on GPU, XLA fuses that).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from penzai import pz
+from penzai.nn.linear_and_affine import contract
+
+from penzai_lm.kernels import ops
+from penzai_lm.kernels.layers import MAX_ROWS
+from penzai_lm.quantization import formats
+
+QUANT_AXES = ("quant_out", "quant_in", "quant_groups")
+
+
+def _static(**kwargs):
+  return dataclasses.field(metadata={"pytree_node": False}, **kwargs)
+
+
+@pz.pytree_dataclass
+class QuantizedLinear(pz.nn.Layer):
+  """A linear layer with a quantized weight (see the module docstring).
+
+  Attributes:
+    qs: The quantized values (``quant_out``, ``quant_in``).
+    scale: Scales (``quant_out``, ``quant_groups``).
+    mins: Offsets of 4-bit formats (``quant_out``, ``quant_groups``), else
+      None.
+    in_axes: ``(name, size)`` of the contracted input axes, in the order K
+      is flattened.
+    out_axes: ``(name, size)`` of the output axes, in the order N is
+      flattened.
+    format: The weight format (`penzai_lm.quantization.formats.FORMATS`).
+    use_cpu_kernel: Run small products on the CPU kernels (set by the
+      engine for models on one CPU device).
+  """
+
+  qs: pz.ParameterLike[pz.nx.NamedArray]
+  scale: pz.ParameterLike[pz.nx.NamedArray]
+  mins: pz.ParameterLike[pz.nx.NamedArray] | None
+  in_axes: tuple[tuple[str, int], ...] = _static()
+  out_axes: tuple[tuple[str, int], ...] = _static()
+  format: str = _static()
+  use_cpu_kernel: bool = _static(default=False)
+
+  def _arrays(self):
+    """The weight's arrays as ``[N, ...]`` jax arrays."""
+    out = []
+    for part, second in ((self.qs, "quant_in"), (self.scale, "quant_groups"),
+                         (self.mins, "quant_groups")):
+      if part is None:
+        out.append(None)
+        continue
+      value = part.value
+      extra = set(value.named_shape) - set(QUANT_AXES)
+      if extra or value.positional_shape:
+        raise ValueError(
+            f"QuantizedLinear ({part.label}) got a weight with axes"
+            f" {dict(value.named_shape)}; axes {sorted(extra)} must be"
+            " sliced away first (run the model through its LayerStack).")
+      out.append(value.order_as("quant_out", second).data_array)
+    return out
+
+  def dequantized(self, dtype=jnp.float32) -> pz.nx.NamedArray:
+    """The weight as a float named array over ``in_axes`` and ``out_axes``."""
+    qs, scale, mins = self._arrays()
+    w = formats.dequantize(qs, scale, mins, self.format, dtype)
+    sizes = [s for _, s in self.out_axes] + [s for _, s in self.in_axes]
+    names = [a for a, _ in self.out_axes] + [a for a, _ in self.in_axes]
+    return pz.nx.wrap(w.reshape(sizes)).tag(*names)
+
+  def __call__(self, x: pz.nx.NamedArray, **_unused_side_inputs):
+    in_names = [a for a, _ in self.in_axes]
+    for name, size in self.in_axes:
+      if x.named_shape.get(name) != size:
+        raise ValueError(
+            f"QuantizedLinear ({self.qs.label}) contracts {name!r} of size"
+            f" {size}; its input has axes {dict(x.named_shape)}.")
+    row_axes = [a for a in x.named_axes if a not in in_names]
+    rows = math.prod(x.named_shape[a] for a in row_axes)
+    if (self.use_cpu_kernel and 0 < rows <= MAX_ROWS
+        and not x.positional_shape):
+      qs, scale, mins = self._arrays()
+      k = math.prod(s for _, s in self.in_axes)
+      flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
+      if self.format in ("int8", "q8_0"):
+        y = ops.q8(flat, qs, scale)
+      else:
+        y = ops.q4(flat, qs, scale, mins)
+      shape = [x.named_shape[a] for a in row_axes] + [
+          s for _, s in self.out_axes]
+      return pz.nx.NamedArray(
+          named_axes=collections.OrderedDict(
+              [(a, x.named_shape[a]) for a in row_axes]
+              + list(self.out_axes)),
+          data_array=y.astype(x.dtype).reshape(shape))
+    return contract(in_names, x, self.dequantized(x.dtype))

@@ -1,0 +1,123 @@
+"""`quantize(model, format)`: a model's projections as quantized layers.
+
+Every `pz.nn.Linear` that contracts an axis (the attention and MLP
+projections, an untied ``lm_head``) and the tied unembedding
+(`pz.nn.EmbeddingDecode`) become `QuantizedLinear` layers; norms, the
+embedding lookup and everything else keep their float weights. The model
+keeps its structure otherwise (layer stacks, hooks, labels with ``.qs`` /
+``.scale`` / ``.mins`` in place of ``.weights``), so `pz.select` patches,
+captures and the engine work on it as on the float model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from penzai import pz
+
+from penzai_lm.quantization import formats
+from penzai_lm.quantization.layers import QuantizedLinear
+
+# format, or label -> format (None: leave that layer as it is).
+FormatChoice = str | Callable[[str], str | None]
+
+
+def _host(value: pz.nx.NamedArray, stack, out, inp) -> np.ndarray:
+  """``[S, N, K]`` float32 numpy array of a weight (S: stacked layers)."""
+  data = np.asarray(value.order_as(*stack, *out, *inp).data_array,
+                    np.float32)
+  sizes = value.named_shape
+  return data.reshape(int(np.prod([sizes[a] for a in stack])),
+                      int(np.prod([sizes[a] for a in out])),
+                      int(np.prod([sizes[a] for a in inp])))
+
+
+def _quantized_layer(param, in_names, out_names, fmt, base):
+  """A `QuantizedLinear` for the weight parameter ``param``; its parameters
+  are labeled ``{base}.qs`` etc."""
+  if isinstance(param, pz.ParameterSlot) or not hasattr(param, "value"):
+    raise ValueError(f"cannot quantize {param!r}: bind its weights first.")
+  value = param.value
+  stack = [a for a in value.named_axes if a not in (*in_names, *out_names)]
+  data = _host(value, stack, out_names, in_names)
+  try:
+    parts = [formats.quantize(w, fmt) for w in data]
+  except ValueError as e:
+    raise ValueError(f"{param.label}: {e}") from e
+  sizes = value.named_shape
+  stack_axes = [(a, sizes[a]) for a in stack]
+  wrap = type(param) if isinstance(param, pz.Parameter) else pz.ParameterValue
+
+  def named(arrays, second, suffix):
+    data = np.stack([np.asarray(a) for a in arrays])
+    data = data.reshape(*[s for _, s in stack_axes], *data.shape[1:])
+    array = pz.nx.wrap(data).tag(*stack, "quant_out", second)
+    return wrap(value=array, label=f"{base}.{suffix}")
+
+  mins = None
+  if parts[0].mins is not None:
+    mins = named([p.mins for p in parts], "quant_groups", "mins")
+  return QuantizedLinear(
+      qs=named([p.qs for p in parts], "quant_in", "qs"),
+      scale=named([p.scale for p in parts], "quant_groups", "scale"),
+      mins=mins,
+      in_axes=tuple((a, sizes[a]) for a in in_names),
+      out_axes=tuple((a, sizes[a]) for a in out_names),
+      format=fmt)
+
+
+def quantize(model, format: FormatChoice = "int8"):  # pylint: disable=redefined-builtin
+  """Returns ``model`` with its projections quantized.
+
+  Args:
+    model: A model with bound weights (e.g. from `penzai_lm.load`).
+    format: A weight format (`penzai_lm.quantization.FORMATS`: "int8",
+      "q8_0", "q4_0", "q4_1"), or a function from a layer's weight label to
+      a format or None (leave that layer in float).
+
+  Raises:
+    ValueError: for an unknown format, a model with nothing to quantize,
+      or a weight whose contracted size a block format cannot split.
+  """
+  choose = format if callable(format) else (lambda label: format)
+  if not callable(format) and format not in formats.FORMATS:
+    raise ValueError(f"unknown weight format {format!r}; choose one of"
+                     f" {formats.FORMATS}.")
+  count = 0
+
+  def linear(layer: pz.nn.Linear):
+    nonlocal count
+    fmt = choose(layer.weights.label)
+    if fmt is None:
+      return layer
+    count += 1
+    return _quantized_layer(layer.weights, layer.in_axis_names,
+                            layer.out_axis_names, fmt,
+                            layer.weights.label.removesuffix(".weights"))
+
+  def decode(layer: pz.nn.EmbeddingDecode):
+    nonlocal count
+    table = layer.table
+    param = table.embeddings
+    fmt = choose(param.label)
+    if fmt is None:
+      return layer
+    count += 1
+    in_names = tuple(a for a in param.value.named_shape
+                     if a != table.vocabulary_axis)
+    # The lookup keeps the float table; the product reads this copy.
+    return _quantized_layer(param, in_names, (table.vocabulary_axis,), fmt,
+                            f"{param.label.removesuffix('.embeddings')}/decode")
+
+  model = (pz.select(model).at_instances_of(pz.nn.Linear)
+           .where(lambda layer: bool(layer.in_axis_names))
+           .apply(linear))
+  model = pz.select(model).at_instances_of(pz.nn.EmbeddingDecode).apply(
+      decode)
+  if not count:
+    raise ValueError("the model has no projections to quantize (no"
+                     " pz.nn.Linear contracts an axis, and no"
+                     " EmbeddingDecode); is it a penzai_lm model?")
+  return model
+
