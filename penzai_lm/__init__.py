@@ -8,6 +8,7 @@
 >>> chat.reply("Name a prime number.", temperature=0.0)
 >>> cached = penzai_lm.KVCachingTransformerLM.from_uncached(
 ...     model, cache_len=256, batch_axes={"batch": 1})
+>>> small, _ = penzai_lm.load(quantize="keep")  # the GGUF's Q4_1 blocks
 >>> sharded = penzai_lm.shard(model, jax.make_mesh((2, 4), ("data", "model")))
 """
 
@@ -28,6 +29,7 @@ from penzai_lm.model import TransformerLM
 from penzai_lm.model import build_transformer
 from penzai_lm.model import leading_padding
 from penzai_lm.model import positions_from_padding
+from penzai_lm.quantization import quantize
 from penzai_lm.sharding import ShardingRules
 from penzai_lm.sharding import shard
 from penzai_lm.tokenizer import IncrementalDetokenizer

@@ -36,6 +36,11 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
                       help="model name (smollm2-135m-instruct, gemma3-270m),"
                       " GGUF file or Hugging Face directory")
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--quantize", default=None,
+                      choices=["keep", "int8", "q8_0", "q4_0", "q4_1"],
+                      help="keep the projections quantized: 'keep' a GGUF"
+                      " file's own Q8_0/Q4_0/Q4_1 blocks, or quantize them"
+                      " (decoding reads the blocks in compiled CPU kernels)")
   parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
   parser.add_argument("--greedy", action="store_true",
                       help="always pick the most likely token (the default"
@@ -95,7 +100,8 @@ def _load(args):
   # Generation decodes on per-layer weights; loading them that way saves the
   # copy the engine would otherwise make of a layer stack.
   model, tokenizer = penzai_lm.load(args.model, dtype=args.dtype,
-                                    use_layer_stack=False)
+                                    use_layer_stack=False,
+                                    quantize=args.quantize)
   print(f"[loaded in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
   return model, tokenizer
 

@@ -30,6 +30,13 @@ def test_generate_json_is_greedy_and_reports_everything(capsys):
   assert "decode" in err and "tok/s" in err
 
 
+def test_generate_with_the_files_own_quantized_blocks(capsys):
+  code, out, _ = _run(capsys, "generate", PROMPT, "--max-new-tokens", "4",
+                      "--json", "--quantize", "keep")
+  assert code == 0
+  assert "Paris" in json.loads(out)["texts"][0]
+
+
 def test_streamed_text_equals_the_json_text(capsys):
   _, out, _ = _run(capsys, "generate", PROMPT, "--max-new-tokens", "8", "--json")
   text = json.loads(out)["texts"][0]
