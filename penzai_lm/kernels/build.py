@@ -33,7 +33,8 @@ TARGETS = (
     "pzlm_matvec_q8", "pzlm_matvec_q4",
 )
 _SOURCE = pathlib.Path(__file__).with_name("matvec.cc")
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
+          "-w")
 
 
 def _cache_dir() -> pathlib.Path:

@@ -29,6 +29,11 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -70,35 +75,62 @@ inline float F16ToF32(uint16_t h) {
   return f;
 }
 
-// Decoders turn weights [row n, k0, k0 + len) into floats.
-struct DenseF32 {
-  const float* w;
-  int64_t K;
-  void operator()(int64_t n, int64_t k0, int64_t len, float* out) const {
-    std::memcpy(out, w + n * K + k0, len * sizeof(float));
+// 16-lane vectors (GCC lowers them to AVX-512 or pairs of AVX2 registers):
+// explicit, because GCC does not vectorize the scalar conversions.
+typedef float V16 __attribute__((vector_size(64)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+typedef int8_t I8x16 __attribute__((vector_size(16)));
+typedef uint8_t U8x16 __attribute__((vector_size(16)));
+
+template <typename V>
+inline V LoadAs(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline V16 Load(const float* p) { return LoadAs<V16>(p); }
+inline void Store(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float Sum(V16 v) {
+  float s = 0;
+  for (int j = 0; j < 16; ++j) s += v[j];
+  return s;
+}
+
+// Row decoders: out[0 : len] = floats of p[0 : len].
+inline void DecodeRow(const float* p, int64_t len, float* out) {
+  std::memcpy(out, p, len * sizeof(float));
+}
+inline void DecodeRow(const uint16_t* p, int64_t len, float* out) {  // bf16
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    U32x16 u = __builtin_convertvector(LoadAs<U16x16>(p + i), U32x16) << 16;
+    std::memcpy(out + i, &u, sizeof(u));
   }
-};
-struct DenseBf16 {
-  const uint16_t* w;
-  int64_t K;
-  void operator()(int64_t n, int64_t k0, int64_t len, float* out) const {
-    const uint16_t* p = w + n * K + k0;
-    for (int64_t i = 0; i < len; ++i) out[i] = Bf16ToF32(p[i]);
-  }
-};
-struct DenseF16 {
-  const uint16_t* w;
-  int64_t K;
-  void operator()(int64_t n, int64_t k0, int64_t len, float* out) const {
-    const uint16_t* p = w + n * K + k0;
-    int64_t i = 0;
+  for (; i < len; ++i) out[i] = Bf16ToF32(p[i]);
+}
+struct Half { uint16_t bits; };
+inline void DecodeRow(const Half* h, int64_t len, float* out) {  // f16
+  const uint16_t* p = &h->bits;
+  int64_t i = 0;
 #if defined(__F16C__)
-    for (; i + 8 <= len; i += 8) {
-      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
-      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
-    }
+  for (; i + 8 <= len; i += 8) {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(v));
+  }
 #endif
-    for (; i < len; ++i) out[i] = F16ToF32(p[i]);
+  for (; i < len; ++i) out[i] = F16ToF32(p[i]);
+}
+
+// Weight decoders: floats of out-major row n, values [k0, k0 + len).
+template <typename T>
+struct Dense {
+  const T* w;
+  int64_t K;
+  void operator()(int64_t n, int64_t k0, int64_t len, float* out) const {
+    DecodeRow(w + n * K + k0, len, out);
   }
 };
 struct Q8 {
@@ -139,45 +171,105 @@ struct Q4 {
   }
 };
 
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
+// Worker threads of the kernels. XLA's intra-op pool wakes its threads too
+// slowly for products this short: a 576x1536 float32 product takes ~0.3 ms,
+// and its helper task got 6% of the tiles. These workers spin briefly
+// between calls (a decode step calls the kernels back to back), then sleep,
+// so a busy machine does not lose a core to spinning (llama.cpp's spinning
+// threads decoded 50x slower here while another process held a core).
+class Workers {
+ public:
+  static Workers& Get(int64_t threads) {
+    static Workers* workers = new Workers(threads);  // lives for the process
+    return *workers;
+  }
 
-// Runs body(tile) for every tile in [0, n_tiles) on the caller and the pool.
-template <typename Body>
-void ParallelTiles(ffi::ThreadPool& pool, int64_t n_tiles, Body body) {
-  auto progress = std::make_shared<Progress>();
-  auto work = [progress, n_tiles, body]() {
-    for (int64_t t; (t = progress->next.fetch_add(1)) < n_tiles;) {
-      body(t);
-      progress->done.fetch_add(1, std::memory_order_release);
+  // Runs body(t) for t in [0, n_tiles) on the caller and the workers.
+  template <typename Body>
+  void Run(int64_t n_tiles, const Body& body) {
+    // One job at a time: XLA may run independent kernel calls at once, and
+    // those run on their own threads.
+    if (threads_.empty() || n_tiles < 2 || busy_.exchange(true)) {
+      for (int64_t t = 0; t < n_tiles; ++t) body(t);
+      return;
+    }
+    auto job = std::make_shared<Job>();
+    job->n_tiles = n_tiles;
+    job->body = [&body](int64_t t) { body(t); };
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      current_ = job;
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleeping_.load()) cv_.notify_all();
+    job->Work();
+    for (int spins = 0;
+         job->done.load(std::memory_order_acquire) < n_tiles; ++spins) {
+      if (spins > 64) std::this_thread::yield();
+    }
+    busy_.store(false);
+  }
+
+ private:
+  struct Job {
+    int64_t n_tiles = 0;
+    std::function<void(int64_t)> body;
+    std::atomic<int64_t> next{0}, done{0};
+    void Work() {
+      for (int64_t t; (t = next.fetch_add(1)) < n_tiles;) {
+        body(t);
+        done.fetch_add(1, std::memory_order_release);
+      }
     }
   };
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), n_tiles) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    auto task = work;
-    pool.Schedule(std::move(task));
+
+  explicit Workers(int64_t threads) {
+    for (int64_t i = 1; i < threads; ++i) {
+      threads_.emplace_back([this] { Loop(); });
+      threads_.back().detach();
+    }
   }
-  work();
-  while (progress->done.load(std::memory_order_acquire) < n_tiles) {
-    std::this_thread::yield();
+
+  void Loop() {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      auto start = std::chrono::steady_clock::now();
+      for (int spins = 0; generation_.load(std::memory_order_acquire) == seen;
+           ++spins) {
+        if (spins < 2000) continue;
+        std::this_thread::yield();
+        if (std::chrono::steady_clock::now() - start > kSpin) {
+          std::unique_lock<std::mutex> lock(mu_);
+          sleeping_.fetch_add(1);
+          cv_.wait(lock, [&] { return generation_.load() != seen; });
+          sleeping_.fetch_sub(1);
+        }
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        job = current_;
+        seen = generation_.load();
+      }
+      job->Work();
+    }
   }
-}
 
-// 16 floats; GCC lowers it to one AVX-512 or two AVX2 registers.
-typedef float V16 __attribute__((vector_size(64)));
+  static constexpr std::chrono::microseconds kSpin{300};
+  std::vector<std::thread> threads_;
+  std::atomic<bool> busy_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> sleeping_{0};
+  std::shared_ptr<Job> current_;
+};
 
-inline V16 Load(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float Sum(V16 v) {
-  float s = 0;
-  for (int j = 0; j < 16; ++j) s += v[j];
-  return s;
+// Runs body(tile) for every tile in [0, n_tiles) on the caller and workers
+// (as many threads as XLA's intra-op pool has).
+template <typename Body>
+void ParallelTiles(ffi::ThreadPool& pool, int64_t n_tiles, Body body) {
+  Workers::Get(std::max<int64_t>(1, pool.num_threads())).Run(n_tiles, body);
 }
 
 // Outputs [n0, n0 + OUTS) of every row: each K tile of their weights is
@@ -235,7 +327,7 @@ void OutMajor(ffi::ThreadPool& pool, const Decode& decode, const float* x,
 // 2 KB of 16-bit weights: long enough runs for the prefetchers). K is split
 // only when there are fewer output tiles than threads; the chunks' partial
 // sums are then added up at the end.
-template <typename T, float (*Convert)(T)>
+template <typename T>
 void InMajor(ffi::ThreadPool& pool, const T* w, const float* x, float* y,
              int64_t R, int64_t K, int64_t N) {
   constexpr int64_t kTileN = 1024, kRowGroup = 4;
@@ -259,7 +351,7 @@ void InMajor(ffi::ThreadPool& pool, const T* w, const float* x, float* y,
       for (int64_t r = 0; r < rows; ++r) std::fill_n(acc[r], vecs * 16, 0.f);
       for (int64_t k = k0; k < k1; ++k) {
         const T* p = w + k * N + n0;
-        for (int64_t j = 0; j < width; ++j) wf[j] = Convert(p[j]);
+        DecodeRow(p, width, wf);
         for (int64_t j = width; j < vecs * 16; ++j) wf[j] = 0;
         for (int64_t r = 0; r < rows; ++r) {
           V16 xv = V16{} + x[(r0 + r) * K + k];
@@ -282,7 +374,6 @@ void InMajor(ffi::ThreadPool& pool, const T* w, const float* x, float* y,
   }
 }
 
-float F32Identity(float v) { return v; }
 
 // Checks shapes shared by all entry points; returns R, K.
 ffi::Error CheckX(const ffi::Buffer<ffi::F32>& x, int64_t& R, int64_t& K) {
@@ -307,7 +398,7 @@ ffi::Error DenseOutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-template <ffi::DataType T, typename S, float (*Convert)(S)>
+template <ffi::DataType T, typename S>
 ffi::Error DenseInMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<T> w, ffi::ResultBuffer<ffi::F32> y) {
   int64_t R, K;
@@ -315,7 +406,7 @@ ffi::Error DenseInMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   auto wd = w.dimensions();
   if (wd.size() != 2 || wd[0] != K)
     return ffi::Error::InvalidArgument("w must be [K, N]");
-  InMajor<S, Convert>(pool, reinterpret_cast<const S*>(w.untyped_data()),
+  InMajor<S>(pool, reinterpret_cast<const S*>(w.untyped_data()),
                       x.typed_data(), y->typed_data(), R, K, wd[1]);
   return ffi::Error::Success();
 }
@@ -361,22 +452,22 @@ ffi::Error Q4OutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       .Ret<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_out_f32,
-                              (DenseOutMajor<ffi::F32, DenseF32>),
+                              (DenseOutMajor<ffi::F32, Dense<float>>),
                               DENSE_BINDING(ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_out_bf16,
-                              (DenseOutMajor<ffi::BF16, DenseBf16>),
+                              (DenseOutMajor<ffi::BF16, Dense<uint16_t>>),
                               DENSE_BINDING(ffi::BF16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_out_f16,
-                              (DenseOutMajor<ffi::F16, DenseF16>),
+                              (DenseOutMajor<ffi::F16, Dense<Half>>),
                               DENSE_BINDING(ffi::F16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_in_f32,
-                              (DenseInMajor<ffi::F32, float, F32Identity>),
+                              (DenseInMajor<ffi::F32, float>),
                               DENSE_BINDING(ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_in_bf16,
-                              (DenseInMajor<ffi::BF16, uint16_t, Bf16ToF32>),
+                              (DenseInMajor<ffi::BF16, uint16_t>),
                               DENSE_BINDING(ffi::BF16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_in_f16,
-                              (DenseInMajor<ffi::F16, uint16_t, F16ToF32>),
+                              (DenseInMajor<ffi::F16, Half>),
                               DENSE_BINDING(ffi::F16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8, Q8OutMajor,
                               ffi::Ffi::Bind()
