@@ -1,39 +1,45 @@
-"""penzai_lm.generate vs its peers on SmolLM2-135M-Instruct, float32, CPU.
+"""penzai_lm.generate vs its peers on SmolLM2-135M-Instruct, CPU.
 
 What it measures, on one machine in one invocation (greedy decoding, no stop
 tokens, so every engine produces exactly the requested number of tokens):
 
-* ``penzai_lm``: ``penzai_lm.load()`` then ``penzai_lm.generate(model,
-  prompts, temperature=0.0, stop_tokens=[])`` (one compiled prefill and one
-  compiled decode loop).
+* ``penzai_lm``: ``penzai_lm.load()`` (float32) then ``penzai_lm.generate(
+  model, prompts, temperature=0.0, stop_tokens=[])`` (one compiled prefill and
+  one compiled decode loop). Variants differ only in ``penzai_lm.load``'s
+  arguments (the table ``VARIANTS`` in ``peers/penzai_lm_engine.py``):
+  ``penzai_lm-bf16`` (``dtype="bfloat16"``), and, when penzai_lm supports
+  them, ``penzai_lm-int8`` (``quantize="int8"``) and ``penzai_lm-q8_0`` /
+  ``penzai_lm-q4_1`` (the GGUF files below, ``quantize="keep"``).
+* ``llamacpp-f32``, ``llamacpp-f16``, ``llamacpp-q8_0``, ``llamacpp-q4_1``:
+  llama.cpp (llama-cpp-python's low-level API, argmax of the logits, all
+  rows of a batch as sequences of one ``llama_batch``), ``--threads``
+  threads, on GGUF files that ``peers/make_ggufs.py`` writes from the very
+  file penzai_lm loads. It runs in its own virtualenv (built by
+  ``peers/setup_llamacpp.sh``, outside the repository); without it, or
+  without the files, these engines are skipped with a line saying how to
+  set them up.
 * ``transformers``: Hugging Face transformers on torch CPU, float32, loading
   the same GGUF file (dequantized to float32), ``model.generate(...,
   do_sample=False)`` with its default KV cache, ``--threads`` torch threads.
-* ``penzai_loop``: Penzai's own sampler as shipped,
-  ``penzai.models.transformer.simple_decoding_loop.temperature_sample_pyloop``
-  on Penzai's own llama model converted from the transformers model and
-  wrapped in ``KVCachingTransformerLM.from_uncached``. It is an eager Python
-  loop (~0.5 tok/s here), so it decodes only ``--loop-new`` tokens. It has no
-  greedy mode (it divides the log-probs by the temperature and samples), so
-  it runs at temperature 1e-4 with a fixed key, which picks the argmax unless
-  two logits are within ~1e-3; the token agreement line checks it. Penzai
-  0.2.5's ``llama_from_huggingface_model`` rejects transformers 5 configs
-  (new attributes such as ``rope_parameters``), so the model is converted
-  with ``llamalike_common.llamalike_from_huggingface_model`` after checking
-  the fields it relies on here.
+* ``penzai_loop``: Penzai 0.2.5's own eager sampler
+  (``simple_decoding_loop.temperature_sample_pyloop`` on Penzai's llama
+  converted from the transformers model; see ``peers/penzai_loop_engine.py``).
+  At ~0.5 tok/s it decodes only ``--loop-new`` tokens, batch 1 only; having
+  no greedy mode, it runs at temperature 1e-4 with a fixed key.
 
 Batch 1 uses the first ``--prompt`` tokens of a fixed text; batch ``--batch``
-(default 8; penzai_lm and transformers) uses that many different slices of
-the same text, all of the same length (so no padding is needed; transformers
-still gets an explicit attention mask), and reports aggregate throughput
-(rows x decode steps / decode time).
+(default 8) uses that many different slices of the same text, all of the
+same length (no padding), and reports aggregate throughput (rows x decode
+steps / decode time). All engines get the same token ids.
 
-How: every (engine, batch) pair runs in its own subprocess
-(``sys.executable __file__ --engine NAME``) so torch and XLA threads never
-compete and the peak RSS (``ru_maxrss``) belongs to one engine. Each does a
-warm-up call (compilation, op caches) and then ``--repeats`` timed runs; the
-table quotes medians with [min-max]. For every engine the same definitions
-are used:
+How: every (engine, batch) pair runs in its own subprocess (llama.cpp's
+with the llama.cpp venv's python) so that threads never compete and the peak
+RSS (``ru_maxrss``) belongs to one engine. Each does a warm-up call
+(compilation, op caches) and then ``--repeats`` timed runs. ``--rounds``
+rounds each run every (engine, batch) once, in a rotated order, so that a
+burst of load on a shared machine hits every engine alike; the table quotes
+medians [min-max] over rounds x repeats (load and warm-up: medians over
+rounds; peak RSS: the largest). Definitions, the same for every engine:
 
 * time to first token (TTFT): from the start of the prefill until the first
   new token of every row is on the host;
@@ -42,33 +48,44 @@ are used:
   token (times rows for the aggregate batch figure).
 
 penzai_lm's figures are its own ``result.timings``; transformers' come from a
-forward pre-hook (prefill start) and a stopping criterion that timestamps each
-token; penzai_loop's from a wrapper around the model call. XLA uses all
-cores. The machine may be shared: the load average is printed before and
-after, and for each engine how many cores other processes used while it ran
-(from /proc/stat); torch in particular slows down several-fold when another
-process competes for its threads. ``--ceiling`` adds the steps/s of a compiled loop that only streams
-the 538 MB of fp32 weights once per step (an upper bound for fp32 batch-1
+forward pre-hook and a stopping criterion that timestamps each token;
+llama.cpp's from timestamps around its ``llama_decode`` calls;
+penzai_loop's from a wrapper around the model call. The ratios compare
+penzai_lm (float32) with every other engine and each penzai_lm variant with
+its closest llama.cpp variant; the greedy agreement counts, per row, the
+identical leading tokens among the first ``--agree`` (32) of every engine
+and penzai_lm float32. The load average is printed before and after, and for
+each child how many cores other processes used while it ran (/proc/stat).
+llama.cpp (and torch) synchronize their threads with OpenMP barriers, which
+spin by default: with another process on one of the 2 cores here, 2-thread
+llama.cpp F32 decode fell from 23-28 tok/s (nearly idle) to 0.3-0.5.
+``--omp-wait passive`` sets ``OMP_WAIT_POLICY=passive`` in every child:
+sleeping barriers, 14 tok/s under that load but ~8 tok/s nearly idle.
+``--ceiling`` adds the steps/s of a compiled loop that only streams the
+538 MB of fp32 weights once per step (an upper bound for fp32 batch-1
 decode).
 
-Layout: this file is the entry point (arguments, one subprocess per
-(engine, batch), the table, the ratios and the JSON); each engine's
-measurement code is in ``peers/`` next to it (``penzai_lm_engine.py``,
-``transformers_engine.py``, ``penzai_loop_engine.py``,
-``weight_streaming_ceiling.py``), with the shared prompt text, timing
-record and CPU/RSS counters in ``peers/common.py``.
+Layout: this file is the entry point (arguments, the children, the table,
+the ratios and the JSON); each engine's code is in ``peers/`` next to it,
+with the shared prompt text, timing record and CPU/RSS counters in
+``peers/common.py``.
 
 Usage:
-  python benchmarks/generate_vs_peers.py [--engines penzai_lm,transformers,penzai_loop]
-      [--prompt 128] [--new 128] [--loop-new 8] [--batch 8] [--batch-new 128]
-      [--repeats 3] [--threads 2] [--ceiling] [--json PATH]
+  bash benchmarks/peers/setup_llamacpp.sh      # once: llama.cpp (~10 min)
+  python benchmarks/peers/make_ggufs.py        # once: the GGUF variants
+  python benchmarks/generate_vs_peers.py [--engines penzai_lm,llamacpp-f32,...]
+      [--prompt 128] [--new 128] [--loop-new 8] [--batch 8] [--batch-new N]
+      [--repeats 3] [--rounds 2] [--threads 2] [--agree 32]
+      [--omp-wait default|passive|active] [--ceiling] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,25 +95,28 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+from peers import llamacpp_engine
 from peers import penzai_lm_engine
-from peers import penzai_loop_engine
-from peers import transformers_engine
-from peers import weight_streaming_ceiling
 from peers.common import busy_cpu_s
 from peers.common import children_cpu_s
 from peers.common import make_prompts
 from peers.common import MODEL
-from peers.common import peak_rss_mb
 from peers.common import summarize
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-ENGINES = ("penzai_lm", "transformers", "penzai_loop")
-MARKER = "RESULT_JSON: "
+PENZAI_LM = tuple(penzai_lm_engine.VARIANTS)
+ENGINES = (*PENZAI_LM, "transformers", "penzai_loop", *llamacpp_engine.ENGINES)
+DEFAULT_ENGINES = (*penzai_lm_engine.ENABLED, "transformers", "penzai_loop",
+                   *llamacpp_engine.ENGINES)
+MARKER = llamacpp_engine.MARKER
+REFERENCE = "penzai_lm"  # float32: the ratios and the agreement compare to it.
+CHILD_ENV = {}  # Extra environment variables of every child (--omp-wait).
 
-CHILDREN = dict(penzai_lm=penzai_lm_engine.run,
-                transformers=transformers_engine.run,
-                penzai_loop=penzai_loop_engine.run,
-                ceiling=weight_streaming_ceiling.run)
+# Engine -> module with ``run(spec)``, imported in the child process only.
+CHILDREN = dict({e: "peers.penzai_lm_engine" for e in PENZAI_LM},
+                transformers="peers.transformers_engine",
+                penzai_loop="peers.penzai_loop_engine",
+                ceiling="peers.weight_streaming_ceiling")
 
 
 def leading_agreement(a: list[int], b: list[int]) -> int:
@@ -107,9 +127,10 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
 
 def child_main(engine: str, spec_path: str):
   """Runs one engine and prints its figures as one JSON line."""
+  from peers.common import peak_rss_mb  # pylint: disable=g-import-not-at-top
   with open(spec_path) as f:
     spec = json.load(f)
-  out = CHILDREN[engine](spec)
+  out = importlib.import_module(CHILDREN[engine]).run(spec)
   out["peak_rss_mb"] = peak_rss_mb()
   if "runs" in out:
     out["summary"] = summarize(out["runs"])
@@ -124,13 +145,18 @@ def run_child(engine: str, spec: dict) -> dict | None:
   """Runs ``engine`` in a fresh process; None (and its stderr) on failure."""
   with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
     json.dump(spec, f)
+  if engine in llamacpp_engine.ENGINES:
+    command = [llamacpp_engine.VENV_PYTHON, llamacpp_engine.__file__,
+               "--spec", f.name]
+  else:
+    command = [sys.executable, os.path.abspath(__file__), "--engine", engine,
+               "--spec", f.name]
   start, busy, ours = time.perf_counter(), busy_cpu_s(), children_cpu_s()
   label = engine if engine == "ceiling" else (
       f"{engine} (batch {len(spec['prompts'])}, {spec['new']} new)")
   print(f"running {label} ...", end=" ", flush=True)
-  child = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), "--engine", engine,
-       "--spec", f.name], capture_output=True, text=True, check=False)
+  child = subprocess.run(command, capture_output=True, text=True, check=False,
+                         env=dict(os.environ, **CHILD_ENV))
   os.unlink(f.name)
   lines = [l for l in child.stdout.splitlines() if l.startswith(MARKER)]
   wall = time.perf_counter() - start
@@ -148,6 +174,34 @@ def run_child(engine: str, spec: dict) -> dict | None:
   return out
 
 
+def merge_rounds(outs: list[dict]) -> dict:
+  """One record from the rounds of one (engine, batch): runs pooled."""
+  out = dict(outs[0], rounds=len(outs))
+  out["runs"] = [r for o in outs for r in o["runs"]]
+  out["summary"] = summarize(out["runs"])
+  for key in ("load_s", "warmup_s", "compile_s", "other_processes_cores"):
+    if key in out:
+      out[key] = statistics.median(o[key] for o in outs)
+  out["peak_rss_mb"] = max(o["peak_rss_mb"] for o in outs)
+  out["wall_s"] = sum(o["wall_s"] for o in outs)
+  out["tokens_same_every_round"] = all(o["tokens"] == outs[0]["tokens"]
+                                       for o in outs)
+  return out
+
+
+def run_rounds(jobs: list[tuple[str, dict]], rounds: int) -> list[dict]:
+  """Every job once per round (order rotated each round); merged records."""
+  done = {i: [] for i in range(len(jobs))}
+  for r in range(rounds):
+    print(f"-- round {r + 1} of {rounds}", flush=True)
+    shift = r % len(jobs)
+    for i in [*range(shift, len(jobs)), *range(shift)]:
+      out = run_child(*jobs[i])
+      if out is not None:
+        done[i].append(out)
+  return [merge_rounds(outs) for outs in done.values() if outs]
+
+
 def _fmt(stat: dict, scale: float = 1.0, digits: int = 1) -> str:
   m, lo, hi = (stat[k] * scale for k in ("median", "min", "max"))
   return f"{m:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
@@ -155,7 +209,7 @@ def _fmt(stat: dict, scale: float = 1.0, digits: int = 1) -> str:
 
 def print_table(results: list[dict]):
   """One row per (engine, batch): medians [min-max]."""
-  head = (f"{'engine':<13}{'batch':>5}{'new':>5}  {'decode tok/s':<20}"
+  head = (f"{'engine':<15}{'batch':>5}{'new':>5}  {'decode tok/s':<20}"
           f"{'prefill tok/s':<20}{'TTFT ms':<20}{'load s':>7}"
           f"{'warm-up s':>10}{'compile s':>10}{'peak RSS MB':>12}")
   print(head)
@@ -164,12 +218,12 @@ def print_table(results: list[dict]):
     s = r["summary"]
     decode = s["decode_agg_tok_s" if r["batch"] > 1 else "decode_tok_s"]
     compile_s = f"{r['compile_s']:.1f}" if "compile_s" in r else "-"
-    print(f"{r['engine']:<13}{r['batch']:>5}{r['new']:>5}  "
+    print(f"{r['engine']:<15}{r['batch']:>5}{r['new']:>5}  "
           f"{_fmt(decode):<20}{_fmt(s['prefill_tok_s'], digits=0):<20}"
           f"{_fmt(s['ttft_s'], 1e3, 0):<20}{r['load_s']:>7.1f}"
           f"{r['warmup_s']:>10.1f}{compile_s:>10}{r['peak_rss_mb']:>12.0f}")
-  print("(batch > 1: decode and prefill are aggregate over rows; decode per "
-        "row = aggregate / batch)")
+  print("(medians [min-max] over rounds x repeats; batch > 1: decode and "
+        "prefill are aggregate over rows; decode per row = aggregate / batch)")
 
 
 def ratios(ours: dict, peer: dict) -> dict:
@@ -181,7 +235,7 @@ def ratios(ours: dict, peer: dict) -> dict:
       ttft=b["ttft_s"]["median"] / a["ttft_s"]["median"])
 
 
-def report(results: list[dict], extra: dict):
+def report(results: list[dict], extra: dict, agree: int):
   """Prints the table, the ratios and the greedy token agreement."""
   by = {(r["engine"], r["batch"]): r for r in results}
   print()
@@ -190,29 +244,41 @@ def report(results: list[dict], extra: dict):
     print(f"\nweight-streaming ceiling (538 MB fp32 read once per step): "
           f"{extra['ceiling_steps_per_s']:.1f} steps/s")
   extra["ratios"], extra["agreement"] = {}, {}
-  pairs = [(e, b, p, by[("penzai_lm", b)]) for (e, b), p in by.items()
-           if e != "penzai_lm" and ("penzai_lm", b) in by]
-  if not pairs:
-    return
-  print("\nspeed-ups of penzai_lm (medians; > 1 means penzai_lm is faster; "
-        "TTFT = peer TTFT / penzai_lm TTFT):")
-  for engine, batch, peer, ours in pairs:
-    r = ratios(ours, peer)
-    extra["ratios"][f"penzai_lm/{engine}@batch{batch}"] = r
-    print(f"  penzai_lm / {engine:<12} batch {batch}: decode "
+  pairs = [(REFERENCE, e, b) for (e, b) in by
+           if e != REFERENCE and (REFERENCE, b) in by]
+  pairs += [(e, penzai_lm_engine.peer(e), b) for (e, b) in by
+            if e in PENZAI_LM and e != REFERENCE
+            and (penzai_lm_engine.peer(e), b) in by]
+  if pairs:  # Each penzai_lm engine vs each peer at the same batch.
+    print("\nspeed-ups (medians; > 1 means the penzai_lm engine is faster; "
+          "TTFT = peer TTFT / penzai_lm TTFT):")
+  for ours, engine, batch in pairs:
+    r = ratios(by[(ours, batch)], by[(engine, batch)])
+    extra["ratios"][f"{ours}/{engine}@batch{batch}"] = r
+    print(f"  {ours:<14} / {engine:<14} batch {batch}: decode "
           f"{r['decode']:.2f}x, prefill {r['prefill']:.2f}x, TTFT "
           f"{r['ttft']:.2f}x")
-    same = [leading_agreement(a, b) for a, b in
-            zip(ours["tokens"], peer["tokens"])]
-    extra["agreement"][f"penzai_lm/{engine}@batch{batch}"] = dict(
-        engine=engine, batch=batch, compared=min(ours["new"], peer["new"]),
-        identical_leading_tokens=same)
-  print("\ngreedy agreement with penzai_lm (identical leading tokens):")
+  for (engine, batch), peer in by.items():
+    ref = by.get((REFERENCE, batch))
+    if engine == REFERENCE or ref is None:
+      continue
+    n = min(agree, ref["new"], peer["new"])
+    extra["agreement"][f"{REFERENCE}/{engine}@batch{batch}"] = dict(
+        engine=engine, batch=batch, compared=n,
+        identical_leading_tokens=[leading_agreement(a[:n], b[:n]) for a, b
+                                  in zip(ref["tokens"], peer["tokens"])])
+  if extra["agreement"]:
+    print(f"\ngreedy agreement with {REFERENCE} (float32): identical leading"
+          f" tokens among the first {agree}:")
   for a in extra["agreement"].values():
     same = a["identical_leading_tokens"]
     rows = f"min over {len(same)} rows " if len(same) > 1 else ""
-    print(f"  {a['engine']:<12} batch {a['batch']}: {rows}{min(same)} of "
-          f"{a['compared']}")
+    print(f"  {a['engine']:<15} batch {a['batch']}: {rows}{min(same)} of "
+          f"{a['compared']}" + (f" (rows: {same})" if len(same) > 1 else ""))
+  unstable = [r["engine"] for r in results
+              if not r.get("tokens_same_every_round", True)]
+  if unstable:
+    print(f"  tokens changed between rounds: {unstable}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
       formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--engines", default=",".join(ENGINES),
+  parser.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                       help="comma-separated subset of " + ",".join(ENGINES))
   parser.add_argument("--prompt", type=int, default=128)
   parser.add_argument("--new", type=int, default=128)
@@ -230,15 +296,33 @@ def build_parser() -> argparse.ArgumentParser:
                       help="batch size of the aggregate run (0: skip)")
   parser.add_argument("--batch-new", type=int, default=None,
                       help="new tokens in the batch run (default: --new)")
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="timed runs per child, after its warm-up")
+  parser.add_argument("--rounds", type=int, default=2,
+                      help="each round runs every (engine, batch) once")
   parser.add_argument("--threads", type=int, default=2,
-                      help="torch threads (transformers)")
+                      help="torch threads (transformers), llama.cpp threads")
+  parser.add_argument("--agree", type=int, default=32,
+                      help="greedy agreement over this many first tokens")
+  parser.add_argument("--omp-wait", choices=("default", "passive", "active"),
+                      default="default", help="OMP_WAIT_POLICY of the "
+                      "children (llama.cpp, torch); passive: no spinning")
   parser.add_argument("--ceiling", action="store_true",
                       help="also measure the weight-streaming ceiling")
   parser.add_argument("--json", default=None, help="write all figures here")
   parser.add_argument("--engine", help=argparse.SUPPRESS)  # Child process.
   parser.add_argument("--spec", help=argparse.SUPPRESS)
   return parser
+
+
+def unavailable(engine: str) -> str | None:
+  """Why ``engine`` cannot run here (with how to set it up), or None."""
+  if engine in llamacpp_engine.ENGINES:
+    return llamacpp_engine.missing(engine)
+  path = penzai_lm_engine.VARIANTS.get(engine, ({},))[0].get("name_or_path")
+  if path and not os.path.exists(path):
+    return f"no {path}; write it with: python benchmarks/peers/make_ggufs.py"
+  return None
 
 
 def make_jobs(args, engines: list[str]) -> list[tuple[str, dict]]:
@@ -248,16 +332,21 @@ def make_jobs(args, engines: list[str]) -> list[tuple[str, dict]]:
 
   tokenizer = Tokenizer.from_gguf(resolve_model_path(MODEL))
   common = dict(repeats=args.repeats, threads=args.threads)
-  jobs = []
-  for engine in engines:
-    new = args.loop_new if engine == "penzai_loop" else args.new
-    jobs.append((engine, dict(
-        common, new=new, prompts=make_prompts(tokenizer, args.prompt, 1))))
+
+  def spec(engine, new, rows):
+    out = dict(common, new=new,
+               prompts=make_prompts(tokenizer, args.prompt, rows))
+    if engine in PENZAI_LM:
+      out["load_kwargs"] = penzai_lm_engine.load_kwargs(engine)
+    if engine in llamacpp_engine.ENGINES:
+      out["gguf"] = llamacpp_engine.gguf_path(engine.split("-", 1)[1])
+    return out
+
+  jobs = [(e, spec(e, args.loop_new if e == "penzai_loop" else args.new, 1))
+          for e in engines]
   if args.batch > 1:
-    for engine in [e for e in engines if e != "penzai_loop"]:
-      jobs.append((engine, dict(
-          common, new=args.batch_new or args.new,
-          prompts=make_prompts(tokenizer, args.prompt, args.batch))))
+    jobs += [(e, spec(e, args.batch_new or args.new, args.batch))
+             for e in engines if e != "penzai_loop"]
   return jobs
 
 
@@ -271,16 +360,25 @@ def main():
   unknown = set(engines) - set(ENGINES)
   if unknown:
     parser.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
+  for engine in list(engines):
+    why = unavailable(engine)
+    if why:
+      print(f"skipping {engine}: {why}")
+      engines.remove(engine)
   jobs = make_jobs(args, engines)
+  if args.omp_wait != "default":
+    CHILD_ENV["OMP_WAIT_POLICY"] = args.omp_wait
 
-  extra = dict(model=MODEL, dtype="float32", prompt_tokens=args.prompt,
-               repeats=args.repeats, threads=args.threads,
+  extra = dict(model=MODEL, engines=engines, prompt_tokens=args.prompt,
+               repeats=args.repeats, rounds=args.rounds, threads=args.threads,
+               child_env=CHILD_ENV,
                cpu_count=os.cpu_count(), loadavg_before=os.getloadavg())
-  print(f"SmolLM2-135M-Instruct float32, greedy, {args.prompt}-token prompts,"
-        f" {args.repeats} timed runs after a warm-up; {os.cpu_count()} CPUs;"
-        f" load average before: "
+  print(f"SmolLM2-135M-Instruct, greedy, {args.prompt}-token prompts,"
+        f" {args.rounds} rounds of a warm-up and {args.repeats} timed runs;"
+        f" {os.cpu_count()} CPUs; {CHILD_ENV or 'no extra env'}; load average"
+        " before: "
         + ", ".join(f"{x:.2f}" for x in extra["loadavg_before"]), flush=True)
-  results = [r for r in (run_child(e, s) for e, s in jobs) if r is not None]
+  results = run_rounds(jobs, args.rounds) if jobs else []
   if args.ceiling:
     out = run_child("ceiling", dict(repeats=args.repeats,
                                     threads=args.threads, new=0,
@@ -288,7 +386,7 @@ def main():
     if out:
       extra["ceiling_steps_per_s"] = out["steps_per_s"]
   extra["loadavg_after"] = os.getloadavg()
-  report(results, extra)
+  report(results, extra, args.agree)
   print("load average after: "
         + ", ".join(f"{x:.2f}" for x in extra["loadavg_after"]))
   if args.json:

@@ -1,7 +1,12 @@
-"""The ``penzai_lm`` engine of generate_vs_peers.py: penzai_lm.generate.
+"""The ``penzai_lm*`` engines of generate_vs_peers.py: penzai_lm.generate.
 
 Greedy decoding without stop tokens; every figure comes from the
-``result.timings`` that penzai_lm.generate returns.
+``result.timings`` that penzai_lm.generate returns. The engine's variants
+differ only in the keyword arguments of ``penzai_lm.load``: `VARIANTS` maps
+each engine name to them (the spec carries them as ``load_kwargs``) and to
+the llama.cpp variant it is best compared with. `ENABLED` are the variants
+that generate_vs_peers.py runs by default; the others can be named in
+``--engines``.
 """
 
 from __future__ import annotations
@@ -9,15 +14,49 @@ from __future__ import annotations
 import time
 
 from peers.common import run_record
+from peers.make_ggufs import gguf_path
+
+# Engine name -> (keyword arguments of penzai_lm.load, closest llama.cpp
+# engine). The GGUF variants are the files of make_ggufs.py (made from the
+# same SmolLM2 file that ``penzai_lm.load()`` reads by default).
+VARIANTS = {
+    "penzai_lm": (dict(), "llamacpp-f32"),
+    "penzai_lm-bf16": (dict(dtype="bfloat16"), "llamacpp-f16"),
+    "penzai_lm-int8": (dict(quantize="int8"), "llamacpp-q8_0"),
+    "penzai_lm-q8_0": (dict(name_or_path=gguf_path("q8_0"), quantize="keep"),
+                       "llamacpp-q8_0"),
+    "penzai_lm-q4_1": (dict(name_or_path=gguf_path("q4_1"), quantize="keep"),
+                       "llamacpp-q4_1"),
+}
+ENABLED = tuple(VARIANTS)
+
+
+def load_kwargs(engine: str) -> dict:
+  """The ``penzai_lm.load`` keyword arguments of variant ``engine``."""
+  return dict(VARIANTS[engine][0])
+
+
+def peer(engine: str) -> str:
+  """The llama.cpp engine that variant ``engine`` is compared with."""
+  return VARIANTS[engine][1]
 
 
 def run(spec: dict) -> dict:
-  """penzai_lm.generate, greedy, timings from ``result.timings``."""
+  """penzai_lm.generate, greedy, timings from ``result.timings``.
+
+  Args:
+    spec: ``prompts``, ``new``, ``repeats`` and optionally ``load_kwargs``
+      (passed to ``penzai_lm.load``; none: float32 SmolLM2).
+
+  Returns:
+    The engine record of generate_vs_peers.py.
+  """
   import penzai_lm  # pylint: disable=g-import-not-at-top
 
+  kwargs = spec.get("load_kwargs") or {}
   start = time.perf_counter()
-  model, _ = penzai_lm.load()
-  out = dict(load_s=time.perf_counter() - start)
+  model, _ = penzai_lm.load(**kwargs)
+  out = dict(load_s=time.perf_counter() - start, load_kwargs=kwargs)
   prompts, new = spec["prompts"], spec["new"]
   settings = dict(max_new_tokens=new, temperature=0.0, stop_tokens=[])
   start = time.perf_counter()
