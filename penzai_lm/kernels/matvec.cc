@@ -5,9 +5,14 @@
 // before every dot, and has no dot that reads int8 or 4-bit weights at all.
 // Decoding reads every weight once per token, so that copy costs a weight
 // sized write and read per step (SmolLM2 bf16 decoded slower than f32, and
-// 576x12288 bf16 took 12 ms against 5 ms in f32). Here the weights are
-// decoded into a small float tile in L1 and used from there by every row of
-// the activations, so each weight byte is read from memory once per call.
+// 576x12288 bf16 took 12 ms against 5 ms in f32). Here each step of
+// weights is decoded in registers right before the FMAs that use it, for
+// every row of the activations at once, and software prefetches run ahead
+// of the short runs the hardware prefetchers do not follow. One SmolLM2
+// decode step's products (134.5M weights, batch 1, 2 cores;
+// benchmarks/cpu_kernels.py): XLA f32 21 ms; kernels bf16 13.5-16 ms,
+// int8 7.7 ms, q4_1 7.5 ms (the first version decoded tiles into an L1
+// buffer without prefetching: 18, 18 and 23 ms).
 //
 // Conventions (every entry point):
 //   x: f32[R, K]  activations, R rows (batch x seq), K contracted.
@@ -20,8 +25,8 @@
 //          (ggml's order: byte j of each 32-value block holds value j in its
 //          low nibble and value j + 16 in its high nibble).
 // Work is split into tiles of outputs, handed out through an atomic counter
-// to the caller and to XLA's intra-op thread pool: a helper that starts late
-// finds no tiles left, so the call never waits on a pool that is busy.
+// to the caller and the kernels' own worker threads: a worker that starts
+// late finds no tiles left, so a call never waits on a busy thread.
 
 #include <algorithm>
 #include <atomic>
@@ -37,7 +42,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__F16C__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -45,8 +50,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;  // rows handled per pass over the weights
-constexpr int64_t kTileK = 512;   // weights decoded to floats at a time
 
 inline float Bf16ToF32(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -99,76 +102,152 @@ inline float Sum(V16 v) {
   return s;
 }
 
-// Row decoders: out[0 : len] = floats of p[0 : len].
-inline void DecodeRow(const float* p, int64_t len, float* out) {
-  std::memcpy(out, p, len * sizeof(float));
+// Weight formats. Each gives, for an out-major output n, a Row, and
+//   Get(row, k, v):  v[0 .. kStep / 16) = weights [k, k + kStep) as floats
+//   At(row, k):      one weight (the tail of K past the last whole step)
+//   Scale(row):      a factor for the output's sum (a per-channel scale)
+// Decoding happens in registers, right before the FMAs that use it: a
+// weight is read once per pass and never written back as floats.
+inline V16 Cvt16(const float* p) { return Load(p); }
+inline V16 Cvt16(const uint16_t* p) {  // bf16: the high half of a float
+#if defined(__AVX512F__)
+  return (V16)_mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(p))), 16));
+#else
+  U32x16 u = __builtin_convertvector(LoadAs<U16x16>(p), U32x16) << 16;
+  return LoadAs<V16>(&u);
+#endif
 }
-inline void DecodeRow(const uint16_t* p, int64_t len, float* out) {  // bf16
-  int64_t i = 0;
-  for (; i + 16 <= len; i += 16) {
-    U32x16 u = __builtin_convertvector(LoadAs<U16x16>(p + i), U32x16) << 16;
-    std::memcpy(out + i, &u, sizeof(u));
-  }
-  for (; i < len; ++i) out[i] = Bf16ToF32(p[i]);
+// 16 int8 / uint8 values as floats. GCC scalarizes __builtin_convertvector
+// from 8-bit lanes (60 instructions where AVX-512 needs 2), hence the
+// intrinsics.
+inline V16 CvtS8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (V16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return __builtin_convertvector(
+      __builtin_convertvector(LoadAs<I8x16>(p), I32x16), V16);
+#endif
+}
+inline V16 CvtU8(U8x16 b) {
+#if defined(__AVX512F__)
+  return (V16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32((__m128i)b));
+#else
+  return __builtin_convertvector(__builtin_convertvector(b, I32x16), V16);
+#endif
 }
 struct Half { uint16_t bits; };
-inline void DecodeRow(const Half* h, int64_t len, float* out) {  // f16
-  const uint16_t* p = &h->bits;
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= len; i += 8) {
-    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(v));
-  }
+inline V16 Cvt16(const Half* h) {
+#if defined(__AVX512F__)
+  return (V16)_mm512_cvtph_ps(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(h)));
+#else
+  V16 v;
+  for (int j = 0; j < 16; ++j) v[j] = F16ToF32(h[j].bits);
+  return v;
 #endif
-  for (; i < len; ++i) out[i] = F16ToF32(p[i]);
 }
+inline float ToF32(float v) { return v; }
+inline float ToF32(uint16_t v) { return Bf16ToF32(v); }
+inline float ToF32(Half v) { return F16ToF32(v.bits); }
 
-// Weight decoders: floats of out-major row n, values [k0, k0 + len).
 template <typename T>
 struct Dense {
+  static constexpr int kStep = 16;
   const T* w;
   int64_t K;
-  void operator()(int64_t n, int64_t k0, int64_t len, float* out) const {
-    DecodeRow(w + n * K + k0, len, out);
+  using Row = const T*;
+  Row row(int64_t n) const { return w + n * K; }
+  void Prefetch(Row r, int64_t ahead, int64_t k) const {
+    __builtin_prefetch(r + ahead * K + k);
   }
+  void Get(Row r, int64_t k, V16* v) const { v[0] = Cvt16(r + k); }
+  float At(Row r, int64_t k) const { return ToF32(r[k]); }
+  float Scale(Row) const { return 1.f; }
 };
-struct Q8 {
+
+// int8 with one scale per output (block == K): the scale multiplies the sum.
+struct Q8Channel {
+  static constexpr int kStep = 16;
+  const int8_t* qs;
+  const float* scale;
+  int64_t K;
+  struct Row { const int8_t* q; float d; };
+  Row row(int64_t n) const { return {qs + n * K, scale[n]}; }
+  void Prefetch(Row r, int64_t ahead, int64_t k) const {
+    __builtin_prefetch(r.q + ahead * K + k);
+  }
+  void Get(Row r, int64_t k, V16* v) const {
+    v[0] = CvtS8(r.q + k);
+  }
+  float At(Row r, int64_t k) const { return float(r.q[k]); }
+  float Scale(Row r) const { return r.d; }
+};
+
+// Q8_0: blocks of 32, one scale each.
+struct Q8Block32 {
+  static constexpr int kStep = 32;
+  const int8_t* qs;
+  const float* scale;
+  int64_t K;
+  struct Row { const int8_t* q; const float* s; };
+  Row row(int64_t n) const { return {qs + n * K, scale + n * (K / 32)}; }
+  void Prefetch(Row r, int64_t ahead, int64_t k) const {
+    __builtin_prefetch(r.q + ahead * K + k);
+  }
+  void Get(Row r, int64_t k, V16* v) const {
+    V16 d = V16{} + r.s[k / 32];
+    v[0] = CvtS8(r.q + k) * d;
+    v[1] = CvtS8(r.q + k + 16) * d;
+  }
+  float At(Row r, int64_t k) const { return r.q[k] * r.s[k / 32]; }
+  float Scale(Row) const { return 1.f; }
+};
+
+// int8 blocks of any other size (correct, not tuned: the quantizers make
+// blocks of 32 or of all of K).
+struct Q8Any {
+  static constexpr int kStep = 16;
   const int8_t* qs;
   const float* scale;
   int64_t K, block;
-  void operator()(int64_t n, int64_t k0, int64_t len, float* out) const {
-    const int8_t* q = qs + n * K;
-    const float* s = scale + n * (K / block);
-    for (int64_t i = 0; i < len;) {
-      int64_t k = k0 + i, b = k / block;
-      int64_t run = std::min(len - i, (b + 1) * block - k);
-      float d = s[b];
-      for (int64_t j = 0; j < run; ++j) out[i + j] = float(q[k + j]) * d;
-      i += run;
-    }
+  struct Row { const int8_t* q; const float* s; };
+  Row row(int64_t n) const { return {qs + n * K, scale + n * (K / block)}; }
+  void Prefetch(Row r, int64_t ahead, int64_t k) const {
+    __builtin_prefetch(r.q + ahead * K + k);
   }
+  void Get(Row r, int64_t k, V16* v) const {
+    for (int j = 0; j < 16; ++j) v[0][j] = At(r, k + j);
+  }
+  float At(Row r, int64_t k) const { return r.q[k] * r.s[k / block]; }
+  float Scale(Row) const { return 1.f; }
 };
+
+// 4-bit blocks of 32: w = nibble * d + m, ggml's nibble order (byte j holds
+// value j low and value j + 16 high). K is a multiple of 32.
 struct Q4 {
+  static constexpr int kStep = 32;
   const uint8_t* qs;
   const float* scale;
   const float* mins;
   int64_t K;
-  // k0 and len are multiples of 32.
-  void operator()(int64_t n, int64_t k0, int64_t len, float* out) const {
-    const uint8_t* q = qs + n * (K / 2);
-    const float* s = scale + n * (K / 32);
-    const float* m = mins + n * (K / 32);
-    for (int64_t i = 0; i < len; i += 32) {
-      int64_t b = (k0 + i) / 32;
-      const uint8_t* blk = q + b * 16;
-      float d = s[b], mn = m[b];
-      for (int j = 0; j < 16; ++j) {
-        out[i + j] = float(blk[j] & 0xf) * d + mn;
-        out[i + j + 16] = float(blk[j] >> 4) * d + mn;
-      }
-    }
+  struct Row { const uint8_t* q; const float* s; const float* m; };
+  Row row(int64_t n) const {
+    return {qs + n * (K / 2), scale + n * (K / 32), mins + n * (K / 32)};
   }
+  void Prefetch(Row r, int64_t ahead, int64_t k) const {
+    __builtin_prefetch(r.q + ahead * (K / 2) + k / 2);
+  }
+  void Get(Row r, int64_t k, V16* v) const {
+    U8x16 b = LoadAs<U8x16>(r.q + k / 2);
+    V16 d = V16{} + r.s[k / 32], m = V16{} + r.m[k / 32];
+    v[0] = CvtU8(b & 15) * d + m;
+    v[1] = CvtU8(b >> 4) * d + m;
+  }
+  float At(Row, int64_t) const { return 0.f; }  // K % 32 == 0: no tail
+  float Scale(Row) const { return 1.f; }
 };
 
 // Worker threads of the kernels. XLA's intra-op pool wakes its threads too
@@ -272,98 +351,144 @@ void ParallelTiles(ffi::ThreadPool& pool, int64_t n_tiles, Body body) {
   Workers::Get(std::max<int64_t>(1, pool.num_threads())).Run(n_tiles, body);
 }
 
-// Outputs [n0, n0 + OUTS) of every row: each K tile of their weights is
-// decoded once (into L1) and used by all rows; OUTS independent
-// accumulators per row keep the FMA units busy.
-template <int OUTS, typename Decode>
-void OutMajorGroup(const Decode& decode, const float* x, float* y,
-                   int64_t rows, int64_t K, int64_t N, int64_t n0) {
-  alignas(64) float wf[OUTS][kTileK];
-  V16 acc[kMaxRows][OUTS] = {};
-  float tail[kMaxRows][OUTS] = {};
-  for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
-    int64_t len = std::min(kTileK, K - k0), full = len & ~int64_t(15);
-    for (int o = 0; o < OUTS; ++o) decode(n0 + o, k0, len, wf[o]);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = x + r * K + k0;
-      V16 a[OUTS];
-      for (int o = 0; o < OUTS; ++o) a[o] = acc[r][o];
-      for (int64_t i = 0; i < full; i += 16) {
-        V16 xv = Load(xr + i);
-        for (int o = 0; o < OUTS; ++o) a[o] += xv * Load(wf[o] + i);
-      }
-      for (int o = 0; o < OUTS; ++o) {
-        acc[r][o] = a[o];
-        for (int64_t i = full; i < len; ++i) tail[r][o] += xr[i] * wf[o][i];
+// Outputs [n0, n0 + OUTS) of RB rows of x: each step of K is decoded
+// once, into registers, and used by every row; RB * OUTS accumulators.
+template <int RB, int OUTS, typename W>
+void OutBlock(const W& w, const float* x, float* y, int64_t K, int64_t N,
+              int64_t n0) {
+  constexpr int S = W::kStep / 16;
+  V16 acc[RB][OUTS] = {};
+  typename W::Row row[OUTS];
+  for (int o = 0; o < OUTS; ++o) row[o] = w.row(n0 + o);
+  const int64_t whole = K - K % W::kStep;
+  for (int64_t k = 0; k < whole; k += W::kStep) {
+    V16 wv[OUTS][S];
+    for (int o = 0; o < OUTS; ++o) {
+      w.Prefetch(row[o], 2 * OUTS, k);
+      w.Get(row[o], k, wv[o]);
+    }
+    for (int r = 0; r < RB; ++r) {
+      for (int s = 0; s < S; ++s) {
+        V16 xv = Load(x + r * K + k + 16 * s);
+        for (int o = 0; o < OUTS; ++o) acc[r][o] += xv * wv[o][s];
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int r = 0; r < RB; ++r) {
     for (int o = 0; o < OUTS; ++o) {
-      y[r * N + n0 + o] = Sum(acc[r][o]) + tail[r][o];
+      float t = Sum(acc[r][o]);
+      for (int64_t k = whole; k < K; ++k) t += x[r * K + k] * w.At(row[o], k);
+      y[r * N + n0 + o] = t * w.Scale(row[o]);
     }
   }
 }
 
-template <typename Decode>
-void OutMajor(ffi::ThreadPool& pool, const Decode& decode, const float* x,
-              float* y, int64_t R, int64_t K, int64_t N) {
-  constexpr int64_t kTileN = 64;
-  ParallelTiles(pool, (N + kTileN - 1) / kTileN, [=](int64_t t) {
-    int64_t n0 = t * kTileN, n1 = std::min(N, n0 + kTileN);
-    for (int64_t r0 = 0; r0 < R; r0 += kMaxRows) {
-      int64_t rows = std::min(kMaxRows, R - r0);
+// Outputs [n0, n1) of `rows` (<= 4) rows.
+template <int RB, typename W>
+void OutRange(const W& w, const float* x, float* y, int64_t K, int64_t N,
+              int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) OutBlock<RB, 4>(w, x, y, K, N, n);
+  for (; n < n1; ++n) OutBlock<RB, 1>(w, x, y, K, N, n);
+}
+
+template <typename W>
+void OutMajor(ffi::ThreadPool& pool, const W& w, const float* x, float* y,
+              int64_t R, int64_t K, int64_t N) {
+  // Enough tiles to balance the threads, each a few rows of the weight.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t tile = std::clamp<int64_t>(N / (8 * threads) / 4 * 4, 4, 64);
+  ParallelTiles(pool, (N + tile - 1) / tile, [=, &w](int64_t t) {
+    int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+    // Rows in passes of 4: a tile's weights stay in L1/L2 between passes.
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
       const float* xr = x + r0 * K;
       float* yr = y + r0 * N;
-      int64_t n = n0;
-      for (; n + 4 <= n1; n += 4) OutMajorGroup<4>(decode, xr, yr, rows, K, N, n);
-      for (; n < n1; ++n) OutMajorGroup<1>(decode, xr, yr, rows, K, N, n);
+      switch (std::min<int64_t>(4, R - r0)) {
+        case 1: OutRange<1>(w, xr, yr, K, N, n0, n1); break;
+        case 2: OutRange<2>(w, xr, yr, K, N, n0, n1); break;
+        case 3: OutRange<3>(w, xr, yr, K, N, n0, n1); break;
+        default: OutRange<4>(w, xr, yr, K, N, n0, n1); break;
+      }
     }
   });
 }
 
-// In-major dense weights [K, N]. A task takes a tile of kTileN outputs and
-// a chunk of K, and streams that chunk's row segments (4 KB of float32,
-// 2 KB of 16-bit weights: long enough runs for the prefetchers). K is split
-// only when there are fewer output tiles than threads; the chunks' partial
-// sums are then added up at the end.
+// In-major dense weights [K, N]: outputs [n0, n0 + 16 * VECS) of RB rows
+// over K rows [k0, k1) of the weight (each a contiguous run), added to or
+// written into out.
+template <int RB, int VECS, typename T>
+void InBlock(const T* w, const float* x, float* out, int64_t K, int64_t N,
+             int64_t k0, int64_t k1, int64_t n0) {
+  V16 acc[RB][VECS] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    const T* p = w + k * N + n0;
+    // About 8 KB of this block's weights ahead: each of its rows is a short
+    // run the hardware prefetchers do not follow (bf16 decoding took 19 ms
+    // a step without this, 13.5 ms with it).
+    constexpr int kLine = 64 / sizeof(T);
+    constexpr int64_t kAhead =
+        std::max<int64_t>(4, 8192 / (16 * VECS * sizeof(T)));
+    for (int j = 0; j < 16 * VECS; j += kLine) {
+      __builtin_prefetch(p + kAhead * N + j);
+    }
+    V16 wv[VECS];
+    for (int v = 0; v < VECS; ++v) wv[v] = Cvt16(p + 16 * v);
+    for (int r = 0; r < RB; ++r) {
+      V16 xv = V16{} + x[r * K + k];
+      for (int v = 0; v < VECS; ++v) acc[r][v] += xv * wv[v];
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int v = 0; v < VECS; ++v) Store(out + r * N + n0 + 16 * v, acc[r][v]);
+  }
+}
+
+template <int RB, typename T>
+void InRange(const T* w, const float* x, float* out, int64_t K, int64_t N,
+             int64_t k0, int64_t k1, int64_t n0, int64_t n1) {
+  constexpr int V = RB == 1 ? 16 : 4;  // RB * V accumulators
+  int64_t n = n0;
+  for (; n + 16 * V <= n1; n += 16 * V) InBlock<RB, V>(w, x, out, K, N, k0, k1, n);
+  for (; n + 16 <= n1; n += 16) InBlock<RB, 1>(w, x, out, K, N, k0, k1, n);
+  for (; n < n1; ++n) {
+    for (int r = 0; r < RB; ++r) {
+      float t = 0;
+      for (int64_t k = k0; k < k1; ++k) t += x[r * K + k] * ToF32(w[k * N + n]);
+      out[r * N + n] = t;
+    }
+  }
+}
+
+// A task takes a tile of outputs and a chunk of K; K is split only when
+// there are too few output tiles for the threads, and the chunks' partial
+// sums are added up at the end.
 template <typename T>
 void InMajor(ffi::ThreadPool& pool, const T* w, const float* x, float* y,
              int64_t R, int64_t K, int64_t N) {
-  constexpr int64_t kTileN = 1024, kRowGroup = 4;
-  int64_t tiles = (N + kTileN - 1) / kTileN;
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t splits = tiles >= threads ? 1
-                   : std::max<int64_t>(1, std::min(threads, K / 64));
-  int64_t chunk = (K + splits - 1) / splits;
+  constexpr int64_t kTileN = 256;
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t splits =
+      tiles >= 2 * threads ? 1
+                           : std::max<int64_t>(1, std::min(2 * threads, K / 64));
+  const int64_t chunk = (K + splits - 1) / splits;
   std::unique_ptr<float[]> partial;
   if (splits > 1) partial.reset(new float[splits * R * N]);
   float* parts = partial.get();
   ParallelTiles(pool, tiles * splits, [=](int64_t t) {
     int64_t split = t / tiles, n0 = (t % tiles) * kTileN;
-    int64_t width = std::min(kTileN, N - n0), vecs = (width + 15) / 16;
+    int64_t n1 = std::min(N, n0 + kTileN);
     int64_t k0 = split * chunk, k1 = std::min(K, k0 + chunk);
     float* out = splits > 1 ? parts + split * R * N : y;
-    alignas(64) float wf[kTileN + 16];
-    alignas(64) float acc[kRowGroup][kTileN + 16];
-    for (int64_t r0 = 0; r0 < R; r0 += kRowGroup) {
-      int64_t rows = std::min(kRowGroup, R - r0);
-      for (int64_t r = 0; r < rows; ++r) std::fill_n(acc[r], vecs * 16, 0.f);
-      for (int64_t k = k0; k < k1; ++k) {
-        const T* p = w + k * N + n0;
-        DecodeRow(p, width, wf);
-        for (int64_t j = width; j < vecs * 16; ++j) wf[j] = 0;
-        for (int64_t r = 0; r < rows; ++r) {
-          V16 xv = V16{} + x[(r0 + r) * K + k];
-          float* a = acc[r];
-          for (int64_t v = 0; v < vecs; ++v) {
-            V16 s = Load(a + 16 * v) + xv * Load(wf + 16 * v);
-            std::memcpy(a + 16 * v, &s, sizeof(s));
-          }
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(out + (r0 + r) * N + n0, acc[r], width * sizeof(float));
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const float* xr = x + r0 * K;
+      float* o = out + r0 * N;
+      switch (std::min<int64_t>(4, R - r0)) {
+        case 1: InRange<1>(w, xr, o, K, N, k0, k1, n0, n1); break;
+        case 2: InRange<2>(w, xr, o, K, N, k0, k1, n0, n1); break;
+        case 3: InRange<3>(w, xr, o, K, N, k0, k1, n0, n1); break;
+        default: InRange<4>(w, xr, o, K, N, k0, k1, n0, n1); break;
       }
     }
   });
@@ -420,8 +545,19 @@ ffi::Error Q8OutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (qd.size() != 2 || qd[1] != K || sd.size() != 2 || sd[0] != qd[0] ||
       sd[1] == 0 || K % sd[1] != 0)
     return ffi::Error::InvalidArgument("q8: qs [N, K], scale [N, K / block]");
-  Q8 decode{qs.typed_data(), scale.typed_data(), K, K / sd[1]};
-  OutMajor(pool, decode, x.typed_data(), y->typed_data(), R, K, qd[0]);
+  const int64_t block = K / sd[1], N = qd[0];
+  const float* xd = x.typed_data();
+  float* yd = y->typed_data();
+  if (block == K) {
+    OutMajor(pool, Q8Channel{qs.typed_data(), scale.typed_data(), K}, xd, yd,
+             R, K, N);
+  } else if (block == 32) {
+    OutMajor(pool, Q8Block32{qs.typed_data(), scale.typed_data(), K}, xd, yd,
+             R, K, N);
+  } else {
+    OutMajor(pool, Q8Any{qs.typed_data(), scale.typed_data(), K, block}, xd,
+             yd, R, K, N);
+  }
   return ffi::Error::Success();
 }
 

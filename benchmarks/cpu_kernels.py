@@ -1,0 +1,117 @@
+"""The CPU kernels against XLA's dots on one decode step's products.
+
+Every product of a SmolLM2-135M decode step (30 layers of q, k, v, o, gate,
+up, down, and the tied 576x49152 unembedding), at 1 and 8 rows, per weight
+format: float32/bfloat16/float16 in-major (loaded projections), and int8,
+q8_0 and q4_1 blocks (out-major). "xla" runs the same product with
+``jnp.dot`` on the weights as they lie (quantized ones dequantized in the
+program, as without the kernels). Reports the median step time and weights
+per second; medians of --repeats.
+
+  python benchmarks/cpu_kernels.py [--repeats 20] [--formats bf16,q8_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from penzai_lm.kernels import ops
+from penzai_lm.quantization import formats as qformats
+
+SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536),
+          (576, 1536), (1536, 576)]  # (K, N) of one layer
+LAYERS = 30
+VOCAB = 49152
+
+
+def _weights(fmt: str, rng):
+  """The arrays of one step's weights in format ``fmt``."""
+  out = []
+  shapes = SHAPES * LAYERS + [(576, VOCAB)]
+  for k, n in shapes:
+    w = (rng.standard_normal((n, k), np.float32) * 0.05)
+    if fmt in ("f32", "bf16", "f16"):
+      dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}[fmt]
+      out.append((jnp.asarray(w.T.copy()).astype(dtype),))
+    else:
+      q = qformats.quantize(w, fmt)
+      out.append(q)
+  return out
+
+
+def _k(arrays) -> int:
+  return arrays[0].shape[0] if isinstance(arrays, tuple) else arrays.shape[1]
+
+
+def _kernel_step(fmt):
+  def step(x, weights):
+    total = 0.0
+    for arrays in weights:
+      xk = x[:, :_k(arrays)]
+      if fmt in ("f32", "bf16", "f16"):
+        y = ops.dense(xk, arrays[0], out_major=False)
+      elif fmt in ("int8", "q8_0"):
+        y = ops.q8(xk, arrays.qs, arrays.scale)
+      else:
+        y = ops.q4(xk, arrays.qs, arrays.scale, arrays.mins)
+      total = total + y[:, :4].sum()
+    return total
+  return step
+
+
+def _xla_step(fmt):
+  def step(x, weights):
+    total = 0.0
+    for arrays in weights:
+      xk = x[:, :_k(arrays)]
+      if fmt in ("f32", "bf16", "f16"):
+        y = jnp.dot(xk, arrays[0], preferred_element_type=jnp.float32)
+      else:
+        y = xk @ arrays.dequantize().T
+      total = total + y[:, :4].sum()
+    return total
+  return step
+
+
+def _time(fn, *args, repeats):
+  fn(*args).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn(*args).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--formats", default="f32,bf16,f16,int8,q8_0,q4_1")
+  parser.add_argument("--rows", default="1,8")
+  parser.add_argument("--repeats", type=int, default=20)
+  args = parser.parse_args()
+  if not ops.available():
+    raise SystemExit("the CPU kernels are not available here")
+  rng = np.random.default_rng(0)
+  n_weights = sum(k * n for k, n in SHAPES) * LAYERS + 576 * VOCAB
+  print(f"{n_weights / 1e6:.1f}M weights per step; {jax.devices()}")
+  print(f"{'format':6} {'rows':>4} {'xla ms':>8} {'kernel ms':>9} "
+        f"{'kernel Gw/s':>11} {'speedup':>7}")
+  for fmt in args.formats.split(","):
+    weights = _weights(fmt, rng)
+    kernel, xla = jax.jit(_kernel_step(fmt)), jax.jit(_xla_step(fmt))
+    for rows in map(int, args.rows.split(",")):
+      x = jnp.asarray(rng.standard_normal((rows, 1536), np.float32))
+      t_xla = _time(xla, x, weights, repeats=args.repeats)
+      t_k = _time(kernel, x, weights, repeats=args.repeats)
+      print(f"{fmt:6} {rows:4d} {t_xla * 1e3:8.2f} {t_k * 1e3:9.2f} "
+            f"{n_weights / t_k / 1e9:11.1f} {t_xla / t_k:6.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+  main()
