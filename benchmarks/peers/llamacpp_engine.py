@@ -79,6 +79,12 @@ class _Decoder:
     self.lib = lib = llama_cpp
     lib.llama_backend_init()
     mparams = lib.llama_model_default_params()
+    # No repacking into llama.cpp's "extra" CPU buffer types: with them
+    # llama-cpp-python 0.3.36 segfaults on every Q8_0/Q4_1 file on these
+    # AVX-512 machines (the PyPI SmolLM2 Q4_1 file included); F32/F16 do
+    # not repack either way. llama.cpp's --no-repack.
+    if hasattr(mparams, "use_extra_bufts"):
+      mparams.use_extra_bufts = False
     self.model = lib.llama_model_load_from_file(path.encode(), mparams)
     if not self.model:
       raise RuntimeError(f"llama.cpp could not load {path}")

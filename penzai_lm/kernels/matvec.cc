@@ -143,6 +143,14 @@ inline V16 Cvt16(const Half* h) {
 #if defined(__AVX512F__)
   return (V16)_mm512_cvtph_ps(_mm256_loadu_si256(
       reinterpret_cast<const __m256i*>(h)));
+#elif defined(__F16C__)
+  const __m128i* p = reinterpret_cast<const __m128i*>(h);
+  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(p));
+  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(p + 1));
+  V16 v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
 #else
   V16 v;
   for (int j = 0; j < 16; ++j) v[j] = F16ToF32(h[j].bits);
