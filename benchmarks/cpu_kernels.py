@@ -49,31 +49,23 @@ def _k(arrays) -> int:
   return arrays[0].shape[0] if isinstance(arrays, tuple) else arrays.shape[1]
 
 
-def _kernel_step(fmt):
+def _product(fmt, x, arrays, kernels: bool):
+  if fmt in ("f32", "bf16", "f16"):
+    if kernels:
+      return ops.dense(x, arrays[0], out_major=False)
+    return jnp.dot(x, arrays[0], preferred_element_type=jnp.float32)
+  if not kernels:
+    return x @ arrays.dequantize().T
+  if fmt in ("int8", "q8_0"):
+    return ops.q8(x, arrays.qs, arrays.scale)
+  return ops.q4(x, arrays.qs, arrays.scale, arrays.mins)
+
+
+def _step(fmt, kernels: bool):
   def step(x, weights):
     total = 0.0
     for arrays in weights:
-      xk = x[:, :_k(arrays)]
-      if fmt in ("f32", "bf16", "f16"):
-        y = ops.dense(xk, arrays[0], out_major=False)
-      elif fmt in ("int8", "q8_0"):
-        y = ops.q8(xk, arrays.qs, arrays.scale)
-      else:
-        y = ops.q4(xk, arrays.qs, arrays.scale, arrays.mins)
-      total = total + y[:, :4].sum()
-    return total
-  return step
-
-
-def _xla_step(fmt):
-  def step(x, weights):
-    total = 0.0
-    for arrays in weights:
-      xk = x[:, :_k(arrays)]
-      if fmt in ("f32", "bf16", "f16"):
-        y = jnp.dot(xk, arrays[0], preferred_element_type=jnp.float32)
-      else:
-        y = xk @ arrays.dequantize().T
+      y = _product(fmt, x[:, :_k(arrays)], arrays, kernels)
       total = total + y[:, :4].sum()
     return total
   return step
@@ -104,7 +96,7 @@ def main():
         f"{'kernel Gw/s':>11} {'speedup':>7}")
   for fmt in args.formats.split(","):
     weights = _weights(fmt, rng)
-    kernel, xla = jax.jit(_kernel_step(fmt)), jax.jit(_xla_step(fmt))
+    kernel, xla = jax.jit(_step(fmt, True)), jax.jit(_step(fmt, False))
     for rows in map(int, args.rows.split(",")):
       x = jnp.asarray(rng.standard_normal((rows, 1536), np.float32))
       t_xla = _time(xla, x, weights, repeats=args.repeats)

@@ -176,17 +176,22 @@ struct Dense {
   float Scale(Row) const { return 1.f; }
 };
 
-// int8 with one scale per output (block == K): the scale multiplies the sum.
-struct Q8Channel {
-  static constexpr int kStep = 16;
+// The int8 formats' arrays: qs [N, K], and scales.
+struct Q8Arrays {
   const int8_t* qs;
   const float* scale;
   int64_t K;
-  struct Row { const int8_t* q; float d; };
-  Row row(int64_t n) const { return {qs + n * K, scale[n]}; }
-  void Prefetch(Row r, int64_t ahead, int64_t k) const {
+  template <typename Row>
+  void Prefetch(const Row& r, int64_t ahead, int64_t k) const {
     __builtin_prefetch(r.q + ahead * K + k);
   }
+};
+
+// int8 with one scale per output (block == K): the scale multiplies the sum.
+struct Q8Channel : Q8Arrays {
+  static constexpr int kStep = 16;
+  struct Row { const int8_t* q; float d; };
+  Row row(int64_t n) const { return {qs + n * K, scale[n]}; }
   void Get(Row r, int64_t k, V16* v) const {
     v[0] = CvtS8(r.q + k);
   }
@@ -195,16 +200,10 @@ struct Q8Channel {
 };
 
 // Q8_0: blocks of 32, one scale each.
-struct Q8Block32 {
+struct Q8Block32 : Q8Arrays {
   static constexpr int kStep = 32;
-  const int8_t* qs;
-  const float* scale;
-  int64_t K;
   struct Row { const int8_t* q; const float* s; };
   Row row(int64_t n) const { return {qs + n * K, scale + n * (K / 32)}; }
-  void Prefetch(Row r, int64_t ahead, int64_t k) const {
-    __builtin_prefetch(r.q + ahead * K + k);
-  }
   void Get(Row r, int64_t k, V16* v) const {
     V16 d = V16{} + r.s[k / 32];
     v[0] = CvtS8(r.q + k) * d;
@@ -216,16 +215,11 @@ struct Q8Block32 {
 
 // int8 blocks of any other size (correct, not tuned: the quantizers make
 // blocks of 32 or of all of K).
-struct Q8Any {
+struct Q8Any : Q8Arrays {
   static constexpr int kStep = 16;
-  const int8_t* qs;
-  const float* scale;
-  int64_t K, block;
+  int64_t block;
   struct Row { const int8_t* q; const float* s; };
   Row row(int64_t n) const { return {qs + n * K, scale + n * (K / block)}; }
-  void Prefetch(Row r, int64_t ahead, int64_t k) const {
-    __builtin_prefetch(r.q + ahead * K + k);
-  }
   void Get(Row r, int64_t k, V16* v) const {
     for (int j = 0; j < 16; ++j) v[0][j] = At(r, k + j);
   }
@@ -557,13 +551,13 @@ ffi::Error Q8OutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* xd = x.typed_data();
   float* yd = y->typed_data();
   if (block == K) {
-    OutMajor(pool, Q8Channel{qs.typed_data(), scale.typed_data(), K}, xd, yd,
+    OutMajor(pool, Q8Channel{{qs.typed_data(), scale.typed_data(), K}}, xd, yd,
              R, K, N);
   } else if (block == 32) {
-    OutMajor(pool, Q8Block32{qs.typed_data(), scale.typed_data(), K}, xd, yd,
+    OutMajor(pool, Q8Block32{{qs.typed_data(), scale.typed_data(), K}}, xd, yd,
              R, K, N);
   } else {
-    OutMajor(pool, Q8Any{qs.typed_data(), scale.typed_data(), K, block}, xd,
+    OutMajor(pool, Q8Any{{qs.typed_data(), scale.typed_data(), K}, block}, xd,
              yd, R, K, N);
   }
   return ffi::Error::Success();
