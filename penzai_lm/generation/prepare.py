@@ -314,10 +314,7 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
   _check_bound(model)
   decoded = model if decoded is None else decoded
   user_labels = _user_labels(decoded)
-  if on_one_cpu(decoded):
-    # Small products on compiled kernels that read bf16/f16 weights where
-    # they lie (XLA:CPU copies them to float32 before every dot).
-    decoded = with_cpu_kernels(decoded)
+  one_cpu = on_one_cpu(decoded)
   specs = ()
   if capture:
     decoded, captures = insert_captures(
@@ -332,6 +329,11 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
             decoded, cache_len, {batch_axis: batch}))
   else:
     runnable = decoded
+  if one_cpu:
+    # Small products and decode attention on compiled kernels (XLA:CPU
+    # copies bf16/f16 weights to float32 before every dot, and runs
+    # attention as ~10 small ops over the whole cache).
+    runnable = with_cpu_kernels(runnable)
   prepared = _prepare_runnable(runnable, user_labels, batch_axis, batch,
                                cache_len)
   return dataclasses.replace(prepared, captures=specs)

@@ -7,3 +7,4 @@ from penzai_lm.kernels.layers import KernelEmbeddingDecode
 from penzai_lm.kernels.layers import KernelLinear
 from penzai_lm.kernels.layers import on_one_cpu
 from penzai_lm.kernels.layers import with_cpu_kernels
+from penzai_lm.kernels.attention import KernelCachedAttention

@@ -1,6 +1,6 @@
 """Compiles penzai_lm's CPU kernels on first use and registers them with XLA.
 
-The kernels (`matvec.cc`) are C++ against the XLA FFI headers that ship with
+The kernels (`matvec.cc`, `attention.cc`, sharing `common.h`) are C++ against the XLA FFI headers that ship with
 jaxlib. They are built once per machine with the system C++ compiler
 (``-O3 -march=native``: the vector width and the F16C instructions matter)
 into ``$PENZAI_LM_KERNEL_CACHE`` (default ``~/.cache/penzai_lm/kernels``),
@@ -31,8 +31,12 @@ TARGETS = (
     "pzlm_matvec_out_f32", "pzlm_matvec_out_bf16", "pzlm_matvec_out_f16",
     "pzlm_matvec_in_f32", "pzlm_matvec_in_bf16", "pzlm_matvec_in_f16",
     "pzlm_matvec_q8", "pzlm_matvec_q4",
+    "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
+    "pzlm_decode_attention_f16",
 )
-_SOURCE = pathlib.Path(__file__).with_name("matvec.cc")
+_DIR = pathlib.Path(__file__).parent
+_SOURCES = (_DIR / "matvec.cc", _DIR / "attention.cc")
+_HEADERS = (_DIR / "common.h",)
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
           "-w")
 
@@ -58,8 +62,8 @@ def _compile(compiler: str, output: pathlib.Path) -> None:
   os.close(fd)
   try:
     subprocess.run(
-        [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE),
-         "-o", tmp],
+        [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_DIR}",
+         *map(str, _SOURCES), "-o", tmp],
         check=True, capture_output=True, text=True)
     os.replace(tmp, output)
   finally:
@@ -80,10 +84,11 @@ def cpu_kernels() -> ctypes.CDLL | None:
                   "Install g++ or set CXX.", stacklevel=2)
     return None
   key = hashlib.sha256()
-  for part in (_SOURCE.read_bytes(), compiler.encode(), " ".join(_FLAGS).encode(),
+  for part in (*(f.read_bytes() for f in _SOURCES + _HEADERS),
+               compiler.encode(), " ".join(_FLAGS).encode(),
                jax.__version__.encode(), _cpu_fingerprint().encode()):
     key.update(part)
-  library = _cache_dir() / f"matvec-{key.hexdigest()[:16]}.so"
+  library = _cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
   if not library.exists():
     try:
       _compile(compiler, library)

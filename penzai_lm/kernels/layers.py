@@ -1,4 +1,4 @@
-"""Linear layers that run small products on penzai_lm's CPU kernels.
+"""Layers that run decoding's small products on penzai_lm's CPU kernels.
 
 `KernelLinear` and `KernelEmbeddingDecode` are `pz.nn.Linear` and
 `pz.nn.EmbeddingDecode` (subclasses: the same weights, fields and
@@ -26,6 +26,8 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.kernels import ops
+from penzai_lm.kernels.attention import KernelCachedAttention
+from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
 
 # Weight dtypes whose products go to the kernels. float32 stays with XLA:
 # its dot reads float32 as fast as the kernels (576x1536 x 30 layers,
@@ -117,11 +119,15 @@ def on_one_cpu(model) -> bool:
 
 def with_cpu_kernels(model):
   """``model`` with its plain Linear and EmbeddingDecode layers replaced by
-  their kernel versions, and every layer with a ``use_cpu_kernel`` field
+  their kernel versions, its plain cached attention layers by
+  `KernelCachedAttention`, and every layer with a ``use_cpu_kernel`` field
   (`penzai_lm.quantization.QuantizedLinear`) switched on; unchanged if the
   kernels are unavailable."""
   if not ops.available():
     return model
+  model = (pz.select(model).at_instances_of(InPlaceKVCachingAttention)
+           .where(lambda layer: type(layer) is InPlaceKVCachingAttention)
+           .apply(KernelCachedAttention.swap))
   model = (pz.select(model).at_subtrees_where(
       lambda x: getattr(x, "use_cpu_kernel", None) is False)
            .apply(lambda layer: dataclasses.replace(layer,

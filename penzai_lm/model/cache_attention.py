@@ -57,6 +57,13 @@ class InPlaceKVCachingAttention(pz.nn.KVCachingAttention):
     key_cache = write_at(key_cache, key, self.sequence_axis, end)
     value_cache = write_at(value_cache, value, self.sequence_axis, end)
     self.kv_cache.value = (key_cache, value_cache)
+    return self.attend(query, key_cache, value_cache, side_inputs)
+
+  def attend(self, query: pz.nx.NamedArray, key_cache: pz.nx.NamedArray,
+             value_cache: pz.nx.NamedArray, side_inputs: dict[str, Any]
+             ) -> pz.nx.NamedArray:
+    """The output for ``query`` over the caches (new keys and values
+    written): the scores, mask, softmax and value sum of the sublayers."""
     attn = self.query_key_to_attn((query, key_cache), **side_inputs)
     return self.attn_value_to_output((attn, value_cache), **side_inputs)
 

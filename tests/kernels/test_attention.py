@@ -1,0 +1,156 @@
+"""The decode-attention kernel against a float64 reference, and
+`KernelCachedAttention` against penzai's own attention layers on every
+family, inside the engine's compiled decode loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from penzai import pz
+
+from penzai_lm.generation import Engine
+from penzai_lm.kernels import KernelCachedAttention
+from penzai_lm.kernels import ops
+from penzai_lm.kernels import with_cpu_kernels
+from penzai_lm.kernels.attention import plain_chain
+from penzai_lm.model import KVCachingTransformerLM
+from penzai_lm.model import build_transformer
+from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
+from tests.model.configs import CONFIGS
+
+pytestmark = pytest.mark.skipif(not ops.available(),
+                                reason="no C++ compiler for the kernels")
+
+
+def _reference(q, k, v, q_pos, kv_pos, window, softcap):
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  out = np.zeros(q.shape)
+  for r in range(q.shape[0]):
+    p = kv_pos[r]
+    valid = (p >= 0) & (p <= q_pos[r]) & (q_pos[r] - p < window)
+    if not valid.any():
+      continue
+    for g in range(q.shape[1]):
+      s = q[r, g] @ k[r, g].T  # [Q, L]
+      if softcap:
+        s = softcap * np.tanh(s / softcap)
+      s = np.where(valid, s, -np.inf)
+      w = np.exp(s - s.max(-1, keepdims=True))
+      w /= w.sum(-1, keepdims=True)
+      out[r, g] = w @ v[r, g].T  # v: [D, L]
+  return out
+
+
+def _inputs(rows, groups, per_group, dim, slots, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((rows, groups, per_group, dim)).astype(np.float32)
+  k = rng.standard_normal((rows, groups, slots, dim)).astype(np.float32)
+  v = rng.standard_normal((rows, groups, dim, slots)).astype(np.float32)
+  k, v = (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))
+          for a in (k, v))  # the values the kernel sees
+  # Row 0: slots written in order; row 1: left padding, then a gap of
+  # unwritten slots; row 2: nothing attended.
+  kv_pos = np.full((rows, slots), -1, np.int32)
+  kv_pos[0, :slots - 3] = np.arange(slots - 3)
+  q_pos = np.full((rows,), slots - 4, np.int32)
+  if rows > 1:
+    kv_pos[1, 5:slots - 9] = np.arange(slots - 14)
+    q_pos[1] = slots - 15
+  if rows > 2:
+    q_pos[2] = -1
+  return q, k, v, q_pos, kv_pos
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [
+    (3, 2, 3, 64, 300),   # several chunks of slots, tails of 16
+    (3, 1, 4, 12, 37),    # one key/value head, a head size below 16
+    (2, 4, 1, 80, 129),   # one query head per group, 80 = 5 x 16
+])
+@pytest.mark.parametrize("window,softcap", [(2**31 - 1, None), (7, None),
+                                            (2**31 - 1, 0.7)])
+def test_kernel_matches_reference(dtype, shape, window, softcap):
+  q, k, v, q_pos, kv_pos = _inputs(*shape, dtype)
+  got = ops.decode_attention(
+      jnp.asarray(q), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+      jnp.asarray(q_pos), jnp.asarray(kv_pos), jnp.int32(window), softcap)
+  want = _reference(q, k, v, q_pos, kv_pos, window, softcap)
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+  if shape[0] > 2:
+    assert not np.asarray(got)[2].any()  # nothing to attend: zeros
+
+
+def _run(cached, tokens):
+  """Logits of a prefill then one-token steps, jitted."""
+  model, state = pz.unbind_state_vars(cached, freeze=True)
+  call = jax.jit(lambda m, s, t: m.stateless_call(s, t))
+  logits = []
+  for t in tokens:
+    out, state = call(model, state, pz.nx.wrap(t).tag("batch", "seq"))
+    logits.append(np.asarray(out.data_array, np.float32))
+  hlo = call.lower(model, state, pz.nx.wrap(tokens[-1]).tag(
+      "batch", "seq")).as_text()
+  return logits, hlo
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cached_attention_matches_penzai_on_every_family(name):
+  config = CONFIGS[name].replace(use_layer_stack=False)
+  cached = KVCachingTransformerLM.from_uncached(
+      build_transformer(config, seed=1), 24, {"batch": 3})
+  fast = with_cpu_kernels(cached)
+  assert pz.select(fast).at_instances_of(KernelCachedAttention).count() == (
+      config.num_layers)
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(1, 97, (3, 7)).astype(np.int32)
+  prompt[1, :3] = 0  # left padding
+  tokens = [prompt] + [rng.integers(1, 97, (3, 1)).astype(np.int32)
+                       for _ in range(12)]  # past Mistral's window of 4
+  want, _ = _run(cached, tokens)
+  got, hlo = _run(fast, tokens)
+  assert hlo.count("pzlm_decode_attention") == config.num_layers
+  for w, g in zip(want, got):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=0)
+
+
+def test_a_changed_chain_keeps_penzai_layers():
+  cached = KVCachingTransformerLM.from_uncached(
+      build_transformer(CONFIGS["llama_gqa"].replace(use_layer_stack=False),
+                        seed=1), 16, {"batch": 1})
+  layers = pz.select(cached).at_instances_of(InPlaceKVCachingAttention)
+  assert all(plain_chain(l) is not None for l in layers.get_sequence())
+  # Something inserted after the attention pattern (an edit, a capture).
+  edited = (pz.select(cached).at_instances_of(pz.nn.Softmax)
+            .insert_after(pz.nn.Identity()))
+  assert pz.select(with_cpu_kernels(edited)).at_instances_of(
+      KernelCachedAttention).count() == 0
+  # A mask that does not mask out (replaced values would count).
+  soft = (pz.select(cached).at_instances_of(pz.nn.ApplyCausalAttentionMask)
+          .apply(lambda m: m.__class__(**{
+              **{f: getattr(m, f) for f in m.__dataclass_fields__},
+              "masked_out_value": jnp.array(-1.0)})))
+  assert pz.select(with_cpu_kernels(soft)).at_instances_of(
+      KernelCachedAttention).count() == 0
+
+
+def test_the_engine_decodes_on_the_kernel_without_copying_caches():
+  config = CONFIGS["llama_gqa"].replace(use_layer_stack=False)
+  model = build_transformer(config, seed=3)
+  engine = Engine()
+  tokens = [int(t) for t in np.random.default_rng(1).integers(1, 97, 9)]
+  fast = engine.generate(model, [tokens], max_new_tokens=6, temperature=0.0)
+  (_, program), = engine.programs.items("decode")
+  hlo = program.as_text()
+  assert hlo.count("pzlm_decode_attention") == config.num_layers
+  # No copy of anything cache-sized inside the program: a reshape between
+  # the in-place cache write and the kernel used to copy every cache.
+  cache_elems = config.num_kv_heads * config.head_dim * 16
+  for line in hlo.splitlines():
+    if " copy(" in line:
+      dims = line.split("= ", 1)[1].split("[", 1)[1].split("]", 1)[0]
+      size = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+      assert size < cache_elems, line
+  # Without a cache, penzai's attention runs over the whole sequence.
+  slow = engine.generate(model, [tokens], max_new_tokens=6, temperature=0.0,
+                         use_cache=False)
+  assert fast.tokens == slow.tokens
