@@ -13,9 +13,17 @@
 // with their maxima (as flash-decoding does). Slots outside the range of
 // attended positions are never read, so a half-empty cache costs half.
 //
+// The kernel also writes the new token's key and value into the caches (in
+// place: the caches are aliased to its outputs). XLA:CPU's own write into a
+// bfloat16 cache converted the whole cache to float32 and back at every
+// layer and step.
+//
 // Conventions:
 //   q:      f32[R, G, Q, D]  each row's query (scaled, rotated): G key/value
 //                            heads, Q query heads per group, D per head
+//   k_new:  T[R, G, D]       the new key and value, written at slot `end`
+//   v_new:  T[R, G, D]
+//   end:    s32[1]
 //   k:      T[R, G, L, D]    key cache, L slots (any shape of as many
 //                            elements: XLA drops size-1 dimensions)
 //   v:      T[R, G, D, L]    value cache, slots last (likewise)
@@ -23,7 +31,7 @@
 //   kv_pos: s32[R, L]        each slot's position, -1 where empty or padding
 //   window: s32[1]           slots at distance >= window are not attended
 //   softcap (attribute)      > 0: scores become cap * tanh(score / cap)
-//   out:    f32[R, G, Q, D]
+//   out:    f32[R, G, Q, D], and the caches k and v (aliased)
 // Slot l of row r is attended iff 0 <= kv_pos <= q_pos and
 // q_pos - kv_pos < window. A row with no slot to attend gets zeros.
 
@@ -229,34 +237,49 @@ void DecodeAttention(ffi::ThreadPool& pool, const Shape& sh, const float* q,
 
 template <ffi::DataType DT, typename T>
 ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                   ffi::Buffer<DT> k, ffi::Buffer<DT> v,
+                   ffi::Buffer<DT>, ffi::Buffer<DT>, ffi::Buffer<DT> k_new,
+                   ffi::Buffer<DT> v_new, ffi::Buffer<ffi::S32> end,
                    ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> kv_pos,
                    ffi::Buffer<ffi::S32> window, float softcap,
-                   ffi::ResultBuffer<ffi::F32> out) {
+                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<DT> k,
+                   ffi::ResultBuffer<DT> v) {
   auto qd = q.dimensions(), qp = q_pos.dimensions(), kp = kv_pos.dimensions();
   if (qd.size() != 4 || kp.size() != 2)
     return ffi::Error::InvalidArgument(
         "decode attention: q [R, G, Q, D] and kv_pos [R, L]");
   Shape sh{qd[0], qd[1], qd[2], qd[3], kp[1]};
-  const int64_t cache = sh.R * sh.G * sh.L * sh.D;
+  const int64_t cache = sh.R * sh.G * sh.L * sh.D, rgd = sh.R * sh.G * sh.D;
   // The caches may come in any shape of [R, G, L, D] / [R, G, D, L]
   // elements (size-1 dimensions dropped, as XLA writes them in place).
-  if (int64_t(k.element_count()) != cache ||
-      int64_t(v.element_count()) != cache)
+  if (int64_t(k->element_count()) != cache ||
+      int64_t(v->element_count()) != cache ||
+      int64_t(k_new.element_count()) != rgd ||
+      int64_t(v_new.element_count()) != rgd)
     return ffi::Error::InvalidArgument(
-        "decode attention: k must hold [R, G, L, D] and v [R, G, D, L]");
+        "decode attention: k must hold [R, G, L, D], v [R, G, D, L], and "
+        "k_new and v_new [R, G, D]");
   if (qp.size() != 1 || qp[0] != sh.R || kp[0] != sh.R ||
-      window.element_count() != 1)
+      window.element_count() != 1 || end.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "decode attention: q_pos [R], kv_pos [R, L], window [1]");
+        "decode attention: q_pos [R], kv_pos [R, L], window and end [1]");
   if (sh.Q > kMaxQ)
     return ffi::Error::InvalidArgument(
         "decode attention: at most 32 query heads per key/value head");
-  DecodeAttention(pool, sh, q.typed_data(),
-                  reinterpret_cast<const T*>(k.untyped_data()),
-                  reinterpret_cast<const T*>(v.untyped_data()),
-                  q_pos.typed_data(), kv_pos.typed_data(),
-                  window.typed_data()[0], softcap, out->typed_data());
+  const int64_t e = end.typed_data()[0];
+  if (e < 0 || e >= sh.L)
+    return ffi::Error::InvalidArgument("decode attention: end outside cache");
+  T* kc = reinterpret_cast<T*>(k->untyped_data());
+  T* vc = reinterpret_cast<T*>(v->untyped_data());
+  const T* kn = reinterpret_cast<const T*>(k_new.untyped_data());
+  const T* vn = reinterpret_cast<const T*>(v_new.untyped_data());
+  for (int64_t rg = 0; rg < sh.R * sh.G; ++rg) {
+    std::memcpy(kc + (rg * sh.L + e) * sh.D, kn + rg * sh.D, sh.D * sizeof(T));
+    for (int64_t d = 0; d < sh.D; ++d)
+      vc[(rg * sh.D + d) * sh.L + e] = vn[rg * sh.D + d];
+  }
+  DecodeAttention(pool, sh, q.typed_data(), kc, vc, q_pos.typed_data(),
+                  kv_pos.typed_data(), window.typed_data()[0], softcap,
+                  out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -268,11 +291,16 @@ ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       .Arg<ffi::Buffer<ffi::F32>>()     \
       .Arg<ffi::Buffer<T>>()            \
       .Arg<ffi::Buffer<T>>()            \
+      .Arg<ffi::Buffer<T>>()            \
+      .Arg<ffi::Buffer<T>>()            \
+      .Arg<ffi::Buffer<ffi::S32>>()     \
       .Arg<ffi::Buffer<ffi::S32>>()     \
       .Arg<ffi::Buffer<ffi::S32>>()     \
       .Arg<ffi::Buffer<ffi::S32>>()     \
       .Attr<float>("softcap")           \
-      .Ret<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()     \
+      .Ret<ffi::Buffer<T>>()            \
+      .Ret<ffi::Buffer<T>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_decode_attention_f32,
                               (Handler<ffi::F32, float>),

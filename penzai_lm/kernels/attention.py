@@ -10,8 +10,8 @@ sum of values (a second einsum) followed by the rest of
 ``attn_value_to_output`` (the ``attn.head_out`` hook point and the output
 projection). `plain_chain` recognizes exactly that chain; the engine swaps
 such layers for this subclass (`penzai_lm.kernels.with_cpu_kernels`), which
-runs the chain up to the value sum as one kernel call when one token per row
-is decoded. Anything else runs the layer's own sublayers: a prompt (several
+runs the cache write and the chain up to the value sum as one kernel call
+when one token per row is decoded. Anything else runs the layer's own sublayers: a prompt (several
 tokens), a captured or patched ``attn.pattern`` (the chain no longer
 matches), other masks, a cache that keeps a layer stack's axis.
 
@@ -163,29 +163,37 @@ class KernelCachedAttention(InPlaceKVCachingAttention):
               for f in dataclasses.fields(layer)}
     return cls(**fields, chain=chain)
 
-  def attend(self, query, key_cache, value_cache,
-             side_inputs: dict[str, Any]):
-    heads = self._kernel_heads(query, key_cache, value_cache, side_inputs)
-    if heads is None:
-      return super().attend(query, key_cache, value_cache, side_inputs)
+  def write_and_attend(self, query, key, value,
+                       side_inputs: dict[str, Any]):
+    result = self._kernel(query, key, value, side_inputs)
+    if result is None:
+      return super().write_and_attend(query, key, value, side_inputs)
+    heads, key_cache, value_cache = result
+    self.kv_cache.value = (key_cache, value_cache)
     for layer in self.attn_value_to_output.sublayers[1:]:
       heads = layer(heads, **side_inputs)
     return heads
 
-  def _kernel_heads(self, query, key_cache, value_cache, side_inputs):
-    """The value sum (``attn.head_out``'s input) from the kernel; None where
-    it does not apply."""
+  def _kernel(self, query, key, value, side_inputs):
+    """``(value sum, key cache, value cache)`` from the kernel, the value
+    sum being ``attn.head_out``'s input; None where it does not apply."""
     kv, qh = self.chain.kv_head_axes, self.chain.query_head_axes
+    key_cache, value_cache = self.kv_cache.value
     q_pos = side_inputs.get("token_positions")
     kv_pos = side_inputs.get("kv_token_positions")
-    arrays = (query, key_cache, value_cache, q_pos, kv_pos)
+    end = side_inputs.get(self.kv_cache_end_index_key)
+    arrays = (query, key, value, key_cache, value_cache, q_pos, kv_pos)
     if not all(isinstance(a, pz.nx.NamedArrayBase) and not a.positional_shape
-               for a in arrays):
+               for a in arrays) or jnp.shape(end) != () or not all(
+                   isinstance(c, pz.nx.NamedArray)
+                   for c in (key_cache, value_cache)):
       return None
     batch = [a for a in query.named_axes
              if a not in ("seq", "projection", *kv, *qh)]
     cache_axes = {*batch, *kv, "seq", "projection"}
     if (query.named_shape.get("seq") != 1
+        or dict(key.named_shape) != dict(value.named_shape)
+        or set(key.named_shape) != cache_axes
         or set(key_cache.named_shape) != cache_axes
         or set(value_cache.named_shape) != cache_axes
         or key_cache.dtype != value_cache.dtype
@@ -204,22 +212,31 @@ class KernelCachedAttention(InPlaceKVCachingAttention):
     slots = key_cache.named_shape["seq"]
     if per_group > 32 or kv_pos.named_shape["seq"] != slots:
       return None
-    out = ops.decode_attention(
+    k_order = (*batch, *kv, "seq", "projection")
+    v_order = (*batch, *kv, "projection", "seq")
+    # The caches in their own axis order (no transpose; the kernel reads
+    # them in k_order / v_order).
+    if (tuple(key_cache.named_axes) != k_order
+        or tuple(value_cache.named_axes) != v_order):
+      return None
+    heads, k_data, v_data = ops.decode_attention(
         query.order_as(*batch, "seq", *kv, *qh, "projection")
         .data_array.reshape(r, g, per_group, d),
-        key_cache.order_as(*batch, *kv, "seq", "projection")
-        .data_array.reshape(r, g, slots, d),
-        value_cache.order_as(*batch, *kv, "projection", "seq")
-        .data_array.reshape(r, g, d, slots),
+        key_cache.data_array, value_cache.data_array,
+        key.order_as(*k_order).data_array,
+        value.order_as(*v_order).data_array,
+        end,
         q_pos.order_as(*batch, "seq").data_array.reshape(r),
         kv_pos.order_as(*batch, "seq").data_array.reshape(r, slots),
         window, self.chain.softcap)
     axes = [*batch, "seq", *kv, *qh, "projection"]
     shape = [sizes[a] for a in axes]
     dtype = jnp.result_type(query.dtype, value_cache.dtype)
-    return pz.nx.NamedArray(
+    heads = pz.nx.NamedArray(
         named_axes=collections.OrderedDict(zip(axes, shape)),
-        data_array=out.astype(dtype).reshape(shape))
+        data_array=heads.astype(dtype).reshape(shape))
+    return (heads, pz.nx.wrap(k_data).tag(*k_order),
+            pz.nx.wrap(v_data).tag(*v_order))
 
   def _window(self):
     """The sliding window as an int32 scalar (int32 max for a causal

@@ -58,35 +58,51 @@ def q4(x: jax.Array, qs: jax.Array, scale: jax.Array,
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     k_new: jax.Array, v_new: jax.Array, end: jax.Array,
                      q_pos: jax.Array, kv_pos: jax.Array, window: jax.Array,
-                     softcap: float | None) -> jax.Array:
-  """Attention of one query per row over a KV cache (`attention.cc`).
+                     softcap: float | None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Writes one new key and value per row into the caches at slot ``end``,
+  then attends each row's query over its cache (`attention.cc`).
 
   Args:
     q: ``f32[R, G, Q, D]``: R rows, G key/value heads, Q query heads each.
     k: ``[R, G, L, D]`` key cache (float32, bfloat16 or float16), or any
       reshape of it.
     v: ``[R, G, D, L]`` value cache, the dtype of ``k``, or any reshape.
+    k_new: ``[R, G, D]``, the new keys (any reshape).
+    v_new: ``[R, G, D]``, the new values (any reshape).
+    end: ``int32`` scalar, the slot written (``0 <= end < L``).
     q_pos: ``int32[R]``, each query's position.
-    kv_pos: ``int32[R, L]``, each slot's position (-1: empty or padding).
+    kv_pos: ``int32[R, L]``, each slot's position (-1: empty or padding),
+      the new slot's included.
     window: ``int32`` scalar: slots at distance >= window are not attended.
     softcap: Scores become ``cap * tanh(score / cap)``; None for none.
 
   Returns:
-    ``f32[R, G, Q, D]``; zeros for a row with no slot to attend.
+    ``(out, k, v)``: ``f32[R, G, Q, D]`` (zeros for a row with no slot to
+    attend) and the written caches, shaped as given. The caches are the
+    kernel's outputs aliased to its inputs, so XLA writes them in place.
   """
   if cpu_kernels() is None:
     raise RuntimeError("penzai_lm's CPU kernels are not available here;"
                        " check ops.available() before calling them.")
   kind = _DENSE[jnp.dtype(k.dtype)]
-  out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
   # The caches go in with their size-1 dimensions dropped (the kernel reads
-  # them by element count), as `write_at` writes them: a reshape between
-  # the in-place write and this call makes XLA copy every cache at every
-  # step (35% of a SmolLM2 int8 decode step went to memmove).
-  k, v = (jnp.reshape(c, [n for n in c.shape if n != 1]) for c in (k, v))
-  return jax.ffi.ffi_call(f"pzlm_decode_attention_{kind}", out)(
-      q.astype(jnp.float32), k, v.astype(k.dtype),
-      q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32),
-      jnp.reshape(window, (1,)).astype(jnp.int32),
-      softcap=np.float32(softcap or 0.0))
+  # them by element count), as XLA's loop carries them: a reshape between
+  # a cache's in-place write and its read made XLA copy every cache at
+  # every step (35% of a SmolLM2 int8 decode step went to memmove).
+  kc, vc = (jnp.reshape(c, [n for n in c.shape if n != 1]) for c in (k, v))
+  out = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+         jax.ShapeDtypeStruct(kc.shape, k.dtype),
+         jax.ShapeDtypeStruct(vc.shape, k.dtype))
+  heads, kc, vc = jax.ffi.ffi_call(
+      f"pzlm_decode_attention_{kind}", out,
+      input_output_aliases={1: 1, 2: 2})(
+          q.astype(jnp.float32), kc, vc.astype(k.dtype),
+          k_new.astype(k.dtype), v_new.astype(k.dtype),
+          jnp.reshape(end, (1,)).astype(jnp.int32),
+          q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32),
+          jnp.reshape(window, (1,)).astype(jnp.int32),
+          softcap=np.float32(softcap or 0.0))
+  return heads, kc.reshape(k.shape), vc.reshape(v.shape)

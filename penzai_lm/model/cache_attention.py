@@ -16,7 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from penzai import pz
+
+_AS_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16,
+            jnp.dtype(jnp.float16): jnp.uint16}
 
 
 def write_at(cache: pz.nx.NamedArray, new: pz.nx.NamedArray, axis: str,
@@ -38,9 +42,18 @@ def write_at(cache: pz.nx.NamedArray, new: pz.nx.NamedArray, axis: str,
   # in place (the cache is copied first).
   keep = [i for i, n in enumerate(data.shape) if n != 1 or names[i] == axis]
   start = [index if names[i] == axis else 0 for i in keep]
-  written = jax.lax.dynamic_update_slice(
-      data.reshape([data.shape[i] for i in keep]),
-      update.reshape([update.shape[i] for i in keep]), start)
+  base = data.reshape([data.shape[i] for i in keep])
+  update = update.reshape([update.shape[i] for i in keep])
+  if data.dtype in _AS_BITS:
+    # XLA:CPU writes into a 16-bit float array by converting all of it to
+    # float32 and back (two whole-cache conversions per layer and step);
+    # the same bits written as integers need no conversion.
+    bits = _AS_BITS[data.dtype]
+    written = jax.lax.bitcast_convert_type(jax.lax.dynamic_update_slice(
+        jax.lax.bitcast_convert_type(base, bits),
+        jax.lax.bitcast_convert_type(update, bits), start), data.dtype)
+  else:
+    written = jax.lax.dynamic_update_slice(base, update, start)
   return pz.nx.wrap(written.reshape(data.shape)).tag(*names)
 
 
@@ -49,21 +62,21 @@ class InPlaceKVCachingAttention(pz.nn.KVCachingAttention):
   """A `pz.nn.KVCachingAttention` whose cache writes are in place."""
 
   def __call__(self, x: pz.nx.NamedArray, **side_inputs: Any):
-    end = side_inputs[self.kv_cache_end_index_key]
-    key_cache, value_cache = self.kv_cache.value
     query = self.input_to_query(x, **side_inputs)
     key = self.input_to_key(x, **side_inputs)
     value = self.input_to_value(x, **side_inputs)
+    return self.write_and_attend(query, key, value, side_inputs)
+
+  def write_and_attend(self, query: pz.nx.NamedArray, key: pz.nx.NamedArray,
+                       value: pz.nx.NamedArray, side_inputs: dict[str, Any]
+                       ) -> pz.nx.NamedArray:
+    """Writes the new keys and values at the cache end, then runs the
+    scores, mask, softmax and value sum of the sublayers over the caches."""
+    end = side_inputs[self.kv_cache_end_index_key]
+    key_cache, value_cache = self.kv_cache.value
     key_cache = write_at(key_cache, key, self.sequence_axis, end)
     value_cache = write_at(value_cache, value, self.sequence_axis, end)
     self.kv_cache.value = (key_cache, value_cache)
-    return self.attend(query, key_cache, value_cache, side_inputs)
-
-  def attend(self, query: pz.nx.NamedArray, key_cache: pz.nx.NamedArray,
-             value_cache: pz.nx.NamedArray, side_inputs: dict[str, Any]
-             ) -> pz.nx.NamedArray:
-    """The output for ``query`` over the caches (new keys and values
-    written): the scores, mask, softmax and value sum of the sublayers."""
     attn = self.query_key_to_attn((query, key_cache), **side_inputs)
     return self.attn_value_to_output((attn, value_cache), **side_inputs)
 

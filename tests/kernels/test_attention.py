@@ -71,13 +71,24 @@ def _inputs(rows, groups, per_group, dim, slots, dtype, seed=0):
                                             (2**31 - 1, 0.7)])
 def test_kernel_matches_reference(dtype, shape, window, softcap):
   q, k, v, q_pos, kv_pos = _inputs(*shape, dtype)
-  got = ops.decode_attention(
+  rows, groups, _, dim, slots = shape
+  end = slots - 4  # row 0's query slot: written by the kernel
+  rng = np.random.default_rng(1)
+  k_new, v_new = (np.asarray(jnp.asarray(
+      rng.standard_normal((rows, groups, dim)), dtype).astype(jnp.float32))
+                  for _ in range(2))
+  heads, k_out, v_out = ops.decode_attention(
       jnp.asarray(q), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+      jnp.asarray(k_new, dtype), jnp.asarray(v_new, dtype), jnp.int32(end),
       jnp.asarray(q_pos), jnp.asarray(kv_pos), jnp.int32(window), softcap)
+  k, v = k.copy(), v.copy()
+  k[:, :, end], v[:, :, :, end] = k_new, v_new
+  np.testing.assert_array_equal(np.asarray(k_out, np.float32), k)
+  np.testing.assert_array_equal(np.asarray(v_out, np.float32), v)
   want = _reference(q, k, v, q_pos, kv_pos, window, softcap)
-  np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
-  if shape[0] > 2:
-    assert not np.asarray(got)[2].any()  # nothing to attend: zeros
+  np.testing.assert_allclose(np.asarray(heads), want, atol=2e-5, rtol=2e-5)
+  if rows > 2:
+    assert not np.asarray(heads)[2].any()  # nothing to attend: zeros
 
 
 def _run(cached, tokens):
