@@ -1,11 +1,12 @@
 """Compiles penzai_lm's CPU kernels on first use and registers them with XLA.
 
-The kernels (`matvec.cc`, `attention.cc`, sharing `common.h`) are C++ against the XLA FFI headers that ship with
-jaxlib. They are built once per machine with the system C++ compiler
+The kernels (`matvec.cc`, `attention.cc`, sharing `common.h`) are C++
+against the XLA FFI headers that ship with jaxlib, built into one library
+once per machine with the system C++ compiler
 (``-O3 -march=native``: the vector width and the F16C instructions matter)
 into ``$PENZAI_LM_KERNEL_CACHE`` (default ``~/.cache/penzai_lm/kernels``),
 keyed by the source, the compiler, the jaxlib version and the CPU, and
-loaded with ctypes. Building takes about 6 s the first time.
+loaded with ctypes. Building takes about 8 s the first time.
 
 Where there is no compiler, or ``PENZAI_LM_CPU_KERNELS=0``, `cpu_kernels`
 returns None and callers use XLA's own dots (correct, slower for bf16 and
