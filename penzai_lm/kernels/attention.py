@@ -177,6 +177,8 @@ class KernelCachedAttention(InPlaceKVCachingAttention):
   def _kernel(self, query, key, value, side_inputs):
     """``(value sum, key cache, value cache)`` from the kernel, the value
     sum being ``attn.head_out``'s input; None where it does not apply."""
+    if self.chain is None:  # built directly rather than by `swap`
+      return None
     kv, qh = self.chain.kv_head_axes, self.chain.query_head_axes
     key_cache, value_cache = self.kv_cache.value
     q_pos = side_inputs.get("token_positions")

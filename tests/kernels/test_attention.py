@@ -2,6 +2,8 @@
 `KernelCachedAttention` against penzai's own attention layers on every
 family, inside the engine's compiled decode loop."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,9 +139,8 @@ def test_a_changed_chain_keeps_penzai_layers():
       KernelCachedAttention).count() == 0
   # A mask that does not mask out (replaced values would count).
   soft = (pz.select(cached).at_instances_of(pz.nn.ApplyCausalAttentionMask)
-          .apply(lambda m: m.__class__(**{
-              **{f: getattr(m, f) for f in m.__dataclass_fields__},
-              "masked_out_value": jnp.array(-1.0)})))
+          .apply(lambda m: dataclasses.replace(
+              m, masked_out_value=jnp.array(-1.0))))
   assert pz.select(with_cpu_kernels(soft)).at_instances_of(
       KernelCachedAttention).count() == 0
 
