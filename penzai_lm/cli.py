@@ -6,8 +6,9 @@
     penzai-lm chat
 
 Text streams to stdout; a stats line (time to first token, prefill and decode
-tokens/s) goes to stderr. JAX's persistent compilation cache is on, so a
-second run does not compile again.
+tokens/s) goes to stderr. JAX's persistent compilation cache is on (and the
+engine keeps its exported programs in it), so a second run neither traces nor
+compiles the generation programs again.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from penzai_lm.generation.engine import default_engine
 from penzai_lm.generation.engine import generate
 from penzai_lm.generation.forcing import CalculatorTool
 from penzai_lm.generation.forcing import Tool
+from penzai_lm.generation.program_store import ProgramStore
 from penzai_lm.generation.results import FINISH_REASONS
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.results import Timings
@@ -58,6 +59,7 @@ __all__ = [
     "FINISH_REASONS",
     "GenerationResult",
     "GenerationStream",
+    "ProgramStore",
     "Session",
     "SessionBusyError",
     "StopStringMatcher",

@@ -31,6 +31,8 @@ import jax
 import numpy as np
 from penzai import pz
 
+from penzai_lm.generation.program_store import ProgramStore
+
 
 def _aval_key(x):
   dtype = x.dtype if hasattr(x, "dtype") else np.result_type(type(x))
@@ -65,14 +67,19 @@ class _InFlight:
 class ProgramCache:
   """Compiled programs, LRU-bounded. Thread-safe.
 
+  Programs with a `ProgramStore` (``store()`` asked on each miss) are read
+  back from disk instead of traced where the store has them.
+
   Attributes:
     size: Programs kept at most.
     compilations: Programs compiled so far (tests count these to check that
       nothing recompiles on the hot path).
   """
 
-  def __init__(self, size: int):
+  def __init__(self, size: int,
+               store: Callable[[], ProgramStore | None] | None = None):
     self.size = size
+    self._store = store
     self.compilations = 0
     self._programs: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
@@ -109,11 +116,13 @@ class ProgramCache:
       event.wait()
       waited = True
     try:
-      lowered = jax.jit(functools.partial(fn, static),
-                        donate_argnums=donate).lower(*args)
       options = compiler_options()
-      program = (lowered.compile(compiler_options=dict(options))
-                 if options else lowered.compile())
+      program = self._from_store(name, fn, static, args, options, donate)
+      if program is None:
+        lowered = jax.jit(functools.partial(fn, static),
+                          donate_argnums=donate).lower(*args)
+        program = (lowered.compile(compiler_options=dict(options))
+                   if options else lowered.compile())
       elapsed = time.perf_counter() - start
       with self._lock:
         self.compilations += 1
@@ -126,6 +135,17 @@ class ProgramCache:
         with self._lock:
           self._making.release(key)
     return program, elapsed
+
+  def _from_store(self, name, fn, static, args, options, donate):
+    """The program through the `ProgramStore`, or None without one (or
+    where the store cannot take this program)."""
+    store = self._store() if self._store is not None else None
+    if store is None:
+      return None
+    key = store.key(name, static, args, options, donate)
+    if key is None:
+      return None
+    return store.compile(key, fn, static, args, options, donate)
 
   def items(self, name: str | None = None) -> list[tuple[Any, Any]]:
     """``(key, compiled)`` pairs held, oldest first (``key[0]`` is the

@@ -29,6 +29,7 @@ programs apart::
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable
 
@@ -38,6 +39,8 @@ from penzai_lm.generation import prepare as prepare_lib
 from penzai_lm.generation import request as request_lib
 from penzai_lm.generation.caches import IdentityCache
 from penzai_lm.generation.caches import ProgramCache
+from penzai_lm.generation.program_store import auto_directory
+from penzai_lm.generation.program_store import ProgramStore
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.run import Run
 
@@ -71,7 +74,8 @@ class Engine:
 
   def __init__(self, *, max_programs: int = 32, max_models: int = 4,
                compiler_options: CompilerOptions | None = None,
-               unstack_layer_stacks: bool = True):
+               unstack_layer_stacks: bool = True,
+               program_store: ProgramStore | str | os.PathLike | None = "auto"):
     """Creates an engine.
 
     Args:
@@ -83,6 +87,11 @@ class Engine:
         "decode" with a `DecodeShape`), asked once per compilation; default
         `default_compiler_options`.
       unstack_layer_stacks: See the class attribute.
+      program_store: Where compiled programs' exported forms are kept, so
+        that a new process skips tracing them (`ProgramStore`): a store, a
+        directory, None (off), or "auto": ``penzai_lm_programs`` inside
+        JAX's persistent compilation cache directory while one is set
+        (``jax_compilation_cache_dir``; the CLI sets one).
     """
     for name, value in (("max_programs", max_programs),
                         ("max_models", max_models)):
@@ -92,13 +101,35 @@ class Engine:
       raise TypeError(
           "compiler_options must be a function (program name, shape) ->"
           f" dict, got {type(compiler_options).__name__}.")
-    self.programs = ProgramCache(max_programs)
+    if isinstance(program_store, (str, os.PathLike)) and (
+        program_store != "auto"):
+      program_store = ProgramStore(program_store)
+    elif program_store is not None and program_store != "auto" and (
+        not isinstance(program_store, ProgramStore)):
+      raise TypeError(
+          "program_store must be a ProgramStore, a directory, None or"
+          f' "auto", got {type(program_store).__name__}.')
+    self._program_store = program_store
+    self._auto_store: ProgramStore | None = None
+    self.programs = ProgramCache(max_programs, store=self.program_store)
     self.unstack_layer_stacks = bool(unstack_layer_stacks)
     self._compiler_options = compiler_options or default_compiler_options
     self._prepared = IdentityCache(max_models)
     # Unstacked models are shared by every bucket of one model (one copy of
     # the weights in decode layout, not one per bucket).
     self._unstacked = IdentityCache(2)
+
+  def program_store(self) -> ProgramStore | None:
+    """The `ProgramStore` programs are compiled through now (None: off)."""
+    if self._program_store != "auto":
+      return self._program_store
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory or "://" in str(directory):
+      return None  # No cache, or a remote one (gs://...).
+    if self._auto_store is None or self._auto_store.directory != (
+        auto_directory(directory)):
+      self._auto_store = ProgramStore(auto_directory(directory))
+    return self._auto_store
 
   @property
   def compilations(self) -> int:
