@@ -29,11 +29,15 @@ from penzai_lm.kernels import ops
 from penzai_lm.kernels.attention import KernelCachedAttention
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
 
-# Weight dtypes whose products go to the kernels. float32 stays with XLA:
-# its dot reads float32 as fast as the kernels (576x1536 x 30 layers,
-# batch 1: 5.4-7.4 ms against 10.6-12.1 ms for the kernels), while for 16-bit
-# weights it first writes a float32 copy (35 ms against 6 ms).
-KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Weight dtypes whose products go to the kernels. For 16-bit weights XLA
+# first writes a float32 copy (35 ms against 6 ms for 30 products of
+# 576x1536). float32 went to XLA's dot until decode attention moved to a
+# kernel; since then SmolLM2 fp32 decodes faster on the kernels end to end
+# (two interleaved runs each: batch 1 34.2-35.0 -> 39.7-42.4 tok/s, batch 8
+# 16.1-16.6 -> 21.9-22.6 tok/s per row), although the products alone are
+# 0.86x XLA's at one row (`benchmarks/cpu_kernels.py --formats f32`).
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                 jnp.dtype(jnp.float32))
 
 # Rows up to which the kernels beat XLA's GEMM: above a few dozen rows a
 # product is compute-bound and XLA's blocked GEMM wins.
