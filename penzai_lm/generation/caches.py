@@ -28,15 +28,10 @@ import weakref
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from penzai import pz
 
+from penzai_lm.generation.program_store import aval_key
 from penzai_lm.generation.program_store import ProgramStore
-
-
-def _aval_key(x):
-  dtype = x.dtype if hasattr(x, "dtype") else np.result_type(type(x))
-  return (np.shape(x), np.dtype(dtype), bool(getattr(x, "weak_type", False)))
 
 
 class _InFlight:
@@ -97,7 +92,7 @@ class ProgramCache:
       waiting when another thread was compiling it).
     """
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    key = (name, static, treedef, tuple(_aval_key(x) for x in leaves))
+    key = (name, static, treedef, tuple(aval_key(x) for x in leaves))
     try:
       hash(key)
     except TypeError:

@@ -145,16 +145,27 @@ def _source_digest() -> str:
 def _versions() -> str:
   import jaxlib  # pylint: disable=g-import-not-at-top
   import penzai  # pylint: disable=g-import-not-at-top
-  device = jax.devices()[0]
   return describe((
       _FORMAT, jax.__version__, jaxlib.__version__,
-      getattr(penzai, "__version__", "?"), _source_digest(),
-      device.platform, device.device_kind))
+      getattr(penzai, "__version__", "?"), _source_digest()))
 
 
-def _one_device(leaves) -> bool:
-  return all(len(x.sharding.device_set) == 1 for x in leaves
-             if isinstance(x, jax.Array))
+def aval_key(x) -> tuple:
+  """(shape, dtype, weak type) of an array, scalar or ShapeDtypeStruct."""
+  dtype = x.dtype if hasattr(x, "dtype") else np.result_type(type(x))
+  return (np.shape(x), np.dtype(dtype), bool(getattr(x, "weak_type", False)))
+
+
+def _the_device(leaves) -> jax.Device | None:
+  """The one device the arguments are on (the default one for host
+  values); None if they span several."""
+  devices = set()
+  for x in leaves:
+    if isinstance(x, jax.Array):
+      devices |= x.sharding.device_set
+  if len(devices) > 1:
+    return None
+  return devices.pop() if devices else jax.devices()[0]
 
 
 class StoredProgram:
@@ -202,6 +213,8 @@ class ProgramStore:
   """
 
   def __init__(self, directory: str | os.PathLike):
+    if not str(directory):
+      raise ValueError("ProgramStore needs a directory, got an empty path.")
     self.directory = pathlib.Path(directory).expanduser()
     self.stats = StoreStats()
     self._versions: str | None = None
@@ -211,14 +224,13 @@ class ProgramStore:
           donate: tuple[int, ...]) -> str | None:
     """The program's file key, or None where it has no fingerprint."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    if not _one_device(leaves):
+    device = _the_device(leaves)
+    if device is None:
       return None
-    avals = tuple(
-        (np.shape(x), np.dtype(x.dtype if hasattr(x, "dtype")
-                               else np.result_type(type(x))),
-         bool(getattr(x, "weak_type", False))) for x in leaves)
+    avals = tuple(aval_key(x) for x in leaves)
     try:
-      text = describe((name, static, treedef, avals,
+      text = describe((name, static, treedef, avals, device.platform,
+                       device.device_kind,
                        tuple(sorted(options.items())), donate, tuple(
                            str(getattr(jax.config, flag, None))
                            for flag in _TRACE_FLAGS)))
@@ -242,7 +254,8 @@ class ProgramStore:
     stored = self._read(key)
     if stored is None:
       try:
-        exported, out_tree = _export(fn, static, in_tree, leaves)
+        exported, out_tree = _export(fn, static, in_tree, leaves,
+                                     _the_device(leaves).platform)
       except Exception as e:  # pylint: disable=broad-except
         # E.g. a patch with a host callback, which jax.export refuses.
         self.stats.unexported += 1
@@ -298,7 +311,7 @@ class ProgramStore:
       raise
 
 
-def _export(fn, static, in_tree, leaves):
+def _export(fn, static, in_tree, leaves, platform: str):
   """``fn(static, *args)`` exported as a function of the flat leaves."""
   out_trees = []
 
@@ -310,7 +323,8 @@ def _export(fn, static, in_tree, leaves):
 
   checks = [jax.export.DisabledSafetyCheck.custom_call(t)
             for t in KERNEL_TARGETS]
-  exported = jax.export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
+  exported = jax.export.export(jax.jit(flat), platforms=[platform],
+                               disabled_checks=checks)(*leaves)
   return exported, out_trees[0]
 
 

@@ -128,6 +128,8 @@ def test_auto_store_follows_the_jax_cache_dir(tmp_path):
 def test_bad_store_argument():
   with pytest.raises(TypeError, match="program_store must be"):
     Engine(program_store=3)
+  with pytest.raises(ValueError, match="needs a directory"):
+    Engine(program_store="")
 
 
 def test_describe_tells_values_apart():
