@@ -28,6 +28,7 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.generation.placement import placement_of
+from penzai_lm.generation.shared_traces import share_block_traces
 from penzai_lm.generation.state import CacheLabels
 from penzai_lm.generation.state import LeafSpec
 from penzai_lm.generation.state import StateLayout
@@ -334,6 +335,8 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
     # copies bf16/f16 weights to float32 before every dot, and runs
     # attention as ~10 small ops over the whole cache).
     runnable = with_cpu_kernels(runnable)
+  # Blocks of one structure are traced once per program, not once each.
+  runnable = share_block_traces(runnable)
   prepared = _prepare_runnable(runnable, user_labels, batch_axis, batch,
                                cache_len)
   return dataclasses.replace(prepared, captures=specs)
