@@ -3,9 +3,11 @@
 `KernelLinear` and `KernelEmbeddingDecode` are `pz.nn.Linear` and
 `pz.nn.EmbeddingDecode` (subclasses: the same weights, fields and
 selections) whose products with at most `MAX_ROWS` rows of activations
-(decoding) go to `penzai_lm.kernels.ops`; larger ones (prefill) and anything
-the kernels do not cover (parallel axes, views, other dtypes) use penzai's
-own contraction. The engine swaps them in for models on one CPU device
+(decoding) go to `penzai_lm.kernels.ops`. Larger bfloat16 products (prefill)
+become one ``dot_general`` with float32 results, which XLA runs on its
+native bf16 GEMM (`WIDE_DTYPES`); other larger ones and anything the kernels
+do not cover (parallel axes, views, other dtypes) use penzai's own
+contraction. The engine swaps them in for models on one CPU device
 (`with_cpu_kernels`); user models are never changed in place.
 
 Axis conventions: a weight whose data lists the contracted axes first is
@@ -43,6 +45,14 @@ KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
 # product is compute-bound and XLA's blocked GEMM wins.
 MAX_ROWS = 16
 
+# Larger bfloat16 products (prefill) are written as one matrix product with
+# float32 results: XLA:CPU then runs them on YNNPACK's bf16 dot (AVX512-BF16
+# where the CPU has it) instead of converting both operands to float32
+# first. 30 products of 127x576 by 576x1536: 52 ms -> 12 ms (2.4x faster
+# than float32). float16 gains nothing there (51 -> 53 ms) and keeps
+# penzai's contraction.
+WIDE_DTYPES = (jnp.dtype(jnp.bfloat16),)
+
 
 def kernel_contract(names, left, right):
   """penzai's ``contract(names, left, right)`` through the kernels, where
@@ -66,7 +76,9 @@ def kernel_contract(names, left, right):
     return None
   row_axes = [a for a in left.named_axes if a not in names]
   rows = math.prod(left.named_shape[a] for a in row_axes)
-  if not 0 < rows <= MAX_ROWS:
+  wide = rows > MAX_ROWS
+  if rows == 0 or (wide and not jnp.dtype(left.dtype) == jnp.dtype(
+      right.dtype) in WIDE_DTYPES):
     return None
   sizes = right.named_shape
   n_in = math.prod(sizes[a] for a in in_axes)
@@ -74,7 +86,12 @@ def kernel_contract(names, left, right):
   x = left.order_as(*row_axes, *in_axes).data_array.reshape(rows, n_in)
   w = right.data_array.reshape(
       (n_out, n_in) if out_major else (n_in, n_out))
-  y = ops.dense(x, w, out_major=out_major)
+  if wide:
+    y = jax.lax.dot_general(
+        x, w, (((1,), (1,) if out_major else (0,)), ((), ())),
+        preferred_element_type=jnp.float32)
+  else:
+    y = ops.dense(x, w, out_major=out_major)
   y = y.astype(jnp.result_type(left.dtype, right.dtype)).reshape(
       *(left.named_shape[a] for a in row_axes),
       *(sizes[a] for a in out_axes))

@@ -11,7 +11,8 @@ them like any other weight. Formats: `penzai_lm.quantization.formats`.
 On CPU the engine sets ``use_cpu_kernel``: products of up to
 `penzai_lm.kernels.layers.MAX_ROWS` rows (decoding) read the quantized
 blocks in the kernels; everything else dequantizes to the activations'
-dtype and contracts with penzai's `contract` (on GPU, XLA fuses that).
+dtype and contracts with penzai's `contract` (on GPU, XLA fuses that), or
+on CPU in bfloat16 as `penzai_lm.kernels.layers.kernel_contract` does.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from penzai.nn.linear_and_affine import contract
 
 from penzai_lm.kernels import ops
 from penzai_lm.kernels.layers import MAX_ROWS
+from penzai_lm.kernels.layers import kernel_contract
 from penzai_lm.quantization import formats
 
 QUANT_AXES = ("quant_out", "quant_in", "quant_groups")
@@ -112,4 +114,9 @@ class QuantizedLinear(pz.nn.Layer):
               [(a, x.named_shape[a]) for a in row_axes]
               + list(self.out_axes)),
           data_array=y.astype(x.dtype).reshape(shape))
-    return contract(in_names, x, self.dequantized(x.dtype))
+    w = self.dequantized(x.dtype)
+    if self.use_cpu_kernel:  # A bfloat16 prefill: XLA's bf16 GEMM.
+      y = kernel_contract(in_names, x, w)
+      if y is not None:
+        return y
+    return contract(in_names, x, w)

@@ -1,6 +1,8 @@
 """Kernel layers compute what penzai's layers compute, and the engine
 decodes on them on CPU."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,7 +68,7 @@ def test_kernel_model_matches_penzai_layers(family, dtype):
 
 
 @pytest.mark.parametrize("dtype,rows,seq", [
-    ("bfloat16", 2, 9),  # 18 rows > MAX_ROWS: XLA's GEMM
+    ("float16", 2, 9),  # 18 rows > MAX_ROWS: XLA's GEMM
     ("float32", 3, 7),  # 21 rows
 ])
 def test_other_products_stay_with_xla(dtype, rows, seq):
@@ -75,6 +77,25 @@ def test_other_products_stay_with_xla(dtype, rows, seq):
   got, hlo = _logits(with_cpu_kernels(model), rows, seq)
   assert "pzlm_matvec" not in hlo
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_wide_bfloat16_products_are_bf16_dots_with_float32_results(family):
+  # 18 rows: XLA's GEMM, on bf16 operands (no float32 copy of the weights).
+  model = _model(family, "bfloat16")
+  want, _ = _logits(model, 2, 9)
+  got, hlo = _logits(with_cpu_kernels(model), 2, 9)
+  assert "pzlm_matvec" not in hlo
+  wide = re.findall(r"stablehlo.dot_general.*tensor<18x\d+xbf16>.*"
+                    r"-> tensor<18x\d+xf32>", hlo)
+  linears = pz.select(model).at_instances_of(pz.nn.Linear).where(
+      lambda l: l.in_axis_names).count()
+  assert len(wide) >= linears
+  want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
+  # Both round each product to bfloat16 once; sums run in another order.
+  np.testing.assert_allclose(got, want, atol=3e-2 * np.abs(want).max(),
+                             rtol=0)
+  assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
 
 
 def test_engine_decodes_on_the_kernels_with_the_same_tokens():

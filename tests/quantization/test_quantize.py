@@ -1,5 +1,7 @@
 """Quantized models compute what their dequantized float twins compute."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,12 +17,13 @@ from penzai_lm.quantization import QuantizedLinear
 from penzai_lm.quantization import quantize
 
 
-def _model(family="llama", stack=True):
+def _model(family="llama", stack=True, dtype="float32"):
   config = TransformerConfig(
       family=family, vocab_size=97, hidden_size=64, num_layers=2,
       num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
       tie_embeddings=family == "gemma3", use_layer_stack=stack,
-      max_position_embeddings=256)
+      max_position_embeddings=256, parameter_dtype=dtype,
+      activation_dtype=dtype)
   return build_transformer(config, seed=0)
 
 
@@ -44,12 +47,12 @@ def _dequantized_twin(float_model, quantized):
       data = jnp.stack([
           pz.select(layer).at_instances_of(pz.nx.NamedArray)
           .apply(lambda x: x[{stack[0]: i}])  # noqa: B023
-          .dequantized().untag(*rest).unwrap()
+          .dequantized(param.value.dtype).untag(*rest).unwrap()
           for i in range(layer.qs.value.named_shape[stack[0]])])
       value = pz.nx.wrap(data).tag(stack[0], *rest)
     else:
-      value = pz.nx.wrap(layer.dequantized().untag(*rest).unwrap()).tag(
-          *rest)
+      value = pz.nx.wrap(layer.dequantized(param.value.dtype).untag(
+          *rest).unwrap()).tag(*rest)
     return pz.ParameterValue(value=value, label=param.label)
 
   def decode(layer):
@@ -57,7 +60,8 @@ def _dequantized_twin(float_model, quantized):
     quantized = by_base[
         layer.table.embeddings.label.removesuffix(".embeddings") + "/decode"]
     return pz.nn.Linear(
-        weights=pz.ParameterValue(value=quantized.dequantized(), label="w"),
+        weights=pz.ParameterValue(value=quantized.dequantized(
+            layer.table.embeddings.value.dtype), label="w"),
         in_axis_names=tuple(a for a, _ in quantized.in_axes),
         out_axis_names=tuple(a for a, _ in quantized.out_axes))
 
@@ -93,6 +97,19 @@ def test_quantized_equals_dequantize_then_run(fmt, family):
     assert "pzlm_matvec_q" in hlo
     want6, _ = _logits(_dequantized_twin(model, q), 2, 3)
     np.testing.assert_allclose(fast, want6, atol=1e-5 * scale, rtol=0)
+
+
+@pytest.mark.skipif(not ops.available(), reason="no C++ compiler")
+def test_bfloat16_prefill_dequantizes_into_a_bf16_gemm():
+  model = _model(dtype="bfloat16")
+  q = quantize(model, "q8_0")
+  want, _ = _logits(_dequantized_twin(model, q), 2, 9)
+  got, hlo = _logits(with_cpu_kernels(q), 2, 9)  # 18 rows: XLA's GEMM
+  assert re.search(r"stablehlo.dot_general.*tensor<18x\d+xbf16>.*"
+                   r"-> tensor<18x\d+xf32>", hlo)
+  want, got = want.astype(np.float32), got.astype(np.float32)
+  np.testing.assert_allclose(got, want, atol=3e-2 * np.abs(want).max(),
+                             rtol=0)
 
 
 def test_per_layer_blocks_and_labels():
