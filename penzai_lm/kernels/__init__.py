@@ -4,6 +4,7 @@ XLA FFI: dense float32/bfloat16/float16 weights and blockwise int8 and
 
 from penzai_lm.kernels.build import cpu_kernels
 from penzai_lm.kernels.layers import KernelEmbeddingDecode
+from penzai_lm.kernels.layers import KernelEmbeddingLookup
 from penzai_lm.kernels.layers import KernelLinear
 from penzai_lm.kernels.layers import on_one_cpu
 from penzai_lm.kernels.layers import with_cpu_kernels

@@ -1,6 +1,7 @@
 """Compiles penzai_lm's CPU kernels on first use and registers them with XLA.
 
-The kernels (`matvec.cc`, `attention.cc`, sharing `common.h`) are C++
+The kernels (`matvec.cc`, `attention.cc`, sharing `common.h`, and
+`rows.cc`) are C++
 against the XLA FFI headers that ship with jaxlib, built into one library
 once per machine with the system C++ compiler
 (``-O3 -march=native``: the vector width and the F16C instructions matter)
@@ -33,10 +34,10 @@ TARGETS = (
     "pzlm_matvec_in_f32", "pzlm_matvec_in_bf16", "pzlm_matvec_in_f16",
     "pzlm_matvec_q8", "pzlm_matvec_q4",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
-    "pzlm_decode_attention_f16",
+    "pzlm_decode_attention_f16", "pzlm_rows",
 )
 _DIR = pathlib.Path(__file__).parent
-_SOURCES = (_DIR / "matvec.cc", _DIR / "attention.cc")
+_SOURCES = (_DIR / "matvec.cc", _DIR / "attention.cc", _DIR / "rows.cc")
 _HEADERS = (_DIR / "common.h",)
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
           "-w")

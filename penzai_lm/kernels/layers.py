@@ -125,6 +125,41 @@ class KernelEmbeddingDecode(pz.nn.EmbeddingDecode):
     return out
 
 
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # pylint: disable=unexpected-keyword-arg
+class KernelEmbeddingLookup(pz.nn.EmbeddingLookup):
+  """A `pz.nn.EmbeddingLookup` that gathers whole rows of a vocabulary-major
+  table.
+
+  penzai's lookup indexes the table per token (a vmapped index) and returns
+  the embedding axes first. For a bfloat16 table XLA:CPU compiles that
+  gather as a float32, transposed copy of the whole table, hoisted out of
+  the decode loop: SmolLM2 paid ~100 ms (two 113 MB copies) per decode
+  call (integer bitcasts, which help cache writes, do not: XLA copies the
+  bitcast table). This one copies the rows it needs in a kernel
+  (`ops.rows`) and returns the token axes first, as the blocks lay out the
+  residual stream.
+  """
+
+  def __call__(self, token_index, **side_inputs):
+    table = self.table.embeddings.value
+    vocab = self.table.vocabulary_axis
+    if not (isinstance(table, pz.nx.NamedArray)
+            and isinstance(token_index, pz.nx.NamedArray)
+            and not table.positional_shape
+            and not token_index.positional_shape
+            and next(iter(table.named_axes)) == vocab
+            and not set(token_index.named_shape) & set(table.named_shape)):
+      return super().__call__(token_index, **side_inputs)
+    data = table.data_array.reshape(table.data_array.shape[0], -1)
+    rows = ops.rows(data, token_index.data_array).reshape(
+        *token_index.data_array.shape, *table.data_array.shape[1:])
+    return pz.nx.NamedArray(
+        named_axes=collections.OrderedDict(
+            list(token_index.named_axes.items())
+            + list(table.named_axes.items())[1:]),
+        data_array=rows)
+
+
 def on_one_cpu(model) -> bool:
   """Whether every array of ``model`` is on one and the same CPU device."""
   devices = set()
@@ -139,8 +174,8 @@ def on_one_cpu(model) -> bool:
 
 
 def with_cpu_kernels(model):
-  """``model`` with its plain Linear and EmbeddingDecode layers replaced by
-  their kernel versions, its plain cached attention layers by
+  """``model`` with its plain Linear, EmbeddingLookup and EmbeddingDecode
+  layers replaced by their kernel versions, its plain cached attention layers by
   `KernelCachedAttention`, and every layer with a ``use_cpu_kernel`` field
   (`penzai_lm.quantization.QuantizedLinear`) switched on; unchanged if the
   kernels are unavailable."""
@@ -158,6 +193,9 @@ def with_cpu_kernels(model):
            .apply(lambda layer: KernelLinear(
                weights=layer.weights, in_axis_names=layer.in_axis_names,
                out_axis_names=layer.out_axis_names)))
+  model = (pz.select(model).at_instances_of(pz.nn.EmbeddingLookup)
+           .where(lambda layer: type(layer) is pz.nn.EmbeddingLookup)
+           .apply(lambda layer: KernelEmbeddingLookup(table=layer.table)))
   return (pz.select(model).at_instances_of(pz.nn.EmbeddingDecode)
           .where(lambda layer: type(layer) is pz.nn.EmbeddingDecode)
           .apply(lambda layer: KernelEmbeddingDecode(table=layer.table)))

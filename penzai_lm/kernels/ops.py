@@ -57,6 +57,16 @@ def q4(x: jax.Array, qs: jax.Array, scale: jax.Array,
   return _call("pzlm_matvec_q4", qs.shape[0], x, qs, scale, mins)
 
 
+def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """``table[ids]`` for a ``[V, E]`` table and int32 ids of any shape
+  (negative ids wrap, others clamp), read in place (`rows.cc`)."""
+  if cpu_kernels() is None:
+    raise RuntimeError("penzai_lm's CPU kernels are not available here;"
+                       " check ops.available() before calling them.")
+  out = jax.ShapeDtypeStruct((*ids.shape, table.shape[1]), table.dtype)
+  return jax.ffi.ffi_call("pzlm_rows", out)(table, ids.astype(jnp.int32))
+
+
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      k_new: jax.Array, v_new: jax.Array, end: jax.Array,
                      q_pos: jax.Array, kv_pos: jax.Array, window: jax.Array,

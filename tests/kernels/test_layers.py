@@ -11,6 +11,7 @@ from penzai import pz
 
 from penzai_lm.generation import Engine
 from penzai_lm.kernels import KernelEmbeddingDecode
+from penzai_lm.kernels import KernelEmbeddingLookup
 from penzai_lm.kernels import KernelLinear
 from penzai_lm.kernels import on_one_cpu
 from penzai_lm.kernels import ops
@@ -53,6 +54,7 @@ def test_kernel_model_matches_penzai_layers(family, dtype):
       pz.select(model).at_instances_of(pz.nn.Linear).count())
   assert pz.select(fast).at_instances_of(KernelEmbeddingDecode).count() == (
       1 if family == "gemma3" else 0)
+  assert pz.select(fast).at_instances_of(KernelEmbeddingLookup).count() == 1
   want, _ = _logits(model, 2, 3)
   got, hlo = _logits(fast, 2, 3)  # 6 rows: the kernels
   # Every projection and the unembedding went to a kernel (norm scales are
@@ -114,6 +116,36 @@ def test_engine_decodes_on_the_kernels_with_the_same_tokens():
     tokens.append(int(jnp.argmax(
         logits.untag("seq", "vocabulary").data_array[0, -1])))
   assert list(np.asarray(result.tokens[0])[:6]) == tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_lookup_copies_the_rows_penzai_indexes(dtype):
+  table = pz.nn.EmbeddingTable(
+      embeddings=pz.ParameterValue(value=pz.nx.wrap(jnp.asarray(
+          np.random.default_rng(0).normal(size=(11, 3, 4)), dtype)).tag(
+              "vocabulary", "heads", "embedding"), label="t"),
+      vocabulary_axis="vocabulary")
+  # Negative ids wrap and ids past the end clamp, as penzai's indexing.
+  ids = pz.nx.wrap(jnp.asarray([[0, 10, -1], [5, 11, -12]], jnp.int32)).tag(
+      "batch", "seq")
+  want = pz.nn.EmbeddingLookup(table)(ids)
+  got = jax.jit(lambda i: KernelEmbeddingLookup(table)(i))(ids)
+  assert dict(got.named_shape) == dict(want.named_shape)
+  order = ("batch", "seq", "heads", "embedding")
+  np.testing.assert_array_equal(np.asarray(got.unwrap(*order), np.float32),
+                                np.asarray(want.unwrap(*order), np.float32))
+
+
+def test_bf16_decode_never_converts_the_embedding_table():
+  # XLA:CPU gathers from a bf16 table by converting all of it to float32,
+  # hoisted out of the decode loop: a whole-table copy per decode call.
+  model = _model("llama", "bfloat16")
+  engine = Engine()
+  engine.generate(model, [[5, 17, 3]], max_new_tokens=3, temperature=0.0)
+  (_, program), = engine.programs.items("decode")
+  text = program.as_text()
+  assert "pzlm_rows" in text
+  assert "f32[97,64]" not in text and "f32[64,97]" not in text
 
 
 def test_on_one_cpu():

@@ -1,0 +1,43 @@
+// Row gather for the embedding lookup (`KernelEmbeddingLookup`): copies
+// rows ids[r] of a [V, E] table to out[r], bytes as they lie, so a 16-bit
+// table is read in place (XLA:CPU converts a whole bfloat16 table to
+// float32 to gather from it). Ids wrap when negative and clamp past the
+// end, as numpy-style indexing does.
+
+#include <cstdint>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+ffi::Error Rows(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
+                ffi::Result<ffi::AnyBuffer> out) {
+  auto td = table.dimensions();
+  if (td.size() != 2 || td[0] == 0)
+    return ffi::Error::InvalidArgument("rows: table [V > 0, E]");
+  const int64_t V = td[0], R = ids.element_count();
+  const size_t row = out->size_bytes() / (R == 0 ? 1 : R);
+  if (out->element_type() != table.element_type() ||
+      row * R != out->size_bytes() || row * V != table.size_bytes())
+    return ffi::Error::InvalidArgument("rows: out [R, E] like the table");
+  const char* src = static_cast<const char*>(table.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  const int32_t* id = ids.typed_data();
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t i = id[r] < 0 ? id[r] + V : id[r];
+    i = i < 0 ? 0 : (i >= V ? V - 1 : i);
+    std::memcpy(dst + r * row, src + i * row, row);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_rows, Rows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
