@@ -58,6 +58,21 @@ class _InFlight:
     if event is not None:
       event.set()
 
+  def busy(self, key) -> bool:
+    """Whether ``key`` is being made."""
+    return key in self._events
+
+
+def _program_key(name: str, static: Any, args: tuple):
+  """A program's cache key; None if its static parts are unhashable."""
+  leaves, treedef = jax.tree_util.tree_flatten(args)
+  key = (name, static, treedef, tuple(aval_key(x) for x in leaves))
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
 
 class ProgramCache:
   """Compiled programs, LRU-bounded. Thread-safe.
@@ -91,56 +106,80 @@ class ProgramCache:
       ``(compiled, seconds spent compiling)`` (0 on a hit; the time spent
       waiting when another thread was compiling it).
     """
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    key = (name, static, treedef, tuple(aval_key(x) for x in leaves))
-    try:
-      hash(key)
-    except TypeError:
+    return self.lower(name, fn, static, args, compiler_options,
+                      donate).compile()
+
+  def lower(self, name: str, fn: Callable, static: Any, args: tuple,
+            compiler_options: Callable[[], dict[str, Any]],
+            donate: tuple[int, ...] = ()) -> "Pending":
+    """Like `get`, but returns after tracing (in the caller's thread, with
+    its JAX settings): XLA compiles on `Pending.compile`, which another
+    thread may call. ``args`` may be ``jax.ShapeDtypeStruct``s."""
+    key = _program_key(name, static, args)
+    if key is None:
       self._warn_unhashable()
-      key = None
     start, waited = time.perf_counter(), False
     while key is not None:
       with self._lock:
         program = self._programs.get(key)
         if program is not None:
           self._programs.move_to_end(key)
-          return program, time.perf_counter() - start if waited else 0.0
+          return Pending(self, key, start, program=program, waited=waited)
         event = self._making.claim(key)
       if event is None:
-        break  # This thread compiles it.
+        break  # This thread makes it.
       event.wait()
       waited = True
     try:
-      options = compiler_options()
-      program = self._from_store(name, fn, static, args, options, donate)
-      if program is None:
+      options = dict(compiler_options())
+      store = self._store() if self._store is not None else None
+      lowered = None
+      if store is not None:
+        store_key = store.key(name, static, args, options, donate)
+        if store_key is not None:
+          lowered = store.lower(store_key, fn, static, args, donate)
+      if lowered is None:
         lowered = jax.jit(functools.partial(fn, static),
                           donate_argnums=donate).lower(*args)
-        program = (lowered.compile(compiler_options=dict(options))
-                   if options else lowered.compile())
-      elapsed = time.perf_counter() - start
-      with self._lock:
-        self.compilations += 1
-        if key is not None:
-          self._programs[key] = program
-          while len(self._programs) > self.size:
-            self._programs.popitem(last=False)
-    finally:
-      if key is not None:
-        with self._lock:
-          self._making.release(key)
-    return program, elapsed
+    except BaseException:
+      self._release(key)
+      raise
+    return Pending(self, key, start, lowered=lowered, options=options)
 
-  def _from_store(self, name, fn, static, args, options, donate):
-    """The program through the `ProgramStore`, or None without one (or
-    where the store cannot take this program)."""
-    store = self._store() if self._store is not None else None
-    if store is None:
-      return None
-    key = store.key(name, static, args, options, donate)
+  def compile_ahead(self, name: str, fn: Callable, static: Any, args: tuple,
+                    compiler_options: Callable[[], dict[str, Any]],
+                    donate: tuple[int, ...] = ()) -> float:
+    """Traces a program now and compiles it in a background thread, so XLA
+    builds it while the caller compiles or runs another; a `get` of it
+    waits for that thread. Returns the seconds spent tracing (0 if the
+    program is cached or being made). A failed background compilation is
+    left to the next `get`, which compiles again and raises."""
+    key = _program_key(name, static, args)
     if key is None:
-      return None
-    return store.compile(key, fn, static, args, options, donate)
+      return 0.0  # `get` warns and compiles it as usual.
+    with self._lock:
+      if key in self._programs or self._making.busy(key):
+        return 0.0
+    pending = self.lower(name, fn, static, args, compiler_options, donate)
+    if pending.done:
+      return 0.0
+    traced = time.perf_counter() - pending.start
+    threading.Thread(target=pending.compile_quietly, daemon=True,
+                     name=f"penzai_lm compile {name}").start()
+    return traced
+
+  def _finish(self, key, program) -> None:
+    with self._lock:
+      self.compilations += 1
+      if key is not None:
+        self._programs[key] = program
+        while len(self._programs) > self.size:
+          self._programs.popitem(last=False)
+
+  def _release(self, key) -> None:
+    if key is not None:
+      with self._lock:
+        self._making.release(key)
 
   def items(self, name: str | None = None) -> list[tuple[Any, Any]]:
     """``(key, compiled)`` pairs held, oldest first (``key[0]`` is the
@@ -161,6 +200,48 @@ class ProgramCache:
           " a layer's metadata); generation programs cannot be cached and"
           " are recompiled on every call. Use tuples or frozen"
           " dataclasses for static layer fields.")
+
+
+class Pending:
+  """A program of a `ProgramCache` between tracing and XLA's compile.
+
+  Attributes:
+    done: Whether the program is already compiled (a cache hit).
+    start: When the cache was asked for it (``time.perf_counter()``).
+  """
+
+  def __init__(self, cache: ProgramCache, key, start: float, *,
+               program=None, waited: bool = False, lowered=None,
+               options: dict | None = None):
+    self._cache, self._key, self.start = cache, key, start
+    self._program, self._waited = program, waited
+    self._lowered, self._options = lowered, options or {}
+    self.done = program is not None
+
+  @property
+  def out_info(self):
+    """The outputs' ``jax.ShapeDtypeStruct``s (None for a cache hit)."""
+    return None if self._lowered is None else self._lowered.out_info
+
+  def compile(self):
+    """``(compiled, seconds)`` as `ProgramCache.get` returns them."""
+    if self.done:
+      seconds = time.perf_counter() - self.start if self._waited else 0.0
+      return self._program, seconds
+    try:
+      program = (self._lowered.compile(self._options) if self._options
+                 else self._lowered.compile())
+      self._cache._finish(self._key, program)  # pylint: disable=protected-access
+    finally:
+      self._cache._release(self._key)  # pylint: disable=protected-access
+    self._program, self.done = program, True
+    return program, time.perf_counter() - self.start
+
+  def compile_quietly(self) -> None:
+    try:
+      self.compile()
+    except Exception:  # pylint: disable=broad-except
+      pass  # The next `get` compiles it again and raises.
 
 
 def model_key(model) -> tuple[Any, list]:

@@ -38,6 +38,7 @@ import jax
 from penzai_lm.generation import prepare as prepare_lib
 from penzai_lm.generation import request as request_lib
 from penzai_lm.generation.caches import IdentityCache
+from penzai_lm.generation.caches import Pending
 from penzai_lm.generation.caches import ProgramCache
 from penzai_lm.generation.program_store import auto_directory
 from penzai_lm.generation.program_store import ProgramStore
@@ -213,12 +214,28 @@ class Engine:
 
   def program(self, name: str, fn, static, args, *, shape, donate=()):
     """``(compiled program, compile seconds)`` for ``fn`` (cached)."""
+    return self.lower(name, fn, static, args, shape=shape,
+                      donate=donate).compile()
+
+  def lower(self, name: str, fn, static, args, *, shape,
+            donate=()) -> Pending:
+    """``fn``'s program traced (or cached): see `ProgramCache.lower`."""
+    return self.programs.lower(name, fn, static, args,
+                               self._options_for(name, shape), donate)
+
+  def compile_ahead(self, name: str, fn, static, args, *, shape,
+                    donate=()) -> float:
+    """Traces ``fn``'s program and compiles it in the background (see
+    `ProgramCache.compile_ahead`); returns the seconds spent tracing."""
+    return self.programs.compile_ahead(name, fn, static, args,
+                                       self._options_for(name, shape), donate)
+
+  def _options_for(self, name: str, shape):
     def options():
       if jax.default_backend() != "cpu":
         return {}
       return self._compiler_options(name, shape)
-
-    return self.programs.get(name, fn, static, args, options, donate)
+    return options
 
 
 _DEFAULT_ENGINE = Engine()

@@ -195,6 +195,24 @@ class StoredProgram:
     return self._compiled.memory_analysis()
 
 
+@dataclasses.dataclass(frozen=True)
+class LoweredProgram:
+  """An exported program lowered for XLA, not yet compiled."""
+  lowered: Any
+  in_tree: Any
+  out_tree: Any
+
+  @property
+  def out_info(self):
+    """The outputs' ``jax.ShapeDtypeStruct``s, in their pytree."""
+    return jax.tree_util.tree_unflatten(self.out_tree, self.lowered.out_info)
+
+  def compile(self, options: dict | None = None) -> StoredProgram:
+    compiled = (self.lowered.compile(compiler_options=dict(options))
+                if options else self.lowered.compile())
+    return StoredProgram(compiled, self.in_tree, self.out_tree)
+
+
 @dataclasses.dataclass
 class StoreStats:
   """What a `ProgramStore` did in this process."""
@@ -241,10 +259,11 @@ class ProgramStore:
       self._versions = _versions()
     return hashlib.sha256((self._versions + text).encode()).hexdigest()
 
-  def compile(self, key: str, fn, static, args: tuple, options: dict,
-              donate: tuple[int, ...]) -> StoredProgram | None:
-    """The program for ``key``: read back, or traced, exported and
-    written; compiled from its exported form either way.
+  def lower(self, key: str, fn, static, args: tuple,
+            donate: tuple[int, ...]) -> "LoweredProgram | None":
+    """The program for ``key``, read back or traced, exported and written,
+    and lowered from its exported form either way (XLA compiles it on
+    `LoweredProgram.compile`).
 
     Returns None where the program cannot be exported (the caller then
     compiles it as usual); a program that cannot be written is still
@@ -271,9 +290,7 @@ class ProgramStore:
       self.stats.loaded += 1
     flat_donate = _leaf_indices(args, donate)
     lowered = jax.jit(exported.call, donate_argnums=flat_donate).lower(*leaves)
-    compiled = (lowered.compile(compiler_options=dict(options)) if options
-                else lowered.compile())
-    return StoredProgram(compiled, in_tree, out_tree)
+    return LoweredProgram(lowered, in_tree, out_tree)
 
   def _warn(self, why: str) -> None:
     if not self._warned:
