@@ -2,7 +2,8 @@
 
 Every product of a SmolLM2-135M decode step (30 layers of q, k, v, o, gate,
 up, down, and the tied 576x49152 unembedding), at 1 and 8 rows, per weight
-format: float32/bfloat16/float16 in-major (loaded projections), and int8,
+format: float32/bfloat16/float16 in-major (penzai's own layout; loaded
+projections are out-major, as the unembedding), and int8,
 q8_0 and q4_1 blocks (out-major). "xla" runs the same product with
 ``jnp.dot`` on the weights as they lie (quantized ones dequantized in the
 program, as without the kernels). Reports the median step time and weights

@@ -3,17 +3,18 @@
 `KernelLinear` and `KernelEmbeddingDecode` are `pz.nn.Linear` and
 `pz.nn.EmbeddingDecode` (subclasses: the same weights, fields and
 selections) whose products with at most `MAX_ROWS` rows of activations
-(decoding) go to `penzai_lm.kernels.ops`. Larger bfloat16 products (prefill)
-become one ``dot_general`` with float32 results, which XLA runs on its
-native bf16 GEMM (`WIDE_DTYPES`); other larger ones and anything the kernels
+(decoding) go to `penzai_lm.kernels.ops`. Larger bfloat16 and float32
+products (prefill) become one ``dot_general`` with float32 results, which
+XLA runs on its native GEMMs (`WIDE_DTYPES`); other larger ones and anything the kernels
 do not cover (parallel axes, views, other dtypes) use penzai's own
 contraction. The engine swaps them in for models on one CPU device
 (`with_cpu_kernels`); user models are never changed in place.
 
 Axis conventions: a weight whose data lists the contracted axes first is
-"in-major" (``[K, N]``, how loaders lay out projections), one that lists
-them last is "out-major" (``[N, K]``, a tied embedding table). Either is
-read as it lies, with no transpose.
+"in-major" (``[K, N]``, how penzai's own layers lay out projections), one
+that lists them last is "out-major" (``[N, K]``: loaded projections, as
+checkpoints store them, and embedding tables). Either is read as it lies,
+with no transpose.
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
 # product is compute-bound and XLA's blocked GEMM wins.
 MAX_ROWS = 16
 
-# Larger bfloat16 products (prefill) are written as one matrix product with
-# float32 results: XLA:CPU then runs them on YNNPACK's bf16 dot (AVX512-BF16
-# where the CPU has it) instead of converting both operands to float32
-# first. 30 products of 127x576 by 576x1536: 52 ms -> 12 ms (2.4x faster
-# than float32). float16 gains nothing there (51 -> 53 ms) and keeps
+# Larger bfloat16 and float32 products (prefill) are written as one matrix
+# product with float32 results and the rows first. In bfloat16 XLA:CPU then
+# runs them on YNNPACK's bf16 dot (AVX512-BF16 where the CPU has it) instead
+# of converting both operands to float32 first: 30 products of 127x576 by
+# 576x1536, 52 ms -> 12 ms (2.4x faster than float32). For float32 weights
+# in the loaders' output-major order, penzai's contraction let XLA copy
+# every weight transposed (SmolLM2 prefill 176 -> 210 ms); this product
+# reads them as they lie. float16 gains nothing (51 -> 53 ms) and keeps
 # penzai's contraction.
-WIDE_DTYPES = (jnp.dtype(jnp.bfloat16),)
+WIDE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def kernel_contract(names, left, right):

@@ -180,6 +180,27 @@ def test_float16_safetensors_stream_like_eager(tmp_path):
                       _eager_model(path, dtype, True))
 
 
+def test_projections_keep_the_checkpoints_output_major_order(family_dirs):
+  # Loading copies each projection as it lies: HF's (out, in) data, with
+  # the output axes first (what the CPU kernels read fastest).
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  path = family_dirs["llama", "F32"]
+  hf = load_file(str(path / "model.safetensors"))
+  model = load_model(path, dtype="float32", use_layer_stack=False)
+  weights = {p.label.split("/", 1)[1]: p.value for p in pz.select(model)
+             .at_instances_of(pz.ParameterValue).get_sequence()}
+  for label, name in (("attention/query", "self_attn.q_proj"),
+                      ("attention/output", "self_attn.o_proj"),
+                      ("mlp/gating_linear", "mlp.gate_proj"),
+                      ("mlp/out_linear", "mlp.down_proj")):
+    w = weights[f"block_1/{label}.weights"]
+    want = hf[f"model.layers.1.{name}.weight"]
+    np.testing.assert_array_equal(
+        np.asarray(w.data_array).reshape(want.shape), want)
+  assert list(weights["lm_head.weights"].named_axes) == [
+      "vocabulary", "embedding"]
+
+
 def test_public_parameters_from_checkpoint_is_unchanged(family_dirs):
   for family in ("gemma3", "phi3", "gpt2"):
     checkpoint = read_checkpoint(family_dirs[family, "F32"])

@@ -6,9 +6,13 @@ tensors onto parameter labels. This module also holds what several families
 share: option checks, the head layouts, and the tensor mapping of the
 Llama-like decoders (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3).
 
-Hugging Face stores projections as (out, in). penzai_lm stores every weight
-with its input axes first and its output axes last, so the compiled matmuls
-read weights in place, without a transpose. Head axes follow
+Hugging Face stores projections as (out, in), and so does GGUF; penzai_lm
+keeps that order (every projection's output axes first, its input axes
+last), so loading copies no transposes and the CPU kernels read each
+output's weights as one contiguous run (SmolLM2 decode at batch 1, against
+the input-major order: fp32 39.3 -> 41.2 tok/s, bf16 60.5 -> 66.2; batch
+8: +13% / +17%). Named axes make the order invisible to everything else.
+Head axes follow
 `penzai_lm.model.build.head_axes`: query head h = group * per_group + q, as
 in Hugging Face's ``repeat_kv``.
 """
@@ -107,20 +111,20 @@ def head_layout(
 
 
 def query_like(config, w, bias, for_queries) -> dict[str, Tensor]:
-  """(heads*head_dim, in) -> (embedding, *head axes, projection)."""
+  """(heads*head_dim, in) -> (*head axes, projection, embedding)."""
   names, sizes = head_layout(config, for_queries)
   w = w.reshape(*sizes, config.head_dim, w.shape[-1])
-  out = {"weights": (np.moveaxis(w, -1, 0), ("embedding", *names, "projection"))}
+  out = {"weights": (w, (*names, "projection", "embedding"))}
   if bias is not None:
     out["bias"] = (bias.reshape(*sizes, config.head_dim), (*names, "projection"))
   return out
 
 
 def output_projection(config, w) -> Tensor:
-  """(embedding, heads*head_dim) -> (*head axes, projection, embedding)."""
+  """(embedding, heads*head_dim) -> (embedding, *head axes, projection)."""
   names, sizes = head_layout(config, True)
   w = w.reshape(w.shape[0], *sizes, config.head_dim)
-  return np.moveaxis(w, 0, -1), (*names, "projection", "embedding")
+  return w, ("embedding", *names, "projection")
 
 
 def llama_like_layer(
@@ -185,13 +189,13 @@ def llama_like_layer(
           f"{a}{hf}.weight", "projection"
       )
   for mine, hf, axes in (
-      ("gating_linear", "gate_proj", ("embedding", "neurons")),
-      ("value_linear", "up_proj", ("embedding", "neurons")),
-      ("out_linear", "down_proj", ("neurons", "embedding")),
+      ("gating_linear", "gate_proj", ("neurons", "embedding")),
+      ("value_linear", "up_proj", ("neurons", "embedding")),
+      ("out_linear", "down_proj", ("embedding", "neurons")),
   ):
-    params[f"mlp/{mine}.weights"] = (t[f"{m}{hf}.weight"].T, axes)
+    params[f"mlp/{mine}.weights"] = (t[f"{m}{hf}.weight"], axes)
     if config.mlp_bias:
-      params[f"mlp/{mine}.bias"] = (t[f"{m}{hf}.bias"], axes[-1:])
+      params[f"mlp/{mine}.bias"] = (t[f"{m}{hf}.bias"], axes[:1])
   return params
 
 
@@ -209,6 +213,6 @@ def llama_like_globals(
   }
   if not config.tie_embeddings:
     params["lm_head.weights"] = (
-        t["lm_head.weight"].T, ("embedding", "vocabulary")
+        t["lm_head.weight"], ("vocabulary", "embedding")
     )
   return params

@@ -48,7 +48,7 @@ def _globals(config, t):
       "final_norm/shift.bias": (t["transformer.ln_f.bias"], ("embedding",)),
   }
   if not config.tie_embeddings:
-    params["lm_head.weights"] = (t["lm_head.weight"].T, ("embedding", "vocabulary"))
+    params["lm_head.weights"] = (t["lm_head.weight"], ("vocabulary", "embedding"))
   return params
 
 
