@@ -51,12 +51,28 @@ def _heavy(item) -> bool:
           or str(item.path).endswith(".ipynb"))
 
 
-def pytest_collection_modifyitems(config, items):
-  """Heavy files first (a stable sort: the order is otherwise unchanged).
+# Files that load the real models and transformers' twins (9.3 GB and 6.9
+# GB peak alone): run by one worker, one after the other, sharing the
+# models (`tests/real_models.py`). On two workers at once the machine's
+# 24 GB ran out (a worker was OOM-killed).
+_REAL_MODEL_FILES = ("tests/loading/test_real_models.py",
+                     "tests/interp/test_hf_parity.py",
+                     "tests/interp/test_patching.py")
 
-  pytest-xdist hands whole files to its two workers in collection order;
+
+@pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups.
+def pytest_collection_modifyitems(config, items):
+  """Heavy files first (a stable sort: the order is otherwise unchanged),
+  and one pytest-xdist group per file (``--dist loadgroup``), but one for
+  all of `_REAL_MODEL_FILES`.
+
+  pytest-xdist hands whole groups to its two workers in collection order;
   with a minutes-long file collected late, one worker ran it alone at the
   end (a fresh-clone run: 27.6 min of tests for 45 min of CPU).
   """
   del config
   items.sort(key=lambda item: not _heavy(item))
+  for item in items:
+    path = item.nodeid.split("::")[0]
+    item.add_marker(pytest.mark.xdist_group(
+        "real_models" if path in _REAL_MODEL_FILES else path))
