@@ -4,6 +4,10 @@
   layout, argument structure and shapes), least recently used evicted past
   ``size``. A compiled decode program of a 135M model holds ~1 MB of code,
   so the bound is about notebooks that patch and generate many times.
+  Tracing (`ProgramCache.lower`) runs on the caller's thread, under its JAX
+  settings; XLA's compile (`Pending.compile`) may run on another
+  (`ProgramCache.compile_ahead`: a request's decode program compiles while
+  its prefill does).
 * `IdentityCache`: values derived from a model (its unstacked or prepared
   form) keyed on the model's structure and the identity of its arrays, so a
   re-bound parameter is a new key. Entries hold weak references to the

@@ -73,7 +73,7 @@ def _positional_labels(block, state_labels: dict[str, str]):
 def _embedding_minor(argument):
   """The residual stream laid out as blocks return it, ``embedding`` last.
 
-  The embedding lookup returns it ``embedding``-major; without this the
+  penzai's embedding lookup returns it ``embedding``-major; without this the
   first block would have a structure (and a trace) of its own.
   """
   if (not isinstance(argument, pz.nx.NamedArrayBase)

@@ -5,9 +5,10 @@
 selections) whose products with at most `MAX_ROWS` rows of activations
 (decoding) go to `penzai_lm.kernels.ops`. Larger bfloat16 and float32
 products (prefill) become one ``dot_general`` with float32 results, which
-XLA runs on its native GEMMs (`WIDE_DTYPES`); other larger ones and anything the kernels
-do not cover (parallel axes, views, other dtypes) use penzai's own
-contraction. The engine swaps them in for models on one CPU device
+XLA runs on its native GEMMs (`WIDE_DTYPES`); other larger ones and
+anything the kernels do not cover (parallel axes, views, other dtypes) use
+penzai's own contraction. `KernelEmbeddingLookup` copies embedding rows in
+a kernel. The engine swaps them in for models on one CPU device
 (`with_cpu_kernels`); user models are never changed in place.
 
 Axis conventions: a weight whose data lists the contracted axes first is
