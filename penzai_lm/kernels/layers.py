@@ -82,8 +82,9 @@ def kernel_contract(names, left, right):
   row_axes = [a for a in left.named_axes if a not in names]
   rows = math.prod(left.named_shape[a] for a in row_axes)
   wide = rows > MAX_ROWS
-  if rows == 0 or (wide and not jnp.dtype(left.dtype) == jnp.dtype(
-      right.dtype) in WIDE_DTYPES):
+  same_wide_dtype = (jnp.dtype(left.dtype) == jnp.dtype(right.dtype)
+                     and jnp.dtype(right.dtype) in WIDE_DTYPES)
+  if rows == 0 or (wide and not same_wide_dtype):
     return None
   sizes = right.named_shape
   n_in = math.prod(sizes[a] for a in in_axes)

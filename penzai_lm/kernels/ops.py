@@ -27,10 +27,14 @@ def dense_dtype_supported(dtype) -> bool:
   return jnp.dtype(dtype) in _DENSE
 
 
-def _call(target: str, n: int, x, *weights):
+def _require_kernels() -> None:
   if cpu_kernels() is None:
     raise RuntimeError("penzai_lm's CPU kernels are not available here;"
                        " check ops.available() before calling them.")
+
+
+def _call(target: str, n: int, x, *weights):
+  _require_kernels()
   out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
   return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), *weights)
 
@@ -60,9 +64,7 @@ def q4(x: jax.Array, qs: jax.Array, scale: jax.Array,
 def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
   """``table[ids]`` for a ``[V, E]`` table and int32 ids of any shape
   (negative ids wrap, others clamp), read in place (`rows.cc`)."""
-  if cpu_kernels() is None:
-    raise RuntimeError("penzai_lm's CPU kernels are not available here;"
-                       " check ops.available() before calling them.")
+  _require_kernels()
   out = jax.ShapeDtypeStruct((*ids.shape, table.shape[1]), table.dtype)
   return jax.ffi.ffi_call("pzlm_rows", out)(table, ids.astype(jnp.int32))
 

@@ -19,7 +19,8 @@ ffi::Error Rows(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
   if (td.size() != 2 || td[0] == 0)
     return ffi::Error::InvalidArgument("rows: table [V > 0, E]");
   const int64_t V = td[0], R = ids.element_count();
-  const size_t row = out->size_bytes() / (R == 0 ? 1 : R);
+  if (R == 0) return ffi::Error::Success();
+  const size_t row = out->size_bytes() / R;
   if (out->element_type() != table.element_type() ||
       row * R != out->size_bytes() || row * V != table.size_bytes())
     return ffi::Error::InvalidArgument("rows: out [R, E] like the table");

@@ -12,7 +12,8 @@ On CPU the engine sets ``use_cpu_kernel``: products of up to
 `penzai_lm.kernels.layers.MAX_ROWS` rows (decoding) read the quantized
 blocks in the kernels; everything else dequantizes to the activations'
 dtype and contracts with penzai's `contract` (on GPU, XLA fuses that), or
-on CPU in bfloat16 as `penzai_lm.kernels.layers.kernel_contract` does.
+on CPU in bfloat16 and float32 as `penzai_lm.kernels.layers.kernel_contract`
+does.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class QuantizedLinear(pz.nn.Layer):
               + list(self.out_axes)),
           data_array=y.astype(x.dtype).reshape(shape))
     w = self.dequantized(x.dtype)
-    if self.use_cpu_kernel:  # A bfloat16 prefill: XLA's bf16 GEMM.
+    if self.use_cpu_kernel:  # A prefill: XLA's GEMM on the rows (WIDE_DTYPES).
       y = kernel_contract(in_names, x, w)
       if y is not None:
         return y
