@@ -40,7 +40,8 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--quantize", default=None,
                       choices=["keep", "int8", "q8_0", "q4_0", "q4_1"],
                       help="keep the projections quantized: 'keep' a GGUF"
-                      " file's own Q8_0/Q4_0/Q4_1 blocks, or quantize them"
+                      " file's own blocks (Q8_0, Q4_x, Q5_x, K-quants), or"
+                      " quantize them"
                       " (decoding reads the blocks in compiled CPU kernels)")
   parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
   parser.add_argument("--greedy", action="store_true",

@@ -204,6 +204,25 @@ def read_gguf_tensor(
   return out
 
 
+def read_gguf_blocks(
+    path: Path, t, *, unpermute_heads: int | None = None
+) -> np.ndarray:
+  """A quantized tensor's raw blocks, ``uint8 [rows, row_bytes]``, with its
+  rows in HF order (``unpermute_heads`` as for `read_gguf_tensor`; blocks
+  run along a row, so moving whole rows keeps them intact)."""
+  import gguf  # pylint: disable=g-import-not-at-top
+
+  cols = int(t.shape[0])
+  rows = int(t.n_elements) // max(cols, 1)
+  block, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+  out = aligned_empty((rows, cols // block * type_size), np.uint8)
+  with open(path, "rb", buffering=0) as f:
+    read_at(f, t.data_offset, out, f"GGUF file {path}: tensor {t.name!r}")
+  if unpermute_heads is not None:
+    out = unpermute_rows(out, unpermute_heads)
+  return out
+
+
 def hf_conventions(
     spec: ArchitectureSpec,
     gguf_name: str,

@@ -32,7 +32,7 @@ import jax
 TARGETS = (
     "pzlm_matvec_out_f32", "pzlm_matvec_out_bf16", "pzlm_matvec_out_f16",
     "pzlm_matvec_in_f32", "pzlm_matvec_in_bf16", "pzlm_matvec_in_f16",
-    "pzlm_matvec_q8", "pzlm_matvec_q4",
+    "pzlm_matvec_q8", "pzlm_matvec_q8_16", "pzlm_matvec_q4",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
     "pzlm_decode_attention_f16", "pzlm_rows",
 )

@@ -21,6 +21,7 @@
 //   GGUF and tied embedding tables store them); "in-major" are [K, N].
 //   Quantized weights are out-major and blockwise along K:
 //     q8:  qs s8[N, K],          w = qs * scale[n, k / block]
+//     q8_16: qs s8[N, K],        w = qs * scale[n, k / 16] + min[n, k / 16]
 //     q4:  qs u8[N, K / 2],      w = nibble * scale[n, k / 32] + min[n, k / 32]
 //          (ggml's order: byte j of each 32-value block holds value j in its
 //          low nibble and value j + 16 in its high nibble).
@@ -98,6 +99,22 @@ struct Q8Any : Q8Arrays {
     for (int j = 0; j < 16; ++j) v[0][j] = At(r, k + j);
   }
   float At(Row r, int64_t k) const { return r.q[k] * r.s[k / block]; }
+  float Scale(Row) const { return 1.f; }
+};
+
+// int8 groups of 16 with a scale and an offset each (the layout that
+// holds llama.cpp's K-quants exactly). K is a multiple of 16.
+struct Q8Group16 : Q8Arrays {
+  static constexpr int kStep = 16;
+  const float* mins;
+  struct Row { const int8_t* q; const float* s; const float* m; };
+  Row row(int64_t n) const {
+    return {qs + n * K, scale + n * (K / 16), mins + n * (K / 16)};
+  }
+  void Get(Row r, int64_t k, V16* v) const {
+    v[0] = CvtS8(r.q + k) * (V16{} + r.s[k / 16]) + (V16{} + r.m[k / 16]);
+  }
+  float At(Row, int64_t) const { return 0.f; }  // K % 16 == 0: no tail
   float Scale(Row) const { return 1.f; }
 };
 
@@ -343,6 +360,25 @@ ffi::Error Q8OutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+ffi::Error Q8Group16OutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::S8> qs,
+                             ffi::Buffer<ffi::F32> scale,
+                             ffi::Buffer<ffi::F32> mins,
+                             ffi::ResultBuffer<ffi::F32> y) {
+  int64_t R, K;
+  if (auto e = CheckX(x, R, K); e.failure()) return e;
+  auto qd = qs.dimensions(), sd = scale.dimensions(), md = mins.dimensions();
+  if (K % 16 != 0 || qd.size() != 2 || qd[1] != K || sd.size() != 2 ||
+      sd[0] != qd[0] || sd[1] * 16 != K || md.size() != 2 || md[0] != sd[0] ||
+      md[1] != sd[1])
+    return ffi::Error::InvalidArgument(
+        "q8_16: K % 16 == 0, qs [N, K], scale and mins [N, K / 16]");
+  Q8Group16 decode{{qs.typed_data(), scale.typed_data(), K},
+                   mins.typed_data()};
+  OutMajor(pool, decode, x.typed_data(), y->typed_data(), R, K, qd[0]);
+  return ffi::Error::Success();
+}
+
 ffi::Error Q4OutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                       ffi::Buffer<ffi::U8> qs, ffi::Buffer<ffi::F32> scale,
                       ffi::Buffer<ffi::F32> mins,
@@ -392,6 +428,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8, Q8OutMajor,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8_16, Q8Group16OutMajor,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4, Q4OutMajor,

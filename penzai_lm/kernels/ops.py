@@ -54,6 +54,14 @@ def q8(x: jax.Array, qs: jax.Array, scale: jax.Array) -> jax.Array:
   return _call("pzlm_matvec_q8", qs.shape[0], x, qs, scale)
 
 
+def q8_16(x: jax.Array, qs: jax.Array, scale: jax.Array,
+          mins: jax.Array) -> jax.Array:
+  """``x @ w.T`` with ``w[n, k] = qs[n, k] * scale[n, k // 16]
+  + mins[n, k // 16]`` (``qs: int8[N, K]``, ``scale`` and ``mins``:
+  ``f32[N, K // 16]``)."""
+  return _call("pzlm_matvec_q8_16", qs.shape[0], x, qs, scale, mins)
+
+
 def q4(x: jax.Array, qs: jax.Array, scale: jax.Array,
        mins: jax.Array) -> jax.Array:
   """``x @ w.T`` with 4-bit blocks of 32 along K (``qs: uint8[N, K // 2]``

@@ -68,7 +68,7 @@ def load_model(
       name_or_path, dtype, use_layer_stack, specs, adapters,
       with_tokenizer=False, freeze=freeze, progress=progress,
       place=_placement(mesh, rules), quantize=_check_quantize(
-          quantize, dtype, mesh),
+          quantize, mesh),
   )[0]
 
 
@@ -117,7 +117,9 @@ def load(
     quantize: Keep the projections quantized (`penzai_lm.quantization`):
       "int8" (per output channel, from any checkpoint), "q8_0", "q4_0" or
       "q4_1" (llama.cpp's blocks of 32), or "keep" (GGUF files: each
-      projection in the file's own Q8_0 / Q4_0 / Q4_1 blocks, exactly).
+      projection in the file's own blocks, Q8_0, Q4_0/1, Q5_0/1 and the
+      K-quants Q2_K to Q6_K, repacked exactly; see
+      `penzai_lm.quantization.gguf_formats`).
       Decoding on CPU reads the blocks in compiled kernels; elsewhere they
       are dequantized inside the program. None (default): float weights.
 
@@ -128,11 +130,11 @@ def load(
       name_or_path, dtype, use_layer_stack, specs, adapters,
       with_tokenizer=True, freeze=freeze, progress=progress,
       place=_placement(mesh, rules), quantize=_check_quantize(
-          quantize, dtype, mesh),
+          quantize, mesh),
   )
 
 
-def _check_quantize(quantize, dtype, mesh):
+def _check_quantize(quantize, mesh):
   """``quantize`` if valid with the other arguments (checked before any
   reading)."""
   choices = (None, "keep", *quantization.FORMATS)
@@ -141,10 +143,6 @@ def _check_quantize(quantize, dtype, mesh):
   if quantize is not None and mesh is not None:
     raise ValueError("quantized models cannot be sharded over a mesh yet;"
                      " load with quantize=None to shard.")
-  if quantize == "keep" and _resolve_dtype(dtype) != jnp.float32:
-    raise ValueError(
-        "quantize='keep' rebuilds the file's blocks exactly from float32"
-        " weights; load with dtype='float32' (the default).")
   return quantize
 
 
@@ -208,7 +206,7 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
     if checkpoint.gguf_reader is None:
       raise ValueError(f"quantize='keep' keeps a GGUF file's blocks, and"
                        f" {path} is not a GGUF file; use quantize='int8'.")
-    quantize = quantization.formats_from_gguf(checkpoint.gguf_reader)
+    quantize = quantization.kept_weights(checkpoint, config.num_layers)
   if quantize is not None:
     model = quantization.quantize(model, quantize)
   return (pz.freeze_params(model) if freeze else model), tokenizer

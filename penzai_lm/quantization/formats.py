@@ -12,6 +12,11 @@ quantized in blocks along K (`QuantizedWeight`). The formats:
 * ``"q4_1"``: Q4_1: blocks of 32, ``w = q * d + m`` (``m`` the block's
   minimum, ``d = (max - min) / 15``, both float16).
 
+One more layout has no quantizer: ``"q8_16"``, int8 values in groups of 16
+with a float32 scale and offset each (``w = q * d + m``), which holds every
+other llama.cpp type exactly (K-quants, Q5_1; `gguf_blocks`), for
+``load(..., quantize="keep")``.
+
 4-bit values are two per byte in ggml's order (byte j of a block holds value
 j in its low nibble and value j + 16 in its high nibble), and kept as
 ``scale`` and ``mins`` with ``w = q * scale + mins`` (Q4_0's ``mins`` is
@@ -30,6 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 FORMATS = ("int8", "q8_0", "q4_0", "q4_1")
+# What a `QuantizedWeight` can hold: the quantizers' formats and the kept
+# layout. 8-bit layouts store qs int8 [N, K]; 4-bit ones two values a byte.
+LAYOUTS = (*FORMATS, "q8_16")
+FOUR_BIT = ("q4_0", "q4_1")
 BLOCK = 32
 
 
@@ -41,8 +50,9 @@ class QuantizedWeight:
   Attributes:
     qs: int8 ``[N, K]`` (8-bit formats) or uint8 ``[N, K // 2]`` (4-bit).
     scale: float32 ``[N, K // block]``.
-    mins: float32 ``[N, K // 32]`` (4-bit formats), else None.
-    format: One of `FORMATS`.
+    mins: float32 ``[N, K // block]`` (4-bit formats and ``q8_16``), else
+      None.
+    format: One of `LAYOUTS`.
   """
 
   qs: jax.Array
@@ -53,7 +63,7 @@ class QuantizedWeight:
   @property
   def shape(self) -> tuple[int, int]:
     n, packed = self.qs.shape
-    return n, packed * 2 if self.format in ("q4_0", "q4_1") else packed
+    return n, packed * 2 if self.format in FOUR_BIT else packed
 
   @property
   def nbytes(self) -> int:
@@ -68,13 +78,14 @@ class QuantizedWeight:
 def dequantize(qs, scale, mins, format: str, dtype=jnp.float32):  # pylint: disable=redefined-builtin
   """The ``[N, K]`` weight of a format's arrays, in ``dtype``."""
   n = qs.shape[0]
-  if format in ("int8", "q8_0"):
-    q = qs.astype(jnp.float32).reshape(n, scale.shape[1], -1)
-    w = q * scale[..., None]
-  else:
+  if format in FOUR_BIT:
     blocks = qs.reshape(n, -1, BLOCK // 2)
     q = jnp.concatenate([blocks & 15, blocks >> 4], axis=-1)
-    w = q.astype(jnp.float32) * scale[..., None] + mins[..., None]
+  else:
+    q = qs.reshape(n, scale.shape[1], -1)
+  w = q.astype(jnp.float32) * scale[..., None]
+  if mins is not None:
+    w = w + mins[..., None]
   return w.reshape(n, -1).astype(dtype)
 
 

@@ -1,18 +1,29 @@
-"""``load(..., quantize="keep")``: each projection in its GGUF file's format.
+"""``load(..., quantize="keep")``: each projection in its GGUF file's blocks.
 
-A GGUF file stores each weight in a llama.cpp type. Q8_0, Q4_0 and Q4_1
-weights are loaded (dequantized) and quantized again to the same format;
-that gives back the file's integers and float16 scales exactly (the
-quantizers are ggml's reference ones, and a dequantized block's extremes
-map to the extreme codes), so "keep" is a faithful repacking of the blocks
-into the layout the kernels read. Float weights (F32, F16, BF16) stay float.
+A GGUF file stores each weight in a llama.cpp type. "keep" reads every
+quantized projection's raw blocks from the file (its rows moved into the
+model's order, as the float loader moves them) and repacks them into the
+smallest layout that holds them exactly (`gguf_blocks`): a kept weight
+dequantizes to the float weight loaded from the same file, bit for bit.
+Float weights (F32, F16, BF16) stay float. The layers of a layer stack share
+one layout, so a file that mixes types across layers (Q4_K_M gives some
+layers' ``ffn_down`` Q6_K, the others Q4_K) keeps that stack in the layout
+that holds all of them; ``use_layer_stack=False`` keeps each layer in its
+own.
 """
 
 from __future__ import annotations
 
-import collections
 import re
+from pathlib import Path
 from typing import Callable
+
+from penzai_lm.checkpoints.architectures import spec_for
+from penzai_lm.checkpoints.gguf_tensors import hf_conventions
+from penzai_lm.checkpoints.gguf_tensors import hf_tensor_name
+from penzai_lm.checkpoints.gguf_tensors import read_gguf_blocks
+from penzai_lm.quantization import gguf_blocks
+from penzai_lm.quantization.formats import QuantizedWeight
 
 # Our layer (label without block prefix) -> llama.cpp tensor kind.
 _KINDS = {
@@ -22,50 +33,75 @@ _KINDS = {
     "mlp/out_linear": "ffn_down", "lm_head": "output",
     "embedder": "token_embd",
 }
-_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 _FLOAT = {"F32", "F16", "BF16"}
-_LABEL = re.compile(r"^[^/]+/(?:blocks/|block_\d+/)?(.+?)(?:\.weights|"
+_LABEL = re.compile(r"^[^/]+/(?:(blocks)/|block_(\d+)/)?(.+?)(?:\.weights|"
                     r"\.embeddings)$")
 
-
-def _file_types(reader) -> dict[str, set[str]]:
-  """llama.cpp tensor kind -> the types of its 2-D tensors in the file."""
-  types = collections.defaultdict(set)
-  for tensor in reader.tensors:
-    parts = tensor.name.split(".")
-    if parts[-1] != "weight" or len(tensor.shape) != 2:
-      continue
-    kind = parts[2] if parts[0] == "blk" else parts[0]
-    types[kind].add(tensor.tensor_type.name)
-  return types
+# label -> the weight of each stacked layer (None: leave the layer float).
+KeptWeights = Callable[[str], list[QuantizedWeight] | None]
 
 
-def formats_from_gguf(reader) -> Callable[[str], str | None]:
-  """label -> format of a model loaded from the GGUF file ``reader`` reads.
-
-  Raises (from the returned function):
-    ValueError: for a projection whose GGUF type cannot be kept (a K-quant
-      such as Q4_K or Q6_K, or types that differ from layer to layer).
-  """
-  types = _file_types(reader)
-
-  def choose(label: str) -> str | None:
-    m = _LABEL.match(label)
-    kind = _KINDS.get(m.group(1)) if m else None
-    if kind is None or kind not in types:
-      raise ValueError(
-          f"quantize='keep' cannot tell which GGUF tensor {label!r} came"
-          " from; use quantize='int8' or 'q8_0' to quantize every"
-          " projection, or quantize=None.")
-    found = types[kind]
-    if found <= _FLOAT:
-      return None
-    if len(found) == 1 and next(iter(found)) in _KEPT:
-      return _KEPT[next(iter(found))]
+def _tensor_names(label: str, num_layers: int) -> list[str]:
+  """The GGUF tensors a parameter label was loaded from, one per layer."""
+  m = _LABEL.match(label)
+  kind = _KINDS.get(m.group(3)) if m else None
+  if kind is None:
     raise ValueError(
-        f"quantize='keep' keeps {sorted(_KEPT)} blocks, and this file's"
-        f" {kind} weights are {sorted(found)}; use quantize='int8' or"
-        " 'q8_0' (requantized from the dequantized weights), or"
-        " quantize=None (float).")
+        f"quantize='keep' cannot tell which GGUF tensor {label!r} came"
+        " from; use quantize='int8' or 'q8_0' to quantize every"
+        " projection, or quantize=None.")
+  if m.group(1):
+    return [f"blk.{i}.{kind}.weight" for i in range(num_layers)]
+  if m.group(2) is not None:
+    return [f"blk.{m.group(2)}.{kind}.weight"]
+  return [f"{kind}.weight"]
 
-  return choose
+
+def kept_weights(checkpoint, num_layers: int) -> KeptWeights:
+  """The file's own blocks of each projection of a GGUF checkpoint.
+
+  Args:
+    checkpoint: A GGUF `penzai_lm.checkpoints.LazyCheckpoint` or
+      ``Checkpoint`` (``gguf_reader`` set).
+    num_layers: The model's blocks.
+
+  Returns:
+    label -> the kept weight of each layer, for `quantize`. It raises
+    ValueError for a projection it cannot keep exactly: a type with no
+    layout here (``KEPT_TYPES``), or float and quantized layers in one
+    stack.
+  """
+  path = Path(checkpoint.source)
+  spec = spec_for(checkpoint.architecture)
+  heads = (checkpoint.config["num_attention_heads"],
+           checkpoint.config["num_key_value_heads"])
+  tensors = {t.name: t for t in checkpoint.gguf_reader.tensors}
+
+  def kept(label: str) -> list[QuantizedWeight] | None:
+    names = _tensor_names(label, num_layers)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+      raise ValueError(f"quantize='keep': {label!r} comes from no tensor of"
+                       f" {path} (looked for {missing[0]}).")
+    types = {tensors[n].tensor_type.name for n in names}
+    if types <= _FLOAT:
+      return None
+    unknown = types - set(gguf_blocks.KEPT_TYPES)
+    if unknown:
+      raise ValueError(
+          f"quantize='keep' keeps {', '.join(gguf_blocks.KEPT_TYPES)}"
+          f" blocks, and {names[0]} is {sorted(types)}; use"
+          " quantize='int8' or 'q8_0' (requantized from the dequantized"
+          " weights), or quantize=None (float).")
+    layout = gguf_blocks.common_layout(types)
+    weights = []
+    for name in names:
+      t = tensors[name]
+      unpermute, _ = hf_conventions(spec, name, hf_tensor_name(spec, name),
+                                    *heads)
+      raw = read_gguf_blocks(path, t, unpermute_heads=unpermute)
+      groups = gguf_blocks.decode(raw, t.tensor_type.name, int(t.shape[0]))
+      weights.append(gguf_blocks.to_layout(groups, layout))
+    return weights
+
+  return kept

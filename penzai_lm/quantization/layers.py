@@ -51,7 +51,7 @@ class QuantizedLinear(pz.nn.Layer):
       is flattened.
     out_axes: ``(name, size)`` of the output axes, in the order N is
       flattened.
-    format: The weight format (`penzai_lm.quantization.formats.FORMATS`).
+    format: The weight layout (`penzai_lm.quantization.formats.LAYOUTS`).
     use_cpu_kernel: Run small products on the CPU kernels (set by the
       engine for models on one CPU device).
   """
@@ -104,10 +104,12 @@ class QuantizedLinear(pz.nn.Layer):
       qs, scale, mins = self._arrays()
       k = math.prod(s for _, s in self.in_axes)
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
-      if self.format in ("int8", "q8_0"):
-        y = ops.q8(flat, qs, scale)
-      else:
+      if self.format in formats.FOUR_BIT:
         y = ops.q4(flat, qs, scale, mins)
+      elif mins is not None:
+        y = ops.q8_16(flat, qs, scale, mins)
+      else:
+        y = ops.q8(flat, qs, scale)
       shape = [x.named_shape[a] for a in row_axes] + [
           s for _, s in self.out_axes]
       return pz.nx.NamedArray(

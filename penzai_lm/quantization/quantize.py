@@ -19,8 +19,10 @@ from penzai import pz
 from penzai_lm.quantization import formats
 from penzai_lm.quantization.layers import QuantizedLinear
 
-# format, or label -> format (None: leave that layer as it is).
-FormatChoice = str | Callable[[str], str | None]
+# A format, or label -> a format, the weight of each stacked layer (kept
+# blocks, `gguf_formats.kept_weights`), or None (leave the layer as it is).
+FormatChoice = str | Callable[[str], str | list[formats.QuantizedWeight]
+                              | None]
 
 
 def _host(value: pz.nx.NamedArray, stack, out, inp) -> np.ndarray:
@@ -33,18 +35,40 @@ def _host(value: pz.nx.NamedArray, stack, out, inp) -> np.ndarray:
                       int(np.prod([sizes[a] for a in inp])))
 
 
-def _quantized_layer(param, in_names, out_names, fmt, base):
-  """A `QuantizedLinear` for the weight parameter ``param``; its parameters
-  are labeled ``{base}.qs`` etc."""
+def _kept_parts(value, stack, out_names, in_names, parts, label):
+  """``parts`` (one weight per stacked layer), checked against ``value``."""
+  sizes = value.named_shape
+  layers = int(np.prod([sizes[a] for a in stack]))
+  shape = (int(np.prod([sizes[a] for a in out_names])),
+           int(np.prod([sizes[a] for a in in_names])))
+  if len(parts) != layers or any(p.shape != shape for p in parts):
+    raise ValueError(
+        f"{label}: {layers} weights of shape {shape} were wanted, and"
+        f" {[p.shape for p in parts]} were given.")
+  if len({p.format for p in parts}) != 1:
+    raise ValueError(f"{label}: the layers of a stack share one layout;"
+                     f" got {sorted({p.format for p in parts})}.")
+  return parts
+
+
+def _quantized_layer(param, in_names, out_names, choice, base):
+  """A `QuantizedLinear` for the weight parameter ``param`` (``choice``: a
+  format, or the kept weight of each stacked layer); its parameters are
+  labeled ``{base}.qs`` etc."""
   if isinstance(param, pz.ParameterSlot) or not hasattr(param, "value"):
     raise ValueError(f"cannot quantize {param!r}: bind its weights first.")
   value = param.value
   stack = [a for a in value.named_axes if a not in (*in_names, *out_names)]
-  data = _host(value, stack, out_names, in_names)
-  try:
-    parts = [formats.quantize(w, fmt) for w in data]
-  except ValueError as e:
-    raise ValueError(f"{param.label}: {e}") from e
+  if isinstance(choice, str):
+    data = _host(value, stack, out_names, in_names)
+    try:
+      parts = [formats.quantize(w, choice) for w in data]
+    except ValueError as e:
+      raise ValueError(f"{param.label}: {e}") from e
+  else:
+    parts = _kept_parts(value, stack, out_names, in_names, list(choice),
+                        param.label)
+  fmt = parts[0].format
   sizes = value.named_shape
   stack_axes = [(a, sizes[a]) for a in stack]
   wrap = type(param) if isinstance(param, pz.Parameter) else pz.ParameterValue
@@ -74,7 +98,9 @@ def quantize(model, format: FormatChoice = "int8"):  # pylint: disable=redefined
     model: A model with bound weights (e.g. from `penzai_lm.load`).
     format: A weight format (`penzai_lm.quantization.FORMATS`: "int8",
       "q8_0", "q4_0", "q4_1"), or a function from a layer's weight label to
-      a format or None (leave that layer in float).
+      a format, to the `QuantizedWeight` of each of its stacked layers
+      (`penzai_lm.quantization.kept_weights` gives a GGUF file's own), or
+      to None (leave that layer in float).
 
   Raises:
     ValueError: for an unknown format, a model with nothing to quantize,
