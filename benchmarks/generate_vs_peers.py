@@ -27,6 +27,12 @@ tokens, so every engine produces exactly the requested number of tokens):
   At ~0.5 tok/s it decodes only ``--loop-new`` tokens, batch 1 only; having
   no greedy mode, it runs at temperature 1e-4 with a fixed key.
 
+``--model gemma3-270m`` runs Gemma 3 270M instead, from its Q4_K_M file:
+``penzai_lm`` (float32), ``penzai_lm-bf16``, ``penzai_lm-int8``,
+``penzai_lm-keep`` (``quantize="keep"``: the file's Q4_K, Q6_K, Q5_0 and
+Q8_0 blocks), ``transformers`` and ``llamacpp-file`` (llama.cpp on that same
+file; with SmolLM2 it is the Q4_1 source file).
+
 Batch 1 uses the first ``--prompt`` tokens of a fixed text; batch ``--batch``
 (default 8) uses that many different slices of the same text, all of the
 same length (no padding), and reports aggregate throughput (rows x decode
@@ -74,7 +80,7 @@ Usage:
   bash benchmarks/peers/setup_llamacpp.sh      # once: llama.cpp (~10 min)
   python benchmarks/peers/make_ggufs.py        # once: the GGUF variants
   python benchmarks/generate_vs_peers.py [--engines penzai_lm,llamacpp-f32,...]
-      [--prompt 128] [--new 128] [--loop-new 8] [--batch 8] [--batch-new N]
+      [--model smollm2-135m-instruct|gemma3-270m] [--prompt 128] [--new 128] [--loop-new 8] [--batch 8] [--batch-new N]
       [--repeats 3] [--rounds 2] [--threads 2] [--agree 32]
       [--omp-wait default|passive|active] [--ceiling] [--json PATH]
 """
@@ -101,6 +107,7 @@ from peers.common import busy_cpu_s
 from peers.common import children_cpu_s
 from peers.common import make_prompts
 from peers.common import MODEL
+from peers.common import MODELS
 from peers.common import summarize
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -288,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                       help="comma-separated subset of " + ",".join(ENGINES))
+  parser.add_argument("--model", choices=MODELS, default=MODEL,
+                      help="the model (its own GGUF file for penzai_lm-keep"
+                      " and llamacpp-file; the make_ggufs.py variants are"
+                      " SmolLM2's)")
   parser.add_argument("--prompt", type=int, default=128)
   parser.add_argument("--new", type=int, default=128)
   parser.add_argument("--loop-new", type=int, default=8,
@@ -315,8 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def unavailable(engine: str) -> str | None:
+def unavailable(engine: str, model: str = MODEL) -> str | None:
   """Why ``engine`` cannot run here (with how to set it up), or None."""
+  if model != MODEL and engine not in (
+      *penzai_lm_engine.ANY_MODEL, "llamacpp-file", "transformers"):
+    return f"its files are SmolLM2's, and --model is {model}"
   if engine in llamacpp_engine.ENGINES:
     return llamacpp_engine.missing(engine)
   path = penzai_lm_engine.VARIANTS.get(engine, ({},))[0].get("name_or_path")
@@ -330,15 +344,18 @@ def make_jobs(args, engines: list[str]) -> list[tuple[str, dict]]:
   from penzai_lm.fetch import resolve_model_path  # pylint: disable=g-import-not-at-top
   from penzai_lm.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
 
-  tokenizer = Tokenizer.from_gguf(resolve_model_path(MODEL))
-  common = dict(repeats=args.repeats, threads=args.threads)
+  model_path = resolve_model_path(args.model)
+  tokenizer = Tokenizer.from_gguf(model_path)
+  common = dict(repeats=args.repeats, threads=args.threads, model=args.model)
 
   def spec(engine, new, rows):
     out = dict(common, new=new,
                prompts=make_prompts(tokenizer, args.prompt, rows))
     if engine in PENZAI_LM:
       out["load_kwargs"] = penzai_lm_engine.load_kwargs(engine)
-    if engine in llamacpp_engine.ENGINES:
+    if engine == "llamacpp-file":
+      out["gguf"] = str(model_path)
+    elif engine in llamacpp_engine.ENGINES:
       out["gguf"] = llamacpp_engine.gguf_path(engine.split("-", 1)[1])
     return out
 
@@ -361,7 +378,7 @@ def main():
   if unknown:
     parser.error(f"unknown engines {sorted(unknown)}; choose from {ENGINES}")
   for engine in list(engines):
-    why = unavailable(engine)
+    why = unavailable(engine, args.model)
     if why:
       print(f"skipping {engine}: {why}")
       engines.remove(engine)
@@ -369,11 +386,11 @@ def main():
   if args.omp_wait != "default":
     CHILD_ENV["OMP_WAIT_POLICY"] = args.omp_wait
 
-  extra = dict(model=MODEL, engines=engines, prompt_tokens=args.prompt,
+  extra = dict(model=args.model, engines=engines, prompt_tokens=args.prompt,
                repeats=args.repeats, rounds=args.rounds, threads=args.threads,
                child_env=CHILD_ENV,
                cpu_count=os.cpu_count(), loadavg_before=os.getloadavg())
-  print(f"SmolLM2-135M-Instruct, greedy, {args.prompt}-token prompts,"
+  print(f"{args.model}, greedy, {args.prompt}-token prompts,"
         f" {args.rounds} rounds of a warm-up and {args.repeats} timed runs;"
         f" {os.cpu_count()} CPUs; {CHILD_ENV or 'no extra env'}; load average"
         " before: "

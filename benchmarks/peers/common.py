@@ -12,6 +12,8 @@ import resource
 import statistics
 
 MODEL = "smollm2-135m-instruct"
+# --model choices: penzai_lm's named models (both GGUF files from PyPI).
+MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 
 TEXT = (
     "The lighthouse keeper kept a logbook in which every ship, storm and "

@@ -53,7 +53,8 @@ from peers.make_ggufs import VARIANTS
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 VENV_PYTHON = os.path.join(PEERS_DIR, "llamacpp-venv", "bin", "python")
-ENGINES = tuple(f"llamacpp-{v}" for v in VARIANTS)
+# llamacpp-file: the --model's own GGUF file, as penzai_lm fetched it.
+ENGINES = (*(f"llamacpp-{v}" for v in VARIANTS), "llamacpp-file")
 MARKER = "RESULT_JSON: "  # generate_vs_peers.py reads the line with this.
 
 
@@ -64,6 +65,8 @@ def missing(engine: str) -> str | None:
       venv, "lib", "python*", "site-packages", "llama_cpp", "lib", "*"))):
     return (f"no llama.cpp build in {venv}; build it (~10 min) with:"
             " bash benchmarks/peers/setup_llamacpp.sh")
+  if engine == "llamacpp-file":
+    return None
   path = gguf_path(engine.split("-", 1)[1])
   if not os.path.exists(path):
     return (f"no {path}; write it with: python benchmarks/peers/make_ggufs.py")

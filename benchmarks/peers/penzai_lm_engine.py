@@ -27,8 +27,14 @@ VARIANTS = {
                        "llamacpp-q8_0"),
     "penzai_lm-q4_1": (dict(name_or_path=gguf_path("q4_1"), quantize="keep"),
                        "llamacpp-q4_1"),
+    # The model's own file (--model), kept in its blocks: for Gemma 3 270M
+    # the Q4_K_M mix of Q4_K, Q6_K, Q5_0 and Q8_0.
+    "penzai_lm-keep": (dict(quantize="keep"), "llamacpp-file"),
 }
 ENABLED = tuple(VARIANTS)
+# The variants that load the --model file itself (the others read
+# make_ggufs.py's SmolLM2 files).
+ANY_MODEL = ("penzai_lm", "penzai_lm-bf16", "penzai_lm-int8", "penzai_lm-keep")
 
 
 def load_kwargs(engine: str) -> dict:
@@ -53,7 +59,9 @@ def run(spec: dict) -> dict:
   """
   import penzai_lm  # pylint: disable=g-import-not-at-top
 
-  kwargs = spec.get("load_kwargs") or {}
+  kwargs = dict(spec.get("load_kwargs") or {})
+  if "model" in spec:
+    kwargs.setdefault("name_or_path", spec["model"])
   start = time.perf_counter()
   model, _ = penzai_lm.load(**kwargs)
   out = dict(load_s=time.perf_counter() - start, load_kwargs=kwargs)

@@ -43,14 +43,14 @@ class _TokenClock:
     return Stamp()
 
 
-def load_hf(threads: int):
+def load_hf(threads: int, model: str = MODEL):
   """The transformers model (float32) from the same GGUF file."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   from penzai_lm.fetch import resolve_model_path  # pylint: disable=g-import-not-at-top
 
   torch.set_num_threads(threads)
-  path = resolve_model_path(MODEL)
+  path = resolve_model_path(model)
   model = transformers.AutoModelForCausalLM.from_pretrained(
       str(path.parent), gguf_file=path.name, dtype=torch.float32)
   model.eval()
@@ -66,7 +66,7 @@ def run(spec: dict) -> dict:
   import transformers  # pylint: disable=g-import-not-at-top
 
   start = time.perf_counter()
-  model = load_hf(spec["threads"])
+  model = load_hf(spec["threads"], spec.get("model", MODEL))
   out = dict(load_s=time.perf_counter() - start, runs=[])
   prompts, new = spec["prompts"], spec["new"]
   ids = torch.tensor(prompts)
