@@ -8,7 +8,9 @@ wall time of ``penzai_lm.load`` (``load_model`` for the generated model,
 which has no tokenizer), the process's peak RSS (VmHWM, everything
 included: Python, JAX's runtime, the tokenizer; not ``ru_maxrss``, which
 also counts the parent's address space that ``exec`` replaced), the
-parameters' bytes, and the peak over the parameters' bytes. A first row
+parameters' bytes, and the peak over the parameters' bytes. ``--dtypes``
+may name ``keep``: the GGUF models loaded with ``quantize="keep"`` (their
+own blocks, float32 activations). A first row
 gives the fixed cost: ``import penzai_lm`` plus one tiny JAX op.
 
 Then the memory of ``generate_text`` (``--rows`` rows of a 64-token prompt,
@@ -24,7 +26,7 @@ The machine may be shared: ``uptime`` is printed at the start and the end.
 
 Usage:
   python benchmarks/load_and_memory.py [--repeats 3] [--workdir DIR] \
-      [--models smollm2,gemma3,llama1b] [--dtypes float32,bfloat16]
+      [--models smollm2,gemma3,llama1b] [--dtypes float32,bfloat16,keep]
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ if args["what"] == "fixed":
   jax.numpy.zeros(4).block_until_ready()
   params = []
 else:
+  kwargs = dict(dtype=args["dtype"], quantize=args.get("quantize"))
   if args["tokenizer"]:
-    model, _ = penzai_lm.load(args["what"], dtype=args["dtype"])
+    model, _ = penzai_lm.load(args["what"], **kwargs)
   else:
-    model = penzai_lm.load_model(args["what"], dtype=args["dtype"])
+    model = penzai_lm.load_model(args["what"], **kwargs)
   # By label: a tied embedding is one parameter used twice.
   params = {p.label: p for p in pz.select(model).at_instances_of(
       pz.ParameterValue).get_sequence()}.values()
@@ -158,8 +161,12 @@ def load_rows(args, llama_dir: Path | None) -> list[str]:
   for key in args.models:
     what = str(llama_dir) if key == "llama1b" else MODELS[key]
     for dtype in args.dtypes:
-      runs = [child(_LOAD_CHILD, dict(what=what, dtype=dtype,
-                                      tokenizer=key != "llama1b"))
+      if dtype == "keep" and key == "llama1b":
+        continue  # A safetensors checkpoint: no blocks to keep.
+      quantize = "keep" if dtype == "keep" else None
+      runs = [child(_LOAD_CHILD, dict(
+          what=what, dtype="float32" if quantize else dtype,
+          quantize=quantize, tokenizer=key != "llama1b"))
               for _ in range(args.repeats)]
       peak, weights = _median(runs, "peak"), runs[0]["weights"]
       times = [r["load_s"] for r in runs]

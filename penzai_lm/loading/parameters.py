@@ -23,11 +23,17 @@ next one is read. Its conventions:
   layer by layer as the blocks are read and placed when full, so no
   per-layer copies are stacked afterwards. One block's tensors are in
   flight at a time.
+* Tensors named in ``shape_only`` are not read: their parameters hold a
+  ``jax.ShapeDtypeStruct``, for a caller that replaces them right away
+  (``load(..., quantize="keep")`` puts the file's blocks there, so the
+  float weights it would throw away never take memory).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Mapping
+
+import collections
 
 import jax
 import numpy as np
@@ -56,22 +62,38 @@ def place_on_default_device(
   return jax.device_put(array)
 
 
+class _ShapeOnly(np.ndarray):
+  """A tensor that is not read (`shape_only`): zero strides, no data.
+
+  Adapters reshape, slice and transpose it like any array (views keep the
+  class); the parameter made from it holds only its shape.
+  """
+
+
+def _shape_only(shape, dtype) -> _ShapeOnly:
+  return np.broadcast_to(np.zeros((), dtype), shape).view(_ShapeOnly)
+
+
 class _Tensors(Mapping[str, np.ndarray]):
   """A checkpoint's tensors for an adapter, read when looked up.
 
   Every lookup reads (and the caller owns) a new array: vectors as
   ``vector_dtype`` (None: as stored, for eager checkpoints), matrices as
-  ``dtype``.
+  ``dtype``; names in ``shape_only`` give a `_ShapeOnly` array instead.
   """
 
   def __init__(self, source, dtype: np.dtype, vector_dtype,
-               on_read: Callable[[int], Any]):
+               on_read: Callable[[int], Any], shape_only=frozenset()):
     self._source, self._dtype = source, dtype
     self._vector_dtype, self._on_read = vector_dtype, on_read
+    self._shape_only = shape_only
 
   def __getitem__(self, name: str) -> np.ndarray:
     shape = self._source.shapes[name]
     dtype = self._vector_dtype if len(shape) <= 1 else self._dtype
+    if name in self._shape_only:
+      self._on_read(int(np.prod(shape)) * self._dtype.itemsize)
+      return _shape_only(shape, dtype)
     array = self._source.read(name, dtype)
     self._on_read(array.size * self._dtype.itemsize)
     return array
@@ -119,14 +141,19 @@ def _fill_stacks(adapter, config, tensors, dtype, stacks) -> None:
     for key in list(layer):
       data, axes = layer.pop(key)  # Dropped after the copy: one in flight.
       if i == 0:
-        stacks[key] = (aligned_empty((n, *data.shape), dtype), tuple(axes))
+        make = _shape_only if isinstance(data, _ShapeOnly) else aligned_empty
+        stacks[key] = (make((n, *data.shape), dtype), tuple(axes))
       buffer = stacks[key][0]
       if tuple(data.shape) != buffer.shape[1:]:
         raise ValueError(
             f"Block {i}'s {key} has shape {tuple(data.shape)}, block 0's"
             f" {buffer.shape[1:]}: they cannot be stacked."
         )
-      copy_into(buffer[i], data)
+      if isinstance(data, _ShapeOnly) != isinstance(buffer, _ShapeOnly):
+        raise ValueError(f"Block {i}'s {key} is read in some blocks and"
+                         " not in others: it cannot be stacked.")
+      if not isinstance(buffer, _ShapeOnly):
+        copy_into(buffer[i], data)
       del data
 
 
@@ -138,6 +165,7 @@ def stream_parameters(
     adapters: Mapping[str, FamilyAdapter] = ADAPTERS,
     place: Place = place_on_default_device,
     on_read: Callable[[int], Any] = lambda nbytes: None,
+    shape_only: frozenset[str] = frozenset(),
 ) -> list[pz.Parameter]:
   """Parameters for ``build_transformer(config)``, one tensor at a time.
 
@@ -151,9 +179,13 @@ def stream_parameters(
     place: Puts each finished parameter on its device(s).
     on_read: Called with the bytes (in the parameter dtype) of each tensor
       read, e.g. a progress bar's ``update``.
+    shape_only: Tensor (HF) names not to read: their parameters are
+      ``pz.ParameterValue`` s of a ``jax.ShapeDtypeStruct`` of their shape,
+      for the caller to put in place and replace.
 
   Returns:
-    Parameters to bind with ``pz.bind_variables``.
+    Parameters to bind with ``pz.bind_variables`` (and the ``shape_only``
+    placeholders).
   """
   adapter = adapter_for(source.architecture, adapters)
   dtype = np.dtype(config.parameter_dtype)
@@ -161,10 +193,15 @@ def stream_parameters(
     source, vector_dtype = _EagerSource(source), None
   else:
     vector_dtype = np.dtype(np.float32)
-  tensors = _Tensors(source, dtype, vector_dtype, on_read)
+  tensors = _Tensors(source, dtype, vector_dtype, on_read,
+                     frozenset(shape_only))
 
   def make(label, data, axes):
     label, axes = f"{name}/{label}", tuple(axes)
+    if isinstance(data, _ShapeOnly):  # A value (a Parameter would convert
+      return pz.ParameterValue(value=pz.nx.NamedArray(  # it to an array).
+          named_axes=collections.OrderedDict(zip(axes, data.shape)),
+          data_array=jax.ShapeDtypeStruct(data.shape, dtype)), label=label)
     value = place(label, axes, _finished(data, dtype))
     return pz.Parameter(value=pz.nx.wrap(value).tag(*axes), label=label)
 

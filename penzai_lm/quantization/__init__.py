@@ -5,6 +5,8 @@ blocks, and a GGUF file's own blocks (K-quants included), kept quantized in
 from penzai_lm.quantization.formats import FORMATS
 from penzai_lm.quantization.formats import QuantizedWeight
 from penzai_lm.quantization.formats import LAYOUTS
+from penzai_lm.quantization.gguf_formats import kept_tensor_names
 from penzai_lm.quantization.gguf_formats import kept_weights
+from penzai_lm.quantization.layers import QuantizedEmbeddingLookup
 from penzai_lm.quantization.layers import QuantizedLinear
 from penzai_lm.quantization.quantize import quantize

@@ -57,6 +57,27 @@ def _tensor_names(label: str, num_layers: int) -> list[str]:
   return [f"{kind}.weight"]
 
 
+def kept_tensor_names(checkpoint) -> frozenset[str]:
+  """HF names of the tensors `kept_weights` replaces: the quantized
+  projections, and a quantized tied token table (its lookup then reads the
+  kept rows too). The float loader need not read them."""
+  spec = spec_for(checkpoint.architecture)
+  names = {t.name: t for t in checkpoint.gguf_reader.tensors}
+  kinds = set(_KINDS.values())
+  if "output.weight" in names:  # Untied: the token table is only looked up.
+    kinds.discard("token_embd")
+  out = set()
+  for gname, t in names.items():
+    parts = gname.split(".")
+    kind = parts[2] if parts[0] == "blk" and len(parts) > 2 else parts[0]
+    if (kind in kinds and parts[-1] == "weight" and len(t.shape) == 2
+        and t.tensor_type.name not in _FLOAT):
+      hf = hf_tensor_name(spec, gname)
+      if hf is not None:
+        out.add(hf)
+  return frozenset(out)
+
+
 def kept_weights(checkpoint, num_layers: int) -> KeptWeights:
   """The file's own blocks of each projection of a GGUF checkpoint.
 
@@ -101,7 +122,9 @@ def kept_weights(checkpoint, num_layers: int) -> KeptWeights:
                                     *heads)
       raw = read_gguf_blocks(path, t, unpermute_heads=unpermute)
       groups = gguf_blocks.decode(raw, t.tensor_type.name, int(t.shape[0]))
+      del raw
       weights.append(gguf_blocks.to_layout(groups, layout))
+      del groups
     return weights
 
   return kept

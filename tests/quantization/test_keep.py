@@ -150,3 +150,41 @@ def test_gemma3_q4_k_m_keeps_its_k_quants():
   np.testing.assert_array_equal(
       np.asarray(penzai_lm.generate(kept, [ids], **settings).tokens),
       np.asarray(penzai_lm.generate(floats, [ids], **settings).tokens))
+
+
+def test_keep_reads_no_float_weight_it_replaces(mixed_gguf):
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from penzai_lm.checkpoints import open_checkpoint  # pylint: disable=g-import-not-at-top
+  from penzai_lm.loading import config_from_checkpoint  # pylint: disable=g-import-not-at-top
+  from penzai_lm.loading.parameters import stream_parameters  # pylint: disable=g-import-not-at-top
+  from penzai_lm.quantization import kept_tensor_names  # pylint: disable=g-import-not-at-top
+
+  checkpoint = open_checkpoint(mixed_gguf)
+  read = []
+  recording = dataclasses.replace(checkpoint, reader=lambda name, dtype: (
+      read.append(name), checkpoint.reader(name, dtype))[1])
+  skipped = kept_tensor_names(checkpoint)
+  # Every quantized projection and the quantized tied table; F16 up
+  # projections and the norms are read.
+  assert "model.layers.1.self_attn.q_proj.weight" in skipped
+  assert "model.embed_tokens.weight" in skipped
+  assert "model.layers.0.mlp.up_proj.weight" not in skipped
+  params = stream_parameters(recording, config_from_checkpoint(checkpoint),
+                             shape_only=skipped)
+  assert read and not set(read) & skipped
+  unread = [p for p in params if isinstance(p, pz.ParameterValue)]
+  assert unread and all(isinstance(p.value.data_array, jax.ShapeDtypeStruct)
+                        for p in unread)
+
+
+def test_unfrozen_keep_shares_the_tied_tables_variables(mixed_gguf):
+  model = penzai_lm.load_model(mixed_gguf, quantize="keep", freeze=False)
+  (lookup,) = pz.select(model).at_instances_of(
+      penzai_lm.quantization.QuantizedEmbeddingLookup).get_sequence()
+  decode = _kept_layers(model)["transformer/embedder/decode"]
+  assert isinstance(decode.qs, pz.Parameter) and lookup.qs is decode.qs
+  frozen = pz.freeze_params(model)
+  result = penzai_lm.generate(frozen, [[1, 5, 9]], max_new_tokens=3,
+                              temperature=0.0, stop_tokens=[])
+  assert np.asarray(result.tokens).shape == (1, 3)

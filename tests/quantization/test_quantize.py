@@ -13,6 +13,7 @@ from penzai_lm.kernels import ops
 from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import TransformerConfig
 from penzai_lm.model import build_transformer
+from penzai_lm.quantization import QuantizedEmbeddingLookup
 from penzai_lm.quantization import QuantizedLinear
 from penzai_lm.quantization import quantize
 
@@ -37,6 +38,9 @@ def _dequantized_twin(float_model, quantized):
 
   def weights(param):
     layer = by_base.get(param.label.removesuffix(".weights"))
+    if param.label.endswith(".embeddings"):  # The tied table: its lookup
+      layer = by_base.get(  # reads the quantized rows too.
+          param.label.removesuffix(".embeddings") + "/decode")
     if layer is None:
       return param
     stack = [a for a in layer.qs.value.named_shape
@@ -56,7 +60,6 @@ def _dequantized_twin(float_model, quantized):
     return pz.ParameterValue(value=value, label=param.label)
 
   def decode(layer):
-    # The lookup keeps the float table; only the product is quantized.
     quantized = by_base[
         layer.table.embeddings.label.removesuffix(".embeddings") + "/decode"]
     return pz.nn.Linear(
@@ -88,6 +91,11 @@ def test_quantized_equals_dequantize_then_run(fmt, family):
       lambda l: l.in_axis_names).count()
   assert pz.select(q).at_instances_of(QuantizedLinear).count() == (
       n_linear + (family == "gemma3"))
+  # A tied table is looked up from its quantized rows: no float copy.
+  assert pz.select(q).at_instances_of(pz.nn.EmbeddingLookup).count() == (
+      family != "gemma3")
+  assert pz.select(q).at_instances_of(QuantizedEmbeddingLookup).count() == (
+      family == "gemma3")
   want, _ = _logits(_dequantized_twin(model, q), 2, 9)
   got, _ = _logits(q, 2, 9)  # 18 rows: dequantized inside the program
   scale = np.abs(want).max()
