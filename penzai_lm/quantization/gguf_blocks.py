@@ -62,8 +62,7 @@ class Groups:
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
-  """float16 values stored little-endian in the last axis (2 bytes each)
-  of ``raw``, as float32 with that axis dropped when it is one value."""
+  """The little-endian float16 at each row's 2 bytes, as float32 ``[B]``."""
   out = np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
   return out[..., 0] if out.shape[-1] == 1 else out
 
@@ -90,70 +89,98 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def _decode_blocks(b: np.ndarray, kind: str):
-  """``(q [B, n], d [B, g], m [B, g] | None, group)`` of ``B`` blocks."""
-  if kind == "Q8_0":
-    return b[:, 2:].view(np.int8), _f16(b[:, 0:2])[:, None], None, 32
-  if kind in ("Q4_0", "Q4_1"):
-    start = 2 if kind == "Q4_0" else 4
-    q = _nibbles(b[:, start:], 32).astype(np.int8)
-    d = _f16(b[:, 0:2])[:, None]
-    if kind == "Q4_0":
-      return q - 8, d, None, 32
-    return q, d, _f16(b[:, 2:4])[:, None], 32
-  if kind in ("Q5_0", "Q5_1"):
-    start = 2 if kind == "Q5_0" else 4
-    high = _high_bits(b[:, start:start + 4], 32)
-    q = (_nibbles(b[:, start + 4:], 32) | (high << 4)).astype(np.int8)
-    d = _f16(b[:, 0:2])[:, None]
-    if kind == "Q5_0":
-      return q - 16, d, None, 32
-    return q, d, _f16(b[:, 2:4])[:, None], 32
-  if kind in ("Q4_K", "Q5_K"):
-    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-    sc, mn = _k_scales(b[:, 4:16])
-    if kind == "Q4_K":
-      q = _nibbles(b[:, 16:], 64)
-    else:
-      high = _high_bits(b[:, 16:48], 8 * 32).reshape(-1, 32, 8)
-      high = high.transpose(0, 2, 1).reshape(-1, QK_K)
-      q = _nibbles(b[:, 48:], 64) | (high << 4)
-    return q.astype(np.int8), d * sc, -(dmin * mn), 32
-  if kind == "Q6_K":
-    ql, qh = b[:, 0:128], b[:, 128:192]
-    scales = b[:, 192:208].view(np.int8).astype(np.float32)
-    low = _nibbles(ql, 128)  # halves of 128 values: 64 low, 64 high nibbles
-    high = qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8
-                                                 ).reshape(1, 1, 4, 1)
-    high = (high & 3).reshape(-1, 2, 128)
-    q = (low.reshape(-1, 2, 128) | (high << 4)).reshape(-1, QK_K)
-    return (q.astype(np.int8) - 32), _f16(b[:, 208:210])[:, None] * scales, \
-        None, 16
-  if kind == "Q2_K":
-    scales, qs = b[:, 0:16], b[:, 16:80]
-    d, dmin = _f16(b[:, 80:82])[:, None], _f16(b[:, 82:84])[:, None]
-    q = qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8
-                                              ).reshape(1, 1, 4, 1)
-    q = (q & 3).reshape(-1, QK_K).astype(np.int8)
-    return (q, d * (scales & 0xF).astype(np.float32),
-            -(dmin * (scales >> 4).astype(np.float32)), 16)
-  if kind == "Q3_K":
-    hmask, qs, packed = b[:, 0:32], b[:, 32:96], b[:, 96:108]
-    d = _f16(b[:, 108:110])[:, None]
-    low = (packed[:, 0:8, None] >> np.array([0, 4], np.uint8)).transpose(
-        0, 2, 1).reshape(-1, 16)
-    high = (packed[:, 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)
-            ).transpose(0, 2, 1).reshape(-1, 16)
-    sc = ((low & 0x0F) | ((high & 3) << 4)).astype(np.int8) - 32
-    ql = qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8
-                                               ).reshape(1, 1, 4, 1)
-    ql = (ql & 3).reshape(-1, QK_K)
-    qh = (hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8
-                                                ).reshape(1, 8, 1)) & 1
-    qh = qh.reshape(-1, QK_K) ^ 1
-    q = ql.astype(np.int8) - (qh << 2).astype(np.int8)
-    return q, d * sc.astype(np.float32), None, 16
-  raise ValueError(f"no decoder for llama.cpp type {kind}")
+# Each decoder takes B blocks (uint8 [B, block bytes]) and returns
+# (q [B, values], d [B, groups], m [B, groups] or None, group size).
+
+
+def _q8_0(b):
+  return b[:, 2:].view(np.int8), _f16(b[:, 0:2])[:, None], None, 32
+
+
+def _q4_0(b):
+  return (_nibbles(b[:, 2:], 32).astype(np.int8) - 8,
+          _f16(b[:, 0:2])[:, None], None, 32)
+
+
+def _q4_1(b):
+  return (_nibbles(b[:, 4:], 32).astype(np.int8), _f16(b[:, 0:2])[:, None],
+          _f16(b[:, 2:4])[:, None], 32)
+
+
+def _five_bits(b, start):
+  """Q5_0/Q5_1 values: 32 high bits at ``start``, then the nibbles."""
+  high = _high_bits(b[:, start:start + 4], 32)
+  return (_nibbles(b[:, start + 4:], 32) | (high << 4)).astype(np.int8)
+
+
+def _q5_0(b):
+  return _five_bits(b, 2) - 16, _f16(b[:, 0:2])[:, None], None, 32
+
+
+def _q5_1(b):
+  return (_five_bits(b, 4), _f16(b[:, 0:2])[:, None],
+          _f16(b[:, 2:4])[:, None], 32)
+
+
+def _q4_k(b):
+  d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+  sc, mn = _k_scales(b[:, 4:16])
+  return _nibbles(b[:, 16:], 64).astype(np.int8), d * sc, -(dmin * mn), 32
+
+
+def _q5_k(b):
+  d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+  sc, mn = _k_scales(b[:, 4:16])
+  # Bit j of high byte l is the fifth bit of value l of sub-block j.
+  high = _high_bits(b[:, 16:48], 8 * 32).reshape(-1, 32, 8)
+  high = high.transpose(0, 2, 1).reshape(-1, QK_K)
+  q = _nibbles(b[:, 48:], 64) | (high << 4)
+  return q.astype(np.int8), d * sc, -(dmin * mn), 32
+
+
+def _crumbs(qs):
+  """2-bit fields: of each 32 bytes, the 4 shifts give 4 runs of 32."""
+  q = qs.reshape(-1, qs.shape[1] // 32, 1, 32) >> np.array(
+      [0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+  return (q & 3).reshape(qs.shape[0], -1)
+
+
+def _q6_k(b):
+  low = _nibbles(b[:, 0:128], 128)  # halves of 128: 64 low, 64 high nibbles
+  q = (low | (_crumbs(b[:, 128:192]) << 4)).astype(np.int8) - 32
+  scales = b[:, 192:208].view(np.int8).astype(np.float32)
+  return q, _f16(b[:, 208:210])[:, None] * scales, None, 16
+
+
+def _q2_k(b):
+  scales = b[:, 0:16]
+  d, dmin = _f16(b[:, 80:82])[:, None], _f16(b[:, 82:84])[:, None]
+  return (_crumbs(b[:, 16:80]).astype(np.int8),
+          d * (scales & 0xF).astype(np.float32),
+          -(dmin * (scales >> 4).astype(np.float32)), 16)
+
+
+def _q3_k(b):
+  hmask, packed = b[:, 0:32], b[:, 96:108]
+  # 16 six-bit scales: low nibbles in bytes 0-7, high crumbs in 8-11.
+  low = (packed[:, 0:8, None] >> np.array([0, 4], np.uint8)).transpose(
+      0, 2, 1).reshape(-1, 16)
+  high = (packed[:, 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)
+          ).transpose(0, 2, 1).reshape(-1, 16)
+  sc = ((low & 0x0F) | ((high & 3) << 4)).astype(np.int8) - 32
+  # A value's third bit is in hmask; a clear bit means -4.
+  qh = (hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8
+                                              ).reshape(1, 8, 1)) & 1
+  q = (_crumbs(b[:, 32:96]).astype(np.int8)
+       - ((qh.reshape(-1, QK_K) ^ 1) << 2).astype(np.int8))
+  return q, _f16(b[:, 108:110])[:, None] * sc.astype(np.float32), None, 16
+
+
+_DECODERS = {
+    "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0,
+    "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k,
+    "Q5_K": _q5_k, "Q6_K": _q6_k,
+}
 
 
 def block_shape(kind: str) -> tuple[int, int]:
@@ -177,7 +204,10 @@ def decode(raw: np.ndarray, kind: str, k: int) -> Groups:
     raise ValueError(f"{kind} rows of {k} values take {k // values * nbytes}"
                      f" bytes in blocks of {values}; got {raw.shape[1]}.")
   blocks = np.ascontiguousarray(raw).reshape(-1, nbytes)
-  q, d, m, group = _decode_blocks(blocks, kind)
+  if kind not in _DECODERS:
+    raise ValueError(f"no decoder for llama.cpp type {kind}; kept types:"
+                     f" {', '.join(KEPT_TYPES)}.")
+  q, d, m, group = _DECODERS[kind](blocks)
   return Groups(q=np.ascontiguousarray(q).reshape(n, k),
                 d=np.ascontiguousarray(d, np.float32).reshape(n, -1),
                 m=None if m is None else np.ascontiguousarray(
