@@ -57,12 +57,24 @@ def _tensor_names(label: str, num_layers: int) -> list[str]:
   return [f"{kind}.weight"]
 
 
+def _gguf_tensors(checkpoint) -> dict:
+  """GGUF name -> tensor of a GGUF checkpoint; a clear error otherwise."""
+  reader = getattr(checkpoint, "gguf_reader", None)
+  if reader is None:
+    raise ValueError(
+        f"quantize='keep' keeps a GGUF file's blocks, and"
+        f" {getattr(checkpoint, 'source', checkpoint)!r} is not an opened"
+        " GGUF checkpoint (penzai_lm.checkpoints.open_checkpoint of a .gguf"
+        " file); use quantize='int8'.")
+  return {t.name: t for t in reader.tensors}
+
+
 def kept_tensor_names(checkpoint) -> frozenset[str]:
   """HF names of the tensors `kept_weights` replaces: the quantized
   projections, and a quantized tied token table (its lookup then reads the
   kept rows too). The float loader need not read them."""
+  names = _gguf_tensors(checkpoint)
   spec = spec_for(checkpoint.architecture)
-  names = {t.name: t for t in checkpoint.gguf_reader.tensors}
   kinds = set(_KINDS.values())
   if "output.weight" in names:  # Untied: the token table is only looked up.
     kinds.discard("token_embd")
@@ -92,11 +104,11 @@ def kept_weights(checkpoint, num_layers: int) -> KeptWeights:
     layout here (``KEPT_TYPES``), or float and quantized layers in one
     stack.
   """
+  tensors = _gguf_tensors(checkpoint)
   path = Path(checkpoint.source)
   spec = spec_for(checkpoint.architecture)
   heads = (checkpoint.config["num_attention_heads"],
            checkpoint.config["num_key_value_heads"])
-  tensors = {t.name: t for t in checkpoint.gguf_reader.tensors}
 
   def kept(label: str) -> list[QuantizedWeight] | None:
     names = _tensor_names(label, num_layers)

@@ -188,3 +188,13 @@ def test_unfrozen_keep_shares_the_tied_tables_variables(mixed_gguf):
   result = penzai_lm.generate(frozen, [[1, 5, 9]], max_new_tokens=3,
                               temperature=0.0, stop_tokens=[])
   assert np.asarray(result.tokens).shape == (1, 3)
+
+
+def test_keep_of_a_checkpoint_that_is_not_gguf_is_a_clear_error(tmp_path):
+  from penzai_lm.quantization import kept_weights  # pylint: disable=g-import-not-at-top
+
+  class NotGguf:
+    source, gguf_reader = str(tmp_path / "model"), None
+
+  with pytest.raises(ValueError, match="not an opened GGUF checkpoint"):
+    kept_weights(NotGguf(), 2)
