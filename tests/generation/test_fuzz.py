@@ -21,6 +21,7 @@ only when their compiled shapes are among the few the properties use
 import functools
 import math
 import os
+import re
 import threading
 import traceback
 
@@ -54,6 +55,11 @@ _FUZZ = hypothesis.settings(
     deadline=None, derandomize=True, database=None, print_blob=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                            HealthCheck.filter_too_much])
+
+
+def _sizes_masked(message: str) -> str:
+  """``message`` with byte sizes ("8.73 GiB") replaced by one token."""
+  return re.sub(r"\d+(?:\.\d+)? (?:[KMGTP]i)?B\b", "<size>", message)
 
 
 def fuzz(max_examples: int) -> hypothesis.settings:
@@ -432,7 +438,9 @@ def check_request(m, prompts, options, extra, fuzzed) -> str:
       # generate() validates the same way, with the same message.
       _, error2 = call(generate, m, prompts, engine=engine(), **options)
       assert error2 is not None and type(error2) is type(error)
-      assert str(error2) == str(error)
+      # The same text; a memory error names the free memory, measured anew
+      # by each call (8.73 GiB, then 8.76 GiB: a red CI run).
+      assert _sizes_masked(str(error2)) == _sizes_masked(str(error))
     return "rejected"
   with s:
     if not _runnable(s) or m is not model():
