@@ -13,14 +13,21 @@ may name ``keep``: the GGUF models loaded with ``quantize="keep"`` (their
 own blocks, float32 activations). A first row
 gives the fixed cost: ``import penzai_lm`` plus one tiny JAX op.
 
-Then the memory of ``generate_text`` (``--rows`` rows of a 64-token prompt,
-``--new`` new tokens, so a KV cache of the planner's bucketed shape) for the
-two GGUF models: device memory from ``jax.devices()[0].memory_stats()``
-where the backend has it; on CPU it returns None, and the script measures
-host RSS instead (the device is the host): RSS after the load minus before
-it (weights), the KV cache's bytes (computed from its shape), and the peak
-RSS above the post-load level during a first call (compiles) and a second
-(warm) call, the peak reset in between (``/proc/self/clear_refs``).
+Then the memory of greedy ``generate`` (``--rows`` rows of a 64-token
+prompt, ``--new`` new tokens, so a KV cache of the planner's bucketed shape)
+for the two GGUF models: device memory from
+``jax.devices()[0].memory_stats()`` where the backend has it; on CPU it
+returns None, and the script measures host RSS instead (the device is the
+host): RSS after the load minus before it (weights), the KV cache's bytes
+(computed from its shape), and the peak RSS above the post-load level during
+a first call (compiles) and a second (warm) call, the peak reset in between
+(``/proc/self/clear_refs``). The process's peak RSS is then set against what
+it needs: the weights, the KV cache and a fixed cost, the peak of a
+"narrow twin" process that runs the same request on the same architecture
+(every layer, head and feature, the same tokenizer) at tiny widths, so that
+it compiles and runs the same programs with almost no weights. What XLA
+takes to compile a generation program does not grow with the weights:
+SmolLM2's two programs take ~0.3 GB while they compile.
 
 The machine may be shared: ``uptime`` is printed at the start and the end.
 
@@ -79,12 +86,16 @@ print(json.dumps(dict(
 """
 
 _GENERATE_CHILD = r"""
-import json, sys
+import dataclasses, json, sys
 args = json.loads(sys.argv[1])
-import jax
+import jax, jax.numpy as jnp
 import penzai_lm
 from penzai import pz
+from penzai_lm.checkpoints import open_checkpoint
+from penzai_lm.fetch import resolve_model_path
 from penzai_lm.generation import shapes
+from penzai_lm.loading.config_mapping import config_from_checkpoint
+from penzai_lm.model import build_transformer
 from penzai_lm.model import memory
 sys.path.insert(0, args["benchmarks"])
 from peers.common import make_prompts
@@ -102,13 +113,28 @@ def device_bytes():
   stats = device.memory_stats()
   return None if not stats else stats.get("bytes_in_use")
 
+path = resolve_model_path(args["model"])
+tokenizer = penzai_lm.Tokenizer.from_gguf(path) if args["narrow"] else None
 before, dev_before = status("VmRSS:"), device_bytes()
-model, tokenizer = penzai_lm.load(args["model"], dtype=args["dtype"])
+if args["narrow"]:
+  # The same programs but for the widths: every layer, head and feature of
+  # the model, 64-wide embeddings, a 512-token vocabulary, random weights.
+  config = config_from_checkpoint(
+      open_checkpoint(path), dtype=jnp.dtype(args["dtype"]))
+  config = dataclasses.replace(
+      config, hidden_size=64, head_dim=8, mlp_hidden_size=128,
+      vocab_size=512, bos_token_id=None, eos_token_ids=(),
+      pad_token_id=None, sliding_window=config.sliding_window and 8)
+  model = build_transformer(config, seed=0)
+else:
+  model, tokenizer = penzai_lm.load(args["model"], dtype=args["dtype"])
 params = {p.label: p for p in pz.select(model).at_instances_of(
     pz.ParameterValue).get_sequence()}.values()  # tied: one entry
 jax.block_until_ready([p.value.data_array for p in params])
 loaded, dev_loaded = status("VmRSS:"), device_bytes()
-prompts = make_prompts(tokenizer, 64, args["rows"])
+vocab = model.config.vocab_size
+prompts = [[t % vocab for t in row]
+           for row in make_prompts(tokenizer, 64, args["rows"])]
 rows = shapes.next_power_of_two(args["rows"])
 cache_len = shapes.bucket(64 + args["new"] - 1)
 out = dict(
@@ -119,14 +145,17 @@ out = dict(
     kv_cache_bytes=memory.kv_cache_bytes(model.config, rows, cache_len),
     rows=rows, cache_len=cache_len)
 for call in ("first", "warm"):
+  if call == "warm":
+    out["process_peak"] = status("VmHWM:")
   reset_peak()
-  penzai_lm.generate_text(model, tokenizer, prompts, max_new_tokens=args["new"],
-                          temperature=0.0, stop_tokens=[])
+  penzai_lm.generate(model, prompts, max_new_tokens=args["new"],
+                     temperature=0.0, stop_tokens=[])
   if dev_before is not None:
     out[call + "_peak_above_loaded"] = (
         device.memory_stats()["peak_bytes_in_use"] - dev_loaded)
   else:
     out[call + "_peak_above_loaded"] = status("VmHWM:") - loaded
+out["process_peak"] = max(out["process_peak"], status("VmHWM:"))
 print(json.dumps(out))
 """
 
@@ -181,15 +210,25 @@ def generate_rows(args) -> list[str]:
   rows = []
   for key in [k for k in args.models if k != "llama1b"]:
     for dtype in args.dtypes:
-      r = child(_GENERATE_CHILD, dict(
-          model=MODELS[key], dtype=dtype, rows=args.rows, new=args.new,
-          benchmarks=str(ROOT / "benchmarks")))
+      if dtype == "keep":
+        continue
+      spec = dict(model=MODELS[key], dtype=dtype, rows=args.rows,
+                  new=args.new, benchmarks=str(ROOT / "benchmarks"))
+      r = child(_GENERATE_CHILD, dict(spec, narrow=False))
+      fixed = child(_GENERATE_CHILD, dict(spec, narrow=True))
+      # What the process needs: the weights and the KV cache, plus what the
+      # narrow twin's whole process took (import, tokenizer, compiling and
+      # running the same programs).
+      needed = (r["weights_bytes"] + r["kv_cache_bytes"]
+                + fixed["process_peak"])
       rows.append(
           f"| {key} | {dtype} | {r['measured']} | {gb(r['weights_bytes'])} |"
           f" {gb(r['weights_measured'])} | {r['kv_cache_bytes'] / 1e6:.1f}"
           f" ({r['rows']}x{r['cache_len']}) |"
           f" {gb(r['first_peak_above_loaded'])} |"
-          f" {gb(r['warm_peak_above_loaded'])} |")
+          f" {gb(r['warm_peak_above_loaded'])} | {gb(r['process_peak'])} |"
+          f" {gb(fixed['process_peak'])} |"
+          f" {r['process_peak'] / needed:.2f} |")
       print(rows[-1], flush=True)
   return rows
 
@@ -229,12 +268,13 @@ def main():
   print("|---|---|---|---|---|---|")
   print("\n".join(load))
   if not args.skip_generate:
-    print(f"\ngenerate_text: {args.rows} rows x 64-token prompt,"
+    print(f"\ngenerate: {args.rows} rows x 64-token prompt,"
           f" {args.new} new tokens, greedy\n")
     print("| model | dtype | measured | weights GB | weights measured GB |"
           " KV cache MB (rows x slots) | peak above loaded, 1st call GB |"
-          " warm call GB |")
-    print("|---|---|---|---|---|---|---|---|")
+          " warm call GB | process peak GB | fixed cost GB (narrow twin) |"
+          " peak / (weights + KV + fixed) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(generate_rows(args)))
   print("\nend:", uptime())
 
