@@ -15,6 +15,14 @@ Conventions:
   a mesh axis does not divide is an error, never silently replicated.
   `parameter_sharding` is the same rule for one array (for loaders that place
   each tensor as they read it).
+* A quantized projection (`penzai_lm.quantization.QuantizedLinear`) keeps
+  its output axes flattened into ``quant_out`` and its input axes into
+  ``quant_in`` (values) and ``quant_groups`` (scale groups). Each flattened
+  axis splits as the layer's leading output / input axis does (a query
+  projection's ``quant_out`` over ``head_groups``, an MLP down projection's
+  ``quant_in`` over ``neurons``), which cuts it into contiguous runs of
+  whole rows and whole scale groups; a rule that splits a later axis of
+  the flattened ones, or scale groups that do not divide, is an error.
 * Programs run SPMD with automatic propagation: meshes are used with
   ``AxisType.Auto`` axes (``jax.make_mesh`` makes ``Explicit`` ones, whose
   sharding-in-types would reject the model's contractions over sharded
@@ -38,6 +46,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from penzai import pz
+
+from penzai_lm.quantization.layers import QuantizedLinear
 
 MeshAxes = Union[str, tuple[str, ...], None]
 """Mesh axes of one rule: a name, several (split over their product), or
@@ -283,6 +293,69 @@ def state_sharding(array: Any, mesh: jax.sharding.Mesh,
   return NamedSharding(mesh, spec)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Flattened:
+  """The axes a quantized weight's arrays flatten (see the module
+  docstring): ``(name, size)`` of the layer's output and input axes, and
+  its number of scale groups along the input."""
+
+  out_axes: tuple[tuple[str, int], ...]
+  in_axes: tuple[tuple[str, int], ...]
+  groups: int
+
+
+def _flattened(model) -> dict[str, _Flattened]:
+  """By parameter label, the axes of every quantized weight's arrays."""
+  found = {}
+  for layer in (pz.select(model).at_instances_of(QuantizedLinear)
+                .get_sequence()):
+    groups = layer.scale.value.named_shape["quant_groups"]
+    for part in (layer.qs, layer.scale, layer.mins):
+      if part is not None:
+        found[part.label] = _Flattened(layer.out_axes, layer.in_axes, groups)
+  return found
+
+
+def _unflattened_axes(value, flat: _Flattened, mesh, rules: ShardingRules,
+                      label: str) -> tuple[list, list]:
+  """Names and sizes of a quantized array's dimensions as `_spec` checks
+  them: each flattened axis as the model axis it splits like."""
+  sizes = dict(mesh.shape)
+
+  def ways(name):
+    n = 1
+    for a in rules.mesh_axes(name):
+      n *= sizes[a]
+    return n
+
+  for kind, axes in (("output", flat.out_axes), ("input", flat.in_axes)):
+    for name, _ in axes[1:]:
+      if ways(name) > 1:
+        raise ValueError(
+            f"cannot shard {label}: a quantized layer keeps its {kind} axes"
+            f" {[a for a, _ in axes]} as one flattened axis, which splits"
+            f" only along {axes[0][0]!r}, not {name!r}. Keep {name!r} whole"
+            f" (rules={{{name!r}: None}}), or shard the float model.")
+  (out_name, out_size), (in_name, in_size) = flat.out_axes[0], flat.in_axes[0]
+  if flat.groups > 1 and flat.groups % ways(in_name):
+    raise ValueError(
+        f"cannot shard {label}: its {flat.groups} scale groups along"
+        f" {in_name!r} do not divide over {ways(in_name)} devices. Use a"
+        f" mesh whose axes divide them, or keep {in_name!r} whole (rules="
+        f"{{{in_name!r}: None}}).")
+  names, shape = [], []
+  for name, size in zip(_data_axes(value), value.data_array.shape):
+    if name == "quant_out":
+      name, size = out_name, out_size
+    elif name == "quant_in" or (name == "quant_groups" and flat.groups > 1):
+      name, size = in_name, in_size
+    elif name == "quant_groups":  # One scale per row: never split.
+      name = None
+    names.append(name)
+    shape.append(size)
+  return names, shape
+
+
 def _parameters(model) -> list:
   return (pz.select(model)
           .at_instances_of((pz.Parameter, pz.ParameterValue))
@@ -321,16 +394,24 @@ def shard(model, mesh: jax.sharding.Mesh,
     raise ValueError(
         "the model has no parameters to shard (unbound slots? load or build"
         " it with weights first).")
+  flattened = _flattened(model)
   model_axes = frozenset(
       name for p in parameters if isinstance(p.value, pz.nx.NamedArrayBase)
-      for name in p.value.named_shape)
+      for name in p.value.named_shape) | frozenset(
+          name for flat in flattened.values()
+          for name, _ in flat.out_axes + flat.in_axes)
   rules = resolve_rules(rules, mesh, model_axes=model_axes)
 
   def put(value, label):
     if isinstance(value, pz.nx.NamedArrayBase):
-      sharding = NamedSharding(mesh, _spec(
-          _data_axes(value), value.data_array.shape, mesh, rules,
-          strict=True, label=f"parameter {label!r}"))
+      where = f"parameter {label!r}"
+      if label in flattened:
+        axes, shape = _unflattened_axes(value, flattened[label], mesh, rules,
+                                        where)
+      else:
+        axes, shape = _data_axes(value), value.data_array.shape
+      sharding = NamedSharding(mesh, _spec(axes, shape, mesh, rules,
+                                           strict=True, label=where))
     else:
       sharding = NamedSharding(mesh, PartitionSpec())
     return jax.device_put(value, sharding)
@@ -371,15 +452,25 @@ def model_sharding(model) -> ModelSharding | None:
     ValueError: if its arrays are on different meshes.
   """
   meshes, found, mixed = set(), {}, set()
-  for x in pz.select(model).at_instances_of(pz.nx.NamedArrayBase
-                                            ).get_sequence():
+  # A quantized weight's flattened axes count as the axes they split like.
+  leading = {}
+  for label, flat in _flattened(model).items():
+    groups = flat.in_axes[0][0] if flat.groups > 1 else None
+    leading[label] = dict(quant_out=flat.out_axes[0][0],
+                          quant_in=flat.in_axes[0][0], quant_groups=groups)
+  arrays = [(x, leading.get(p.label, {})) for p in _parameters(model)
+            if isinstance(x := p.value, pz.nx.NamedArrayBase)]
+  arrays += [(x, {}) for x in pz.select(model).at_instances_of(
+      pz.nx.NamedArrayBase).get_sequence()]
+  for x, names in arrays:
     sharding = getattr(x.data_array, "sharding", None)
     if not isinstance(sharding, NamedSharding):
       continue
     meshes.add(sharding.mesh)
     spec = tuple(sharding.spec) + (None,) * len(x.data_array.shape)
     for name, entry in zip(_data_axes(x), spec):
-      if name is not None:
+      name = names.get(name, name)
+      if name is not None and not name.startswith("quant_"):
         axes = _mesh_axes(entry, name)
         if found.setdefault(name, axes) != axes:
           mixed.add(name)

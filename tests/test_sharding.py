@@ -32,6 +32,12 @@ CONFIG = TransformerConfig(
     family="llama", vocab_size=128, hidden_size=32, num_layers=1,
     num_heads=16, num_kv_heads=8, head_dim=4, mlp_hidden_size=64,
     eos_token_ids=(2,))
+# Quantized: every contracted size a multiple of 32 blocks per device
+# (attention output: 256 values = 8 blocks; MLP down: 256), a tied table.
+QUANTIZED_CONFIG = TransformerConfig(
+    family="llama", vocab_size=128, hidden_size=64, num_layers=2,
+    num_heads=16, num_kv_heads=8, head_dim=16, mlp_hidden_size=256,
+    eos_token_ids=(2,), tie_embeddings=True)
 MESHES = {"2x4": (2, 4), "8x1": (8, 1)}
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 GREEDY = dict(temperature=0.0, stop_tokens=[])
@@ -98,6 +104,43 @@ def mesh_checks() -> dict:
   except ValueError as e:
     out["not_dividing"] = str(e)
   out["load"] = _load_checks(jax.make_mesh(MESHES["2x4"], ("data", "model")))
+  out["quantized"] = _quantized_checks(engine)
+  return out
+
+
+def _quantized_checks(engine) -> dict:
+  """Quantized models (4-bit blocks, a tied table looked up from them) on
+  each mesh against one device, and the errors of splits they cannot
+  take."""
+  model = penzai_lm.quantize(
+      penzai_lm.build_transformer(QUANTIZED_CONFIG, seed=2), "q4_1")
+  tokens = pz.nx.wrap(np.asarray([PROMPTS[0] + PROMPTS[1]], np.int32)).tag(
+      "batch", "seq")
+  forward = jax.jit(lambda m, t: m(t).unwrap("batch", "seq", "vocabulary"))
+
+  def run(m):
+    result = engine.generate(m, PROMPTS, max_new_tokens=6, **GREEDY)
+    return dict(logits=np.asarray(forward(m, tokens)).tolist(),
+                tokens=result.tokens, logprobs=result.logprobs)
+
+  out = {"single": run(model)}
+  for name, shape in MESHES.items():
+    sharded = penzai_lm.shard(model, jax.make_mesh(shape, ("data", "model")))
+    out[name] = run(sharded)
+    out[name]["specs"] = {
+        p.label.split("/", 1)[1]: list(p.value.data_array.sharding.spec)
+        for p in pz.select(sharded).at_instances_of(pz.ParameterValue)
+        .get_sequence()}
+  mesh = jax.make_mesh(MESHES["2x4"], ("data", "model"))
+  errors = {}
+  for key, rules in (("later_axis", {"projection": "model"}),
+                     ("groups", {"embedding": "model",
+                                 "vocabulary": None})):
+    try:
+      penzai_lm.shard(model, mesh, rules)
+    except ValueError as e:
+      errors[key] = str(e)
+  out["errors"] = errors
   return out
 
 
@@ -113,8 +156,16 @@ def _load_checks(mesh) -> dict:
         vocab_size=128, hidden_size=32, intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4),
         kind="F32", shards=1)
-    direct = penzai_lm.load_model(path, mesh=mesh)
-    after = penzai_lm.shard(penzai_lm.load_model(path), mesh)
+    out = {}
+    for quantize in (None, "int8"):
+      direct = penzai_lm.load_model(path, mesh=mesh, quantize=quantize)
+      after = penzai_lm.shard(penzai_lm.load_model(path, quantize=quantize),
+                              mesh)
+      out[str(quantize)] = _compare_placed(direct, after)
+  return out
+
+
+def _compare_placed(direct, after) -> dict:
   values = lambda m: (pz.select(m).at_instances_of(pz.ParameterValue)  # noqa: E731
                       .get_sequence())
   pairs = list(zip(values(direct), values(after)))
@@ -184,11 +235,38 @@ def test_a_mesh_axis_that_does_not_divide_is_named(results):
   assert "rules={'vocabulary': None}" in message
 
 
-def test_load_places_each_tensor_on_its_shards(results):
-  load = results["load"]
+@pytest.mark.parametrize("quantize", ["None", "int8"])
+def test_load_places_each_tensor_on_its_shards(results, quantize):
+  load = results["load"][quantize]
   assert load["count"] > 0 and load["same_labels"] and load["same_shardings"]
   assert load["split"] > 0  # Some weights are split, not all replicated.
   assert load["max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_quantized_models_shard_and_generate_as_on_one_device(results, mesh):
+  single, sharded = results["quantized"]["single"], results["quantized"][mesh]
+  assert sharded["tokens"] == single["tokens"]
+  assert _max_diff(sharded["logits"], single["logits"]) < 1e-5
+  assert _max_diff(sharded["logprobs"], single["logprobs"]) < 1e-5
+  # Outputs split like their leading axis, inputs (and their scale groups)
+  # like theirs; the tied table's rows over the vocabulary.
+  specs = sharded["specs"]
+  assert specs["blocks/attention/query.qs"][:2] == [None, "model"]
+  assert specs["blocks/attention/output.qs"] == [None, None, "model"]
+  assert specs["blocks/attention/output.scale"] == [None, None, "model"]
+  assert specs["blocks/mlp/out_linear.qs"] == [None, None, "model"]
+  assert specs["embedder/decode.qs"] == ["model", None]
+
+
+def test_quantized_splits_that_cannot_be_made_are_named(results):
+  errors = results["quantized"]["errors"]
+  assert "'transformer/blocks/attention/query.qs'" in errors["later_axis"]
+  assert "splits only along 'head_groups', not 'projection'" in errors[
+      "later_axis"]
+  # The tied table's 64 embedding values are 2 blocks: not 4 devices' worth.
+  assert "2 scale groups along 'embedding' do not divide over 4 devices" in (
+      errors["groups"])
 
 
 def test_load_checks_mesh_and_rules_before_reading(tmp_path):

@@ -67,8 +67,7 @@ def load_model(
   return _load(
       name_or_path, dtype, use_layer_stack, specs, adapters,
       with_tokenizer=False, freeze=freeze, progress=progress,
-      place=_placement(mesh, rules), quantize=_check_quantize(
-          quantize, mesh),
+      mesh=mesh, rules=rules, quantize=_check_quantize(quantize),
   )[0]
 
 
@@ -111,7 +110,9 @@ def load(
       the ``PENZAI_LM_PROGRESS`` environment variable says "0" or "1".
     mesh: A ``jax.sharding.Mesh`` to shard the model over: each tensor goes
       straight to its shards as it is read (no whole copy on one device);
-      the result equals ``penzai_lm.shard(load(...), mesh, rules)``.
+      the result equals ``penzai_lm.shard(load(...), mesh, rules)``. With
+      ``quantize``, the quantized arrays are made on the host, then placed
+      on their shards.
     rules: With ``mesh``: the axis rules (`penzai_lm.sharding.resolve_rules`;
       None for `penzai_lm.sharding.DEFAULT_RULES`).
     quantize: Keep the projections quantized (`penzai_lm.quantization`):
@@ -129,21 +130,25 @@ def load(
   return _load(
       name_or_path, dtype, use_layer_stack, specs, adapters,
       with_tokenizer=True, freeze=freeze, progress=progress,
-      place=_placement(mesh, rules), quantize=_check_quantize(
-          quantize, mesh),
+      mesh=mesh, rules=rules, quantize=_check_quantize(quantize),
   )
 
 
-def _check_quantize(quantize, mesh):
-  """``quantize`` if valid with the other arguments (checked before any
-  reading)."""
+def _check_quantize(quantize):
+  """``quantize`` if valid (checked before any reading)."""
   choices = (None, "keep", *quantization.FORMATS)
   if quantize not in choices:
     raise ValueError(f"quantize must be one of {choices}, got {quantize!r}.")
-  if quantize is not None and mesh is not None:
-    raise ValueError("quantized models cannot be sharded over a mesh yet;"
-                     " load with quantize=None to shard.")
   return quantize
+
+
+def _host_device():
+  """The CPU device, where quantized arrays wait for their shards (None if
+  JAX runs without its CPU backend)."""
+  try:
+    return jax.devices("cpu")[0]
+  except RuntimeError:
+    return None
 
 
 def _as_variables(model):
@@ -181,11 +186,13 @@ def _placement(mesh, rules) -> Place:
 
 
 def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
-          with_tokenizer, freeze, progress=None,
-          place: Place = place_on_default_device, quantize=None):
-  """`load`; ``place`` puts each finished parameter on its device(s)."""
+          with_tokenizer, freeze, progress=None, mesh=None, rules=None,
+          quantize=None):
+  """`load`; each finished float parameter goes to its device(s) as it is
+  read, quantized ones once quantized."""
   if not isinstance(freeze, bool):
     raise TypeError(f"freeze must be True or False, got {freeze!r}.")
+  place = _placement(mesh, rules)  # Checks them before anything is read.
   dtype = _resolve_dtype(dtype)
   path = resolve_model_path(name_or_path)
   checkpoint = open_checkpoint(path, specs=specs)
@@ -229,7 +236,11 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
            .apply(lambda slot: unread[slot.label]))
   del params, unread
   if quantize is not None:
-    model = quantization.quantize(model, quantize)
+    # On a mesh, the quantized arrays are made on the host and then go to
+    # their shards (not first whole to one accelerator).
+    host = _host_device() if mesh is not None else None
+    with jax.default_device(host):
+      model = quantization.quantize(model, quantize)
   if shape_only and any(isinstance(x, jax.ShapeDtypeStruct)
                         for x in jax.tree_util.tree_leaves(model)):
     raise RuntimeError(  # A bug: a tensor skipped that keep did not replace.
@@ -237,4 +248,6 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
         f" this with the file ({path}).")
   if shape_only and not freeze:  # The kept blocks came in as values.
     model = _as_variables(model)
+  if quantize is not None and mesh is not None:
+    model = sharding.shard(model, mesh, rules)
   return (pz.freeze_params(model) if freeze else model), tokenizer
