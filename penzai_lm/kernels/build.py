@@ -34,7 +34,7 @@ TARGETS = (
     "pzlm_matvec_in_f32", "pzlm_matvec_in_bf16", "pzlm_matvec_in_f16",
     "pzlm_matvec_q8", "pzlm_matvec_q8_16", "pzlm_matvec_q4",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
-    "pzlm_decode_attention_f16", "pzlm_rows",
+    "pzlm_decode_attention_f16", "pzlm_rows", "pzlm_after",
 )
 _DIR = pathlib.Path(__file__).parent
 _SOURCES = (_DIR / "matvec.cc", _DIR / "attention.cc", _DIR / "rows.cc")

@@ -77,6 +77,18 @@ def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
   return jax.ffi.ffi_call("pzlm_rows", out)(table, ids.astype(jnp.int32))
 
 
+def after(ready: jax.Array, value: jax.Array) -> jax.Array:
+  """A copy of ``value`` made once ``ready`` is computed (`rows.cc`).
+
+  XLA sees no reason to wait: what is computed from the result (e.g. a
+  weight dequantized from ``value``, a scale) then waits for ``ready`` too.
+  Keep ``value`` small: it is copied.
+  """
+  _require_kernels()
+  return jax.ffi.ffi_call("pzlm_after", jax.ShapeDtypeStruct(
+      value.shape, value.dtype))(ready, value)
+
+
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                      k_new: jax.Array, v_new: jax.Array, end: jax.Array,
                      q_pos: jax.Array, kv_pos: jax.Array, window: jax.Array,

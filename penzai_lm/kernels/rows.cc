@@ -1,8 +1,13 @@
-// Row gather for the embedding lookup (`KernelEmbeddingLookup`): copies
-// rows ids[r] of a [V, E] table to out[r], bytes as they lie, so a 16-bit
-// table is read in place (XLA:CPU converts a whole bfloat16 table to
-// float32 to gather from it). Ids wrap when negative and clamp past the
-// end, as numpy-style indexing does.
+// Copies, bytes as they lie.
+//
+// pzlm_rows: the row gather of the embedding lookup
+// (`KernelEmbeddingLookup`): copies rows ids[r] of a [V, E] table to
+// out[r], so a 16-bit table is read in place (XLA:CPU converts a whole
+// bfloat16 table to float32 to gather from it). Ids wrap when negative and
+// clamp past the end, as numpy-style indexing does.
+//
+// pzlm_after: copies a (small) array once another one is ready, an order
+// XLA cannot see through (`ops.after`).
 
 #include <cstdint>
 #include <cstring>
@@ -35,7 +40,23 @@ ffi::Error Rows(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
   return ffi::Error::Success();
 }
 
+ffi::Error After(ffi::AnyBuffer ready, ffi::AnyBuffer value,
+                 ffi::Result<ffi::AnyBuffer> out) {
+  (void)ready;  // Only waited for.
+  if (out->element_type() != value.element_type() ||
+      out->size_bytes() != value.size_bytes())
+    return ffi::Error::InvalidArgument("after: out like the value");
+  std::memcpy(out->untyped_data(), value.untyped_data(), value.size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_after, After,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_rows, Rows,
                               ffi::Ffi::Bind()

@@ -86,3 +86,13 @@ def test_bfloat16_product_has_no_float32_weight_copy():
   xla_hlo = jax.jit(lambda x, w: x @ w.astype(jnp.float32)).lower(
       x, w).compile().as_text()
   assert "f32[576,1536]" in xla_hlo  # what the kernels avoid
+
+
+def test_after_copies_the_value_once_the_other_is_ready():
+  value = np.random.default_rng(1).standard_normal((7, 3), np.float32)
+  value[0, 0] = -0.0
+  got = np.asarray(jax.jit(ops.after)(_x(2, 5), value))
+  assert got.dtype == value.dtype
+  assert got.tobytes() == value.tobytes()  # bit for bit, -0.0 included
+  ints = np.arange(12, dtype=np.int8).reshape(3, 4)
+  assert np.array_equal(jax.jit(ops.after)(_x(1, 1), ints), ints)

@@ -105,6 +105,9 @@ def test_quantized_equals_dequantize_then_run(fmt, family):
     assert "pzlm_matvec_q" in hlo
     want6, _ = _logits(_dequantized_twin(model, q), 2, 3)
     np.testing.assert_allclose(fast, want6, atol=1e-5 * scale, rtol=0)
+    wide, hlo = _logits(with_cpu_kernels(q), 2, 9)  # 18: XLA's GEMM, after
+    assert "pzlm_after" in hlo  # the inputs (see the test below)
+    np.testing.assert_allclose(wide, want, atol=1e-5 * scale, rtol=0)
 
 
 @pytest.mark.skipif(not ops.available(), reason="no C++ compiler")
@@ -118,6 +121,26 @@ def test_bfloat16_prefill_dequantizes_into_a_bf16_gemm():
   want, got = want.astype(np.float32), got.astype(np.float32)
   np.testing.assert_allclose(got, want, atol=3e-2 * np.abs(want).max(),
                              rtol=0)
+
+
+@pytest.mark.skipif(not ops.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_prefill_dequantizes_one_layer_at_a_time(fmt):
+  """XLA:CPU's scheduler ran every dequantization first, so all layers'
+  float weights were alive at once (SmolLM2 int8: 393 MB of temporaries
+  per prefill); each layer's now waits for that layer's input."""
+  config = TransformerConfig(
+      family="llama", vocab_size=97, hidden_size=128, num_layers=8,
+      num_heads=4, num_kv_heads=2, head_dim=32, mlp_hidden_size=512,
+      max_position_embeddings=256)
+  q = quantize(build_transformer(config, seed=0), fmt)
+  engine = Engine()
+  engine.generate(q, [list(range(1, 40))], max_new_tokens=2,
+                  temperature=0.0)
+  (_, prefill), = engine.programs.items("prefill")
+  per_layer = 4 * 128 * (2 * 128 + 2 * 64 + 3 * 512)  # float32 bytes
+  # Every layer at once would be 8 of them.
+  assert prefill.memory_analysis().temp_size_in_bytes < 3 * per_layer
 
 
 def test_per_layer_blocks_and_labels():
