@@ -9,6 +9,7 @@ is the weights plus about one block's tensors (see docs/loading.md).
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -26,6 +27,7 @@ from penzai_lm.loading.config_mapping import config_from_checkpoint
 from penzai_lm.loading.families import ADAPTERS
 from penzai_lm.loading.families import FamilyAdapter
 from penzai_lm.loading.parameters import Place
+from penzai_lm.loading.parameters import Taken
 from penzai_lm.loading.parameters import place_on_default_device
 from penzai_lm.loading.parameters import stream_parameters
 from penzai_lm.loading.progress import progress_bar
@@ -164,6 +166,23 @@ def _as_variables(model):
   return pz.select(model).at_instances_of(pz.ParameterValue).apply(variable)
 
 
+def _quantizing(targets, fmt: str, host) -> tuple[Taken, Any]:
+  """The weights ``quantize`` would quantize, quantized as they are read
+  (one layer of a stack at a time, each float layer dropped at once), and
+  the ``quantize`` choice that puts them in. ``host``: the device the
+  quantized arrays are made on (None: the default one)."""
+  parts = collections.defaultdict(list)
+
+  def take(label, axes, array):
+    with jax.default_device(host):
+      parts[label].extend(quantization.quantize_array(
+          array, axes, *targets[label], fmt, label))
+
+  # Each is asked for once; popped, its parts go once they are in place.
+  return (Taken(wants=targets.__contains__, take=take),
+          lambda label: parts.pop(label, None))
+
+
 def _placement(mesh, rules) -> Place:
   """Where each parameter goes: the default device, or its mesh shards.
 
@@ -187,12 +206,14 @@ def _placement(mesh, rules) -> Place:
 
 def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
           with_tokenizer, freeze, progress=None, mesh=None, rules=None,
-          quantize=None):
+          quantize=None, place: Place | None = None):
   """`load`; each finished float parameter goes to its device(s) as it is
-  read, quantized ones once quantized."""
+  read (``place``: by default where ``mesh`` and ``rules`` say), quantized
+  ones once quantized."""
   if not isinstance(freeze, bool):
     raise TypeError(f"freeze must be True or False, got {freeze!r}.")
-  place = _placement(mesh, rules)  # Checks them before anything is read.
+  placement = _placement(mesh, rules)  # Checks them before anything is read.
+  place = place or placement
   dtype = _resolve_dtype(dtype)
   path = resolve_model_path(name_or_path)
   checkpoint = open_checkpoint(path, specs=specs)
@@ -214,7 +235,12 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
       config = config.replace(pad_token_id=tokenizer.pad_id)
   model = build_transformer(config)
   shape_only = frozenset()
-  if quantize == "keep":
+  taken = None
+  if quantize in quantization.FORMATS:
+    taken, quantize = _quantizing(quantization.quantized_targets(model),
+                                  quantize,
+                                  _host_device() if mesh is not None else None)
+  elif quantize == "keep":
     if checkpoint.gguf_reader is None:
       raise ValueError(f"quantize='keep' keeps a GGUF file's blocks, and"
                        f" {path} is not a GGUF file; use quantize='int8'.")
@@ -227,7 +253,7 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
                     show_progress(progress)) as bar:
     params = stream_parameters(
         checkpoint, config, adapters=adapters, place=place,
-        on_read=bar.update, shape_only=shape_only,
+        on_read=bar.update, shape_only=shape_only, taken=taken,
     )
   unread = {p.label: p for p in params if isinstance(p, pz.ParameterValue)}
   model = pz.bind_variables(model, [p for p in params if p.label not in unread])
@@ -241,13 +267,13 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
     host = _host_device() if mesh is not None else None
     with jax.default_device(host):
       model = quantization.quantize(model, quantize)
-  if shape_only and any(isinstance(x, jax.ShapeDtypeStruct)
-                        for x in jax.tree_util.tree_leaves(model)):
-    raise RuntimeError(  # A bug: a tensor skipped that keep did not replace.
-        "quantize='keep' left unread weights in the model; please report"
-        f" this with the file ({path}).")
-  if shape_only and not freeze:  # The kept blocks came in as values.
-    model = _as_variables(model)
+  if quantize is not None and any(isinstance(x, jax.ShapeDtypeStruct)
+                                  for x in jax.tree_util.tree_leaves(model)):
+    raise RuntimeError(  # A bug: a weight taken that quantize did not use.
+        "quantizing left weights without values in the model; please"
+        f" report this with the file ({path}).")
+  if quantize is not None and not freeze:  # Quantized weights came in as
+    model = _as_variables(model)  # values.
   if quantize is not None and mesh is not None:
     model = sharding.shard(model, mesh, rules)
   return (pz.freeze_params(model) if freeze else model), tokenizer

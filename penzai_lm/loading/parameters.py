@@ -27,6 +27,10 @@ next one is read. Its conventions:
   ``jax.ShapeDtypeStruct``, for a caller that replaces them right away
   (``load(..., quantize="keep")`` puts the file's blocks there, so the
   float weights it would throw away never take memory).
+* Parameters a `Taken` wants are handed to it as they are read, a stack's
+  one layer at a time, and not kept: they too hold only their shapes
+  (``load(..., quantize="int8")`` quantizes each layer's weights as it
+  reads them, so no float stack is ever whole).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Mapping
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -60,6 +65,20 @@ def place_on_default_device(
   """The default `Place`: ``jax.device_put`` onto the default device."""
   del label, axes  # One device: nothing to decide.
   return jax.device_put(array)
+
+
+@dataclasses.dataclass(frozen=True)
+class Taken:
+  """Parameters a caller consumes as they are read instead of keeping them.
+
+  Attributes:
+    wants: Whether it takes the parameter with this (full) label.
+    take: ``take(label, axes, array)``: one finished array of it, each
+      layer of a stack in turn (``axes`` without ``blocks``).
+  """
+
+  wants: Callable[[str], bool]
+  take: Callable[[str, tuple[str, ...], np.ndarray], Any]
 
 
 class _ShapeOnly(np.ndarray):
@@ -128,9 +147,13 @@ def _finished(data: np.ndarray, dtype: np.dtype) -> np.ndarray:
   return out
 
 
-def _fill_stacks(adapter, config, tensors, dtype, stacks) -> None:
-  """Reads the blocks one by one into ``stacks``: key -> (buffer, axes)."""
+def _fill_stacks(adapter, config, tensors, dtype, stacks,
+                 taken: Taken | None = None, prefix: str = "") -> None:
+  """Reads the blocks one by one into ``stacks``: key -> (buffer, axes);
+  what ``taken`` wants (by ``prefix + key``) goes to it instead, and its
+  buffer holds only the shape."""
   n = config.num_layers
+  wants = {}
   for i in range(n):
     layer = adapter.layer_tensors(config, tensors, i)
     if i and set(layer) != set(stacks):
@@ -141,7 +164,10 @@ def _fill_stacks(adapter, config, tensors, dtype, stacks) -> None:
     for key in list(layer):
       data, axes = layer.pop(key)  # Dropped after the copy: one in flight.
       if i == 0:
-        make = _shape_only if isinstance(data, _ShapeOnly) else aligned_empty
+        wants[key] = (taken is not None and taken.wants(prefix + key)
+                      and not isinstance(data, _ShapeOnly))
+        make = (_shape_only if isinstance(data, _ShapeOnly) or wants[key]
+                else aligned_empty)
         stacks[key] = (make((n, *data.shape), dtype), tuple(axes))
       buffer = stacks[key][0]
       if tuple(data.shape) != buffer.shape[1:]:
@@ -149,10 +175,13 @@ def _fill_stacks(adapter, config, tensors, dtype, stacks) -> None:
             f"Block {i}'s {key} has shape {tuple(data.shape)}, block 0's"
             f" {buffer.shape[1:]}: they cannot be stacked."
         )
-      if isinstance(data, _ShapeOnly) != isinstance(buffer, _ShapeOnly):
+      if isinstance(data, _ShapeOnly) != (
+          isinstance(buffer, _ShapeOnly) and not wants[key]):
         raise ValueError(f"Block {i}'s {key} is read in some blocks and"
                          " not in others: it cannot be stacked.")
-      if not isinstance(buffer, _ShapeOnly):
+      if wants[key]:
+        taken.take(prefix + key, tuple(axes), _finished(data, dtype))
+      elif not isinstance(buffer, _ShapeOnly):
         copy_into(buffer[i], data)
       del data
 
@@ -166,6 +195,7 @@ def stream_parameters(
     place: Place = place_on_default_device,
     on_read: Callable[[int], Any] = lambda nbytes: None,
     shape_only: frozenset[str] = frozenset(),
+    taken: Taken | None = None,
 ) -> list[pz.Parameter]:
   """Parameters for ``build_transformer(config)``, one tensor at a time.
 
@@ -182,6 +212,8 @@ def stream_parameters(
     shape_only: Tensor (HF) names not to read: their parameters are
       ``pz.ParameterValue`` s of a ``jax.ShapeDtypeStruct`` of their shape,
       for the caller to put in place and replace.
+    taken: Parameters handed to the caller as they are read (see `Taken`),
+      which then hold only their shapes, like ``shape_only`` ones.
 
   Returns:
     Parameters to bind with ``pz.bind_variables`` (and the ``shape_only``
@@ -198,6 +230,10 @@ def stream_parameters(
 
   def make(label, data, axes):
     label, axes = f"{name}/{label}", tuple(axes)
+    if taken is not None and taken.wants(label) and not isinstance(
+        data, _ShapeOnly):  # (A stack's layers were taken as read.)
+      taken.take(label, axes, _finished(data, dtype))
+      data = _shape_only(data.shape, dtype)
     if isinstance(data, _ShapeOnly):  # A value (a Parameter would convert
       return pz.ParameterValue(value=pz.nx.NamedArray(  # it to an array).
           named_axes=collections.OrderedDict(zip(axes, data.shape)),
@@ -211,7 +247,8 @@ def stream_parameters(
     params.append(make(key, *outside.pop(key)))
   if config.use_layer_stack:
     stacks = {}
-    _fill_stacks(adapter, config, tensors, dtype, stacks)
+    _fill_stacks(adapter, config, tensors, dtype, stacks, taken,
+                 prefix=f"{name}/blocks/")
     for key in list(stacks):
       buffer, axes = stacks.pop(key)
       params.append(make(f"blocks/{key}", buffer, ("blocks", *axes)))

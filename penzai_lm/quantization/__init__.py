@@ -10,3 +10,5 @@ from penzai_lm.quantization.gguf_formats import kept_weights
 from penzai_lm.quantization.layers import QuantizedEmbeddingLookup
 from penzai_lm.quantization.layers import QuantizedLinear
 from penzai_lm.quantization.quantize import quantize
+from penzai_lm.quantization.quantize import quantize_array
+from penzai_lm.quantization.quantize import quantized_targets

@@ -107,6 +107,9 @@ def _inverse(d: np.ndarray) -> np.ndarray:
 def quantize(w: np.ndarray, format: str) -> QuantizedWeight:  # pylint: disable=redefined-builtin
   """Quantizes an out-major ``[N, K]`` float weight (numpy, on the host).
 
+  Rows are quantized a few million values at a time: the temporaries of
+  a whole 49152 x 576 table were ~3x its float32 size.
+
   Raises:
     ValueError: for an unknown format, or a block format whose K is not a
       multiple of 32.
@@ -114,23 +117,36 @@ def quantize(w: np.ndarray, format: str) -> QuantizedWeight:  # pylint: disable=
   if format not in FORMATS:
     raise ValueError(f"unknown weight format {format!r}; choose one of"
                      f" {FORMATS}.")
-  w = np.asarray(w, np.float32)
   n, k = w.shape
-  if format == "int8":
-    d = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
-    q = _round_away(w * _inverse(d))
-    return QuantizedWeight(jnp.asarray(q.astype(np.int8)), jnp.asarray(d),
-                           None, format)
-  if k % BLOCK:
+  if format != "int8" and k % BLOCK:
     raise ValueError(f"{format} quantizes blocks of {BLOCK} contracted"
                      f" values, and this weight contracts {k}; use"
                      " quantize='int8' (one scale per output) instead.")
+  step = max(1, _CHUNK // max(k, 1))
+  chunks = [_quantize_rows(np.asarray(w[i:i + step], np.float32), format)
+            for i in range(0, n, step)] or [_quantize_rows(
+                np.zeros((0, k), np.float32), format)]
+  qs, scale, mins = (None if chunks[0][j] is None else
+                     np.concatenate([c[j] for c in chunks])
+                     for j in range(3))
+  return QuantizedWeight(jnp.asarray(qs), jnp.asarray(scale),
+                         None if mins is None else jnp.asarray(mins), format)
+
+
+_CHUNK = 1 << 22  # Values quantized at a time.
+
+
+def _quantize_rows(w: np.ndarray, format: str):  # pylint: disable=redefined-builtin
+  """``(qs, scale, mins or None)`` numpy arrays of float32 rows ``w``."""
+  n, k = w.shape
+  if format == "int8":
+    d = np.abs(w).max(axis=1, keepdims=True, initial=0) / np.float32(127)
+    return _round_away(w * _inverse(d)).astype(np.int8), d, None
   x = w.reshape(n, k // BLOCK, BLOCK)
   if format == "q8_0":
-    d = np.abs(x).max(axis=-1) / np.float32(127)
+    d = np.abs(x).max(axis=-1, initial=0) / np.float32(127)
     q = _round_away(x * _inverse(d)[..., None])
-    return QuantizedWeight(jnp.asarray(q.reshape(n, k).astype(np.int8)),
-                           jnp.asarray(_f16(d)), None, format)
+    return q.reshape(n, k).astype(np.int8), _f16(d), None
   if format == "q4_0":
     index = np.abs(x).argmax(axis=-1)[..., None]
     d = np.take_along_axis(x, index, axis=-1)[..., 0] / np.float32(-8)
@@ -145,6 +161,5 @@ def quantize(w: np.ndarray, format: str) -> QuantizedWeight:  # pylint: disable=
     d, mins = _f16(d), _f16(low)
   q = q.astype(np.uint8)
   packed = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
-  return QuantizedWeight(jnp.asarray(packed.reshape(n, k // 2)),
-                         jnp.asarray(d.astype(np.float32)),
-                         jnp.asarray(mins.astype(np.float32)), format)
+  return (packed.reshape(n, k // 2), d.astype(np.float32),
+          mins.astype(np.float32))

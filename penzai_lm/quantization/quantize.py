@@ -31,16 +31,6 @@ FormatChoice = str | Callable[[str], str | list[formats.QuantizedWeight]
                               | None]
 
 
-def _host(value: pz.nx.NamedArray, stack, out, inp) -> np.ndarray:
-  """``[S, N, K]`` float32 numpy array of a weight (S: stacked layers)."""
-  data = np.asarray(value.order_as(*stack, *out, *inp).data_array,
-                    np.float32)
-  sizes = value.named_shape
-  return data.reshape(int(np.prod([sizes[a] for a in stack])),
-                      int(np.prod([sizes[a] for a in out])),
-                      int(np.prod([sizes[a] for a in inp])))
-
-
 def _kept_parts(value, stack, out_names, in_names, parts, label):
   """``parts`` (one weight per stacked layer), checked against ``value``."""
   sizes = value.named_shape
@@ -57,6 +47,44 @@ def _kept_parts(value, stack, out_names, in_names, parts, label):
   return parts
 
 
+def quantized_targets(model) -> dict[str, tuple[tuple[str, ...],
+                                                 tuple[str, ...] | None]]:
+  """The weights `quantize` turns into quantized ones, by label: ``(output
+  axes, contracted axes)`` (None: every axis but the output and stacking
+  ones, for a table). Works on a model whose weights are still slots."""
+  targets = {}
+  for layer in pz.select(model).at_instances_of(pz.nn.Linear).where(
+      lambda layer: bool(layer.in_axis_names)).get_sequence():
+    targets[layer.weights.label] = (tuple(layer.out_axis_names),
+                                    tuple(layer.in_axis_names))
+  for layer in pz.select(model).at_instances_of(
+      pz.nn.EmbeddingDecode).get_sequence():
+    targets[layer.table.embeddings.label] = (
+        (layer.table.vocabulary_axis,), None)
+  return targets
+
+
+def quantize_array(array: np.ndarray, axes: tuple[str, ...],
+                   out_names: tuple[str, ...],
+                   in_names: tuple[str, ...] | None, format: str,  # pylint: disable=redefined-builtin
+                   label: str) -> list[formats.QuantizedWeight]:
+  """One `formats.QuantizedWeight` per stacked layer of a float weight
+  whose dimensions are named ``axes`` (what `quantize` makes of it)."""
+  if in_names is None:  # A table: everything but the rows is contracted.
+    in_names = tuple(a for a in axes if a not in out_names and a != "blocks")
+  stack = [a for a in axes if a not in (*out_names, *in_names)]
+  order = [axes.index(a) for a in (*stack, *out_names, *in_names)]
+  sizes = dict(zip(axes, array.shape))
+  data = np.transpose(array, order).reshape(
+      int(np.prod([sizes[a] for a in stack])),
+      int(np.prod([sizes[a] for a in out_names])),
+      int(np.prod([sizes[a] for a in in_names])))
+  try:
+    return [formats.quantize(w, format) for w in data]
+  except ValueError as e:
+    raise ValueError(f"{label}: {e}") from e
+
+
 def _quantized_layer(param, in_names, out_names, choice, base):
   """A `QuantizedLinear` for the weight parameter ``param`` (``choice``: a
   format, or the kept weight of each stacked layer); its parameters are
@@ -66,11 +94,10 @@ def _quantized_layer(param, in_names, out_names, choice, base):
   value = param.value
   stack = [a for a in value.named_axes if a not in (*in_names, *out_names)]
   if isinstance(choice, str):
-    data = _host(value, stack, out_names, in_names)
-    try:
-      parts = [formats.quantize(w, choice) for w in data]
-    except ValueError as e:
-      raise ValueError(f"{param.label}: {e}") from e
+    axes = tuple(value.named_axes)
+    parts = quantize_array(
+        np.asarray(value.order_as(*axes).data_array), axes, out_names,
+        in_names, choice, param.label)
   else:
     parts = _kept_parts(value, stack, out_names, in_names, list(choice),
                         param.label)

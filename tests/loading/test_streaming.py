@@ -52,7 +52,9 @@ from penzai_lm.loading.families import ADAPTERS
 from penzai_lm.loading.families import adapter_for
 from penzai_lm.loading.load import _load
 from penzai_lm.loading.load import _resolve_dtype
+from penzai_lm.loading.parameters import Taken
 from penzai_lm.loading.parameters import place_on_default_device
+from penzai_lm.loading.parameters import stream_parameters
 from penzai_lm.loading.progress import progress_bar
 from penzai_lm.loading.progress import show_progress
 from penzai_lm.model import build_transformer
@@ -310,6 +312,39 @@ def test_placement_hook_sees_each_finished_parameter(family_dirs):
   for label, axes, dtype, contiguous in seen:
     assert axes == tuple(params[label].value.named_axes), label
     assert dtype == np.dtype(ml_dtypes.bfloat16) and contiguous
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_taken_parameters_come_one_layer_at_a_time(family_dirs, stack):
+  """What ``load(..., quantize="int8")`` rests on: a taken weight is handed
+  over layer by layer (no float stack is ever whole) and not kept."""
+  path = family_dirs["llama", "BF16"]
+  checkpoint = open_checkpoint(path)
+  config = config_from_checkpoint(checkpoint, dtype="bfloat16",
+                                  use_layer_stack=stack)
+  taken = []
+  params = stream_parameters(checkpoint, config, taken=Taken(
+      wants=lambda label: label.endswith("mlp/out_linear.weights"),
+      take=lambda label, axes, array: taken.append((label, axes, array))))
+  assert len(taken) == config.num_layers
+  for label, axes, array in taken:
+    assert "blocks" not in axes and array.shape == tuple(
+        config.hidden_size if a == "embedding" else config.mlp_hidden_size
+        for a in axes), (label, axes, array.shape)
+    assert array.dtype == np.dtype(ml_dtypes.bfloat16)
+  want = {p.label: p for p in stream_parameters(checkpoint, config)}
+  for p in params:
+    if p.label.endswith("mlp/out_linear.weights"):
+      assert isinstance(p.value.data_array, jax.ShapeDtypeStruct)
+      assert p.value.named_shape == want[p.label].value.named_shape
+    else:
+      assert not isinstance(p.value.data_array, jax.ShapeDtypeStruct)
+  # What was taken is what would have been kept.
+  first = want[taken[0][0]].value
+  if stack:
+    first = first[{"blocks": 0}]
+  np.testing.assert_array_equal(
+      np.asarray(first.order_as(*taken[0][1]).data_array), taken[0][2])
 
 
 def test_default_placement_aliases_aligned_buffers_on_cpu():

@@ -2,6 +2,7 @@
 int8 from a Hugging Face directory, and clear errors."""
 
 import gguf
+import jax
 import numpy as np
 import pytest
 import torch
@@ -83,3 +84,35 @@ def test_bad_quantize_arguments_fail_before_reading(tmp_path):
     penzai_lm.load_model(missing, quantize="q4_k")
   with pytest.raises(ValueError, match="rules= needs mesh="):
     penzai_lm.load_model(missing, quantize="int8", rules={"neurons": None})
+
+
+@pytest.mark.parametrize("fmt,tied,stack,dtype,freeze", [
+    ("int8", False, True, "float32", True),
+    ("q4_1", True, True, "float32", True),
+    ("q8_0", True, False, "bfloat16", True),
+    ("int8", True, True, "float32", False),
+])
+def test_quantized_as_read_equals_quantizing_the_loaded_model(
+    tmp_path, fmt, tied, stack, dtype, freeze):
+  """load(quantize=fmt) quantizes each weight as it is read (no float
+  model in between); the result is quantize(load(...)), bit for bit."""
+  config = transformers.LlamaConfig(
+      vocab_size=96, hidden_size=64, intermediate_size=96,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      max_position_embeddings=128, tie_word_embeddings=tied)
+  save_perturbed(transformers.LlamaForCausalLM, config, tmp_path)
+  kwargs = dict(use_layer_stack=stack, dtype=dtype)
+  got = penzai_lm.load_model(tmp_path, quantize=fmt, freeze=freeze,
+                             **kwargs)
+  want = penzai_lm.quantize(penzai_lm.load_model(tmp_path, **kwargs), fmt)
+  if not freeze:
+    assert pz.select(got).at_instances_of(pz.ParameterValue).count() == 0
+    got = pz.freeze_params(got)
+  assert (pz.select(got).at_instances_of(QuantizedLinear).count()
+          == pz.select(want).at_instances_of(QuantizedLinear).count() > 0)
+  got_leaves, got_def = jax.tree_util.tree_flatten(got)
+  want_leaves, want_def = jax.tree_util.tree_flatten(want)
+  assert got_def == want_def
+  for a, b in zip(got_leaves, want_leaves):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
