@@ -230,8 +230,10 @@ def stream_parameters(
 
   def make(label, data, axes):
     label, axes = f"{name}/{label}", tuple(axes)
+    # A whole tensor the caller takes (a stack's layers went to it one by
+    # one in `_fill_stacks`, and its buffer is already shape-only).
     if taken is not None and taken.wants(label) and not isinstance(
-        data, _ShapeOnly):  # (A stack's layers were taken as read.)
+        data, _ShapeOnly):
       taken.take(label, axes, _finished(data, dtype))
       data = _shape_only(data.shape, dtype)
     if isinstance(data, _ShapeOnly):  # A value (a Parameter would convert

@@ -124,8 +124,7 @@ def quantize(w: np.ndarray, format: str) -> QuantizedWeight:  # pylint: disable=
                      " quantize='int8' (one scale per output) instead.")
   step = max(1, _CHUNK // max(k, 1))
   chunks = [_quantize_rows(np.asarray(w[i:i + step], np.float32), format)
-            for i in range(0, n, step)] or [_quantize_rows(
-                np.zeros((0, k), np.float32), format)]
+            for i in range(0, max(n, 1), step)]
   qs, scale, mins = (None if chunks[0][j] is None else
                      np.concatenate([c[j] for c in chunks])
                      for j in range(3))

@@ -50,8 +50,8 @@ def _kept_parts(value, stack, out_names, in_names, parts, label):
 def quantized_targets(model) -> dict[str, tuple[tuple[str, ...],
                                                  tuple[str, ...] | None]]:
   """The weights `quantize` turns into quantized ones, by label: ``(output
-  axes, contracted axes)`` (None: every axis but the output and stacking
-  ones, for a table). Works on a model whose weights are still slots."""
+  axes, contracted axes)`` (None, for a table: every axis but its
+  rows). Works on a model whose weights are still slots."""
   targets = {}
   for layer in pz.select(model).at_instances_of(pz.nn.Linear).where(
       lambda layer: bool(layer.in_axis_names)).get_sequence():
@@ -71,7 +71,7 @@ def quantize_array(array: np.ndarray, axes: tuple[str, ...],
   """One `formats.QuantizedWeight` per stacked layer of a float weight
   whose dimensions are named ``axes`` (what `quantize` makes of it)."""
   if in_names is None:  # A table: everything but the rows is contracted.
-    in_names = tuple(a for a in axes if a not in out_names and a != "blocks")
+    in_names = tuple(a for a in axes if a not in out_names)
   stack = [a for a in axes if a not in (*out_names, *in_names)]
   order = [axes.index(a) for a in (*stack, *out_names, *in_names)]
   sizes = dict(zip(axes, array.shape))
