@@ -14,7 +14,7 @@ from penzai_lm.generation import Engine
 from penzai_lm.kernels import KernelCachedAttention
 from penzai_lm.kernels import ops
 from penzai_lm.kernels import with_cpu_kernels
-from penzai_lm.kernels.attention import plain_chain
+from penzai_lm.model.attention_chain import plain_chain
 from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model import build_transformer
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
