@@ -71,12 +71,19 @@ class Engine:
     unstack_layer_stacks: Decode layer stacks as per-layer blocks (see
       `penzai_lm.generation.prepare`); False decodes the stacks as they are
       (slow on CPU; for comparisons).
+    prompt_attention: How prompts attend over the KV caches where a layer's
+      attention chain is plain (`penzai_lm.model.prompt_attention`):
+      "auto" (the default) runs them as cuDNN flash attention on a single
+      GPU and as penzai's chain of layers elsewhere; "cudnn" and "xla" pick
+      `jax.nn.dot_product_attention`'s implementation on any device (cuDNN:
+      GPU only, bfloat16/float16 models); None always keeps penzai's chain.
   """
 
   def __init__(self, *, max_programs: int = 32, max_models: int = 4,
                compiler_options: CompilerOptions | None = None,
                unstack_layer_stacks: bool = True,
-               program_store: ProgramStore | str | os.PathLike | None = "auto"):
+               program_store: ProgramStore | str | os.PathLike | None = "auto",
+               prompt_attention: str | None = "auto"):
     """Creates an engine.
 
     Args:
@@ -93,6 +100,7 @@ class Engine:
         directory, None (off), or "auto": ``penzai_lm_programs`` inside
         JAX's persistent compilation cache directory while one is set
         (``jax_compilation_cache_dir``; the CLI sets one).
+      prompt_attention: See the class attribute.
     """
     for name, value in (("max_programs", max_programs),
                         ("max_models", max_models)):
@@ -102,6 +110,11 @@ class Engine:
       raise TypeError(
           "compiler_options must be a function (program name, shape) ->"
           f" dict, got {type(compiler_options).__name__}.")
+    if prompt_attention not in prepare_lib.PROMPT_ATTENTION:
+      raise ValueError(
+          f"prompt_attention must be one of {prepare_lib.PROMPT_ATTENTION},"
+          f" got {prompt_attention!r}.")
+    self.prompt_attention = prompt_attention
     if isinstance(program_store, (str, os.PathLike)) and (
         program_store != "auto"):
       program_store = ProgramStore(program_store)
@@ -205,12 +218,12 @@ class Engine:
           model, cached_model=cached, use_cache=shape.use_cache,
           batch_axis=shape.batch_axis, batch=shape.batch,
           cache_len=shape.cache_len, decoded=decoded,
-          capture=request.capture)
+          capture=request.capture, prompt_attention=self.prompt_attention)
 
     return self._prepared.get_or_make(
         model, (cached, shape.use_cache, shape.batch_axis, shape.batch,
                 shape.cache_len, self.unstack_layer_stacks, index,
-                request.capture), make)
+                request.capture, self.prompt_attention), make)
 
   def program(self, name: str, fn, static, args, *, shape, donate=()):
     """``(compiled program, compile seconds)`` for ``fn`` (cached)."""

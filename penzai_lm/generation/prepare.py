@@ -37,6 +37,9 @@ from penzai_lm.interp.cache import insert_captures
 from penzai_lm.kernels import on_one_cpu
 from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import KVCachingTransformerLM
+from penzai_lm.model.prompt_attention import on_gpus
+from penzai_lm.model.prompt_attention import on_one_gpu
+from penzai_lm.model.prompt_attention import with_fused_prompt_attention
 
 
 def _host_view(data) -> np.ndarray | None:
@@ -297,10 +300,14 @@ def _prepare_runnable(runnable, user_labels, batch_axis, batch,
   return PreparedModel(model_leaves, treedef, layout, args)
 
 
+# `Engine(prompt_attention=...)` values.
+PROMPT_ATTENTION = ("auto", "cudnn", "xla", None)
+
+
 def prepare_model(model, *, cached_model: bool, use_cache: bool,
                   batch_axis: str, batch: int, cache_len: int,
-                  decoded=None, capture: tuple[str, ...] = ()
-                  ) -> PreparedModel:
+                  decoded=None, capture: tuple[str, ...] = (),
+                  prompt_attention: str | None = "auto") -> PreparedModel:
   """Converts (cached mode, no overflow callback), freezes and flattens a
   model for a batch and cache size.
 
@@ -316,11 +323,18 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
       gathered to the decode rows (`rows_to_batch`).
     capture: Point names to record for every token: `Capture` layers with
       a per-slot buffer (like a KV cache) are inserted after them.
+    prompt_attention: See `Engine.prompt_attention`.
   """
   _check_bound(model)
   decoded = model if decoded is None else decoded
   user_labels = _user_labels(decoded)
   one_cpu = on_one_cpu(decoded)
+  if prompt_attention == "auto":
+    prompt_attention = "cudnn" if on_one_gpu(decoded) else None
+  elif prompt_attention == "cudnn" and not on_gpus(decoded):
+    raise ValueError(
+        'prompt_attention="cudnn" (cuDNN flash attention) needs a model on'
+        ' GPUs; this one is not. Use "auto", "xla" or None.')
   specs = ()
   if capture:
     decoded, captures = insert_captures(
@@ -335,6 +349,10 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
             decoded, cache_len, {batch_axis: batch}))
   else:
     runnable = decoded
+  if prompt_attention is not None:
+    # Before the CPU kernels, which then keep these layers (their decode
+    # steps run penzai's chain).
+    runnable = with_fused_prompt_attention(runnable, prompt_attention)
   if one_cpu:
     # Small products and decode attention on compiled kernels (XLA:CPU
     # copies bf16/f16 weights to float32 before every dot, and runs
