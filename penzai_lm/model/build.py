@@ -250,6 +250,7 @@ def build_transformer(
     name: str = "transformer",
     *,
     freeze: bool = True,
+    on_device: bool = False,
 ) -> transformer.TransformerLM:
   """Builds a `TransformerLM`.
 
@@ -260,6 +261,9 @@ def build_transformer(
     name: Prefix of every parameter label.
     freeze: Random weights as `pz.ParameterValue` leaves (a plain pytree,
       as `penzai_lm.load` returns); False gives `pz.Parameter` variables.
+    on_device: Draw random weights with `jax.random` on the default device
+      (other values than numpy's for the same seed; seconds where numpy on
+      the host takes minutes for an 8B model).
 
   Returns:
     The uncached model.
@@ -271,8 +275,10 @@ def build_transformer(
     raise ValueError(f"seed must be an integer or None, got {seed!r}.")
   if not isinstance(freeze, bool):
     raise TypeError(f"freeze must be True or False, got {freeze!r}.")
+  if not isinstance(on_device, bool):
+    raise TypeError(f"on_device must be True or False, got {on_device!r}.")
   parameters = random_parameters(
-      lambda rng: _build(config, rng, name), model, seed
+      lambda rng: _build(config, rng, name), model, seed, on_device=on_device
   )
   model = pz.bind_variables(model, parameters)
   return pz.freeze_params(model) if freeze else model

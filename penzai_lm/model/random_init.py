@@ -4,10 +4,14 @@ Values come from numpy (one generator per parameter, seeded by the model seed
 and the parameter label), which avoids compiling an initialisation program:
 norm scales start at 1, biases at 0, token embeddings at N(0, 1/hidden),
 position embeddings at N(0, 0.02^2) and other weights at N(0, 1/fan_in).
+With ``on_device=True`` the same distributions are drawn by `jax.random` on
+the default device, in the parameters' dtype (other values): numpy took
+~170 s of host time for an 8B model, which a GPU draws in seconds.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -27,7 +31,7 @@ def _input_axes_by_label(model) -> dict[str, tuple[str, ...]]:
 
 
 def random_parameters(
-    build_with_rng, slot_model, seed: int
+    build_with_rng, slot_model, seed: int, *, on_device: bool = False
 ) -> list[pz.Parameter]:
   """Random parameters for every slot of ``slot_model``.
 
@@ -36,6 +40,8 @@ def random_parameters(
       initialised parameters; only traced for shapes, never run.
     slot_model: The model with parameter slots.
     seed: Integer seed.
+    on_device: Draw with `jax.random` on the default device instead of
+      numpy on the host.
 
   Returns:
     Parameters to bind to ``slot_model``.
@@ -53,20 +59,31 @@ def random_parameters(
         sorted(named.named_shape.items(), key=lambda item: item[0] != "blocks")
     )
     sizes = tuple(shape.values())
-    rng = np.random.default_rng([seed, zlib.crc32(label.encode())])
     if label.endswith("/scale.weights"):
-      data = np.ones(sizes)
+      mean, std = 1.0, 0.0
     elif label.endswith(".bias"):
-      data = np.zeros(sizes)
+      mean, std = 0.0, 0.0
     elif label.endswith(".embeddings"):
       # Like penzai's EmbeddingTable init (fan-out variance scaling).
-      scale = 0.02 if "position" in label else shape["embedding"] ** -0.5
-      data = rng.standard_normal(sizes) * scale
+      mean, std = 0.0, 0.02 if "position" in label else shape["embedding"] ** -0.5
     else:
       fan_in = math.prod(shape[a] for a in input_axes.get(label, ()) if a in shape)
-      data = rng.standard_normal(sizes) / math.sqrt(max(fan_in, 1))
-    array = jnp.asarray(data.astype(np.float32)).astype(named.dtype)
+      mean, std = 0.0, 1 / math.sqrt(max(fan_in, 1))
+    stream = [seed, zlib.crc32(label.encode())]
+    if on_device:
+      array = _draw(jax.random.fold_in(jax.random.key(stream[0]), stream[1]),
+                    sizes, jnp.dtype(named.dtype), mean, std)
+    else:
+      data = (np.full(sizes, mean) if std == 0 else
+              np.random.default_rng(stream).standard_normal(sizes) * std)
+      array = jnp.asarray(data.astype(np.float32)).astype(named.dtype)
     parameters.append(
         pz.Parameter(value=pz.nx.wrap(array).tag(*shape.keys()), label=label)
     )
   return parameters
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _draw(key, sizes, dtype, mean, std):
+  # Drawn in the parameter's dtype: no float32 copy of the largest weight.
+  return (jax.random.normal(key, sizes, dtype) * std + mean).astype(dtype)
