@@ -29,6 +29,7 @@ the same format gives back that block's integers and scales exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -89,26 +90,35 @@ def dequantize(qs, scale, mins, format: str, dtype=jnp.float32):  # pylint: disa
   return w.reshape(n, -1).astype(dtype)
 
 
-def _round_away(x: np.ndarray) -> np.ndarray:
+def _round_away(x, xp=np):
   """C's ``roundf``: halves away from zero (numpy's round is to even)."""
-  return np.copysign(np.floor(np.abs(x) + 0.5), x)
+  return xp.copysign(xp.floor(xp.abs(x) + 0.5), x)
 
 
-def _f16(x: np.ndarray) -> np.ndarray:
+def _f16(x):
   return x.astype(np.float16).astype(np.float32)
 
 
-def _inverse(d: np.ndarray) -> np.ndarray:
+def _inverse(d, xp=np):
   with np.errstate(divide="ignore"):
-    return np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(
+    return xp.where(d != 0, np.float32(1) / d, np.float32(0)).astype(
         np.float32)
 
 
-def quantize(w: np.ndarray, format: str) -> QuantizedWeight:  # pylint: disable=redefined-builtin
-  """Quantizes an out-major ``[N, K]`` float weight (numpy, on the host).
+def on_accelerator(w) -> bool:
+  """Whether ``w`` is a JAX array on a device other than the CPU."""
+  return isinstance(w, jax.Array) and any(
+      d.platform != "cpu" for d in w.devices())
 
-  Rows are quantized a few million values at a time: the temporaries of
-  a whole 49152 x 576 table were ~3x its float32 size.
+
+def quantize(w, format: str) -> QuantizedWeight:  # pylint: disable=redefined-builtin
+  """Quantizes an out-major ``[N, K]`` float weight.
+
+  A numpy weight (or one on the CPU) is quantized with numpy on the host,
+  a few million values at a time: the temporaries of a whole 49152 x 576
+  table were ~3x its float32 size. A weight on a GPU is quantized there,
+  in one compiled program with the same formulas (numpy on the host took
+  minutes for an 8B model); its results stay on that device.
 
   Raises:
     ValueError: for an unknown format, or a block format whose K is not a
@@ -122,6 +132,8 @@ def quantize(w: np.ndarray, format: str) -> QuantizedWeight:  # pylint: disable=
     raise ValueError(f"{format} quantizes blocks of {BLOCK} contracted"
                      f" values, and this weight contracts {k}; use"
                      " quantize='int8' (one scale per output) instead.")
+  if on_accelerator(w):
+    return QuantizedWeight(*_quantize_on_device(w, format), format)
   step = max(1, _CHUNK // max(k, 1))
   chunks = [_quantize_rows(np.asarray(w[i:i + step], np.float32), format)
             for i in range(0, max(n, 1), step)]
@@ -132,31 +144,38 @@ def quantize(w: np.ndarray, format: str) -> QuantizedWeight:  # pylint: disable=
                          None if mins is None else jnp.asarray(mins), format)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_on_device(w, format):  # pylint: disable=redefined-builtin
+  return _quantize_rows(w.astype(jnp.float32), format, jnp)
+
+
 _CHUNK = 1 << 22  # Values quantized at a time.
 
 
-def _quantize_rows(w: np.ndarray, format: str):  # pylint: disable=redefined-builtin
-  """``(qs, scale, mins or None)`` numpy arrays of float32 rows ``w``."""
+def _quantize_rows(w, format: str, xp=np):  # pylint: disable=redefined-builtin
+  """``(qs, scale, mins or None)`` of float32 rows ``w``, computed with
+  ``xp`` (numpy, or jax.numpy under `jax.jit`)."""
   n, k = w.shape
   if format == "int8":
-    d = np.abs(w).max(axis=1, keepdims=True, initial=0) / np.float32(127)
-    return _round_away(w * _inverse(d)).astype(np.int8), d, None
+    d = xp.abs(w).max(axis=1, keepdims=True, initial=0) / np.float32(127)
+    return _round_away(w * _inverse(d, xp), xp).astype(np.int8), d, None
   x = w.reshape(n, k // BLOCK, BLOCK)
   if format == "q8_0":
-    d = np.abs(x).max(axis=-1, initial=0) / np.float32(127)
-    q = _round_away(x * _inverse(d)[..., None])
+    d = xp.abs(x).max(axis=-1, initial=0) / np.float32(127)
+    q = _round_away(x * _inverse(d, xp)[..., None], xp)
     return q.reshape(n, k).astype(np.int8), _f16(d), None
   if format == "q4_0":
-    index = np.abs(x).argmax(axis=-1)[..., None]
-    d = np.take_along_axis(x, index, axis=-1)[..., 0] / np.float32(-8)
-    q = np.minimum(15, np.trunc(x * _inverse(d)[..., None] + np.float32(8.5)))
+    index = xp.abs(x).argmax(axis=-1)[..., None]
+    d = xp.take_along_axis(x, index, axis=-1)[..., 0] / np.float32(-8)
+    q = xp.minimum(15, xp.trunc(x * _inverse(d, xp)[..., None]
+                                + np.float32(8.5)))
     d = _f16(d)
     mins = -8 * d
   else:  # q4_1
     low, high = x.min(axis=-1), x.max(axis=-1)
     d = (high - low) / np.float32(15)
-    q = np.minimum(15, np.trunc((x - low[..., None]) * _inverse(d)[..., None]
-                                + np.float32(0.5)))
+    q = xp.minimum(15, xp.trunc(
+        (x - low[..., None]) * _inverse(d, xp)[..., None] + np.float32(0.5)))
     d, mins = _f16(d), _f16(low)
   q = q.astype(np.uint8)
   packed = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)

@@ -75,7 +75,9 @@ def quantize_array(array: np.ndarray, axes: tuple[str, ...],
   stack = [a for a in axes if a not in (*out_names, *in_names)]
   order = [axes.index(a) for a in (*stack, *out_names, *in_names)]
   sizes = dict(zip(axes, array.shape))
-  data = np.transpose(array, order).reshape(
+  # A weight on a GPU is quantized there (`formats.quantize`).
+  xp = jnp if formats.on_accelerator(array) else np
+  data = xp.transpose(array, order).reshape(
       int(np.prod([sizes[a] for a in stack])),
       int(np.prod([sizes[a] for a in out_names])),
       int(np.prod([sizes[a] for a in in_names])))
@@ -95,9 +97,10 @@ def _quantized_layer(param, in_names, out_names, choice, base):
   stack = [a for a in value.named_axes if a not in (*in_names, *out_names)]
   if isinstance(choice, str):
     axes = tuple(value.named_axes)
+    array = value.order_as(*axes).data_array
     parts = quantize_array(
-        np.asarray(value.order_as(*axes).data_array), axes, out_names,
-        in_names, choice, param.label)
+        array if formats.on_accelerator(array) else np.asarray(array), axes,
+        out_names, in_names, choice, param.label)
   else:
     parts = _kept_parts(value, stack, out_names, in_names, list(choice),
                         param.label)
@@ -107,6 +110,11 @@ def _quantized_layer(param, in_names, out_names, choice, base):
   wrap = type(param) if isinstance(param, pz.Parameter) else pz.ParameterValue
 
   def named(arrays, second, suffix):
+    if formats.on_accelerator(arrays[0]):  # quantized on a GPU: stays there
+      data = jnp.stack(arrays).reshape(*[s for _, s in stack_axes],
+                                       *arrays[0].shape)
+      return wrap(value=pz.nx.wrap(data).tag(*stack, "quant_out", second),
+                  label=f"{base}.{suffix}")
     # One copy, into an aligned buffer that the device array then aliases
     # on CPU (np.stack + jnp.asarray made two: Gemma 3 270M's kept table
     # is 0.19 GB).

@@ -1,6 +1,7 @@
 """Quantizers against gguf-py's (llama.cpp's reference), bit for bit."""
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -56,3 +57,22 @@ def test_bad_format_and_block_size_are_clear_errors():
     formats.quantize(np.zeros((2, 64), np.float32), "q5_0")
   with pytest.raises(ValueError, match="blocks of 32.*contracts 40.*int8"):
     formats.quantize(np.zeros((2, 40), np.float32), "q4_1")
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_the_device_quantizer_computes_the_host_formulas(fmt):
+  """What a weight on a GPU is quantized with (`formats.quantize` sends
+  weights on accelerators to this compiled program), run here on the CPU:
+  bit for bit the numpy quantizer."""
+  w = _weight(3, (40, 128)) * 3
+  w[2, 32:64] = np.linspace(-1, 1, 32)  # exact halves, ties
+  host = formats.quantize(w, fmt)
+  device = formats._quantize_on_device(jnp.asarray(w), fmt)  # pylint: disable=protected-access
+  for got, want in zip(device, (host.qs, host.scale, host.mins)):
+    if want is None:
+      assert got is None
+    else:
+      assert got.dtype == want.dtype and got.shape == want.shape
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert not formats.on_accelerator(jnp.asarray(w))
+  assert not formats.on_accelerator(w)
