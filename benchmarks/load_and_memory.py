@@ -3,7 +3,9 @@
 Loads, each in a fresh subprocess (``--repeats`` times; the table quotes
 medians): SmolLM2-135M-Instruct (Q4_1 GGUF), Gemma 3 270M (Q4_K_M GGUF) and
 a generated 1.1B-parameter Llama (bfloat16 safetensors in two shards,
-written once into ``--workdir``), each as float32 and as bfloat16. Per load:
+written once into ``--workdir``), each as float32 and as bfloat16; on
+request (``--models llama8b``, for a GPU machine) a generated Llama-3-8B
+(16 GB in four shards), loaded onto the default device. Per load:
 wall time of ``penzai_lm.load`` (``load_model`` for the generated model,
 which has no tokenizer), the process's peak RSS (VmHWM, everything
 included: Python, JAX's runtime, the tokenizer; not ``ru_maxrss``, which
@@ -34,6 +36,8 @@ The machine may be shared: ``uptime`` is printed at the start and the end.
 Usage:
   python benchmarks/load_and_memory.py [--repeats 3] [--workdir DIR] \
       [--models smollm2,gemma3,llama1b] [--dtypes float32,bfloat16,keep]
+  GPU machine: python benchmarks/load_and_memory.py --models llama8b \
+      --dtypes bfloat16 --repeats 1 --skip-generate
 """
 
 from __future__ import annotations
@@ -54,6 +58,15 @@ MODELS = {
     "smollm2": "smollm2-135m-instruct",
     "gemma3": "gemma3-270m",
     "llama1b": None,  # generated into --workdir
+    "llama8b": None,  # generated too; not a default (16 GB): a GPU machine's
+}
+# The generated checkpoints: `write_random_llama`'s config and shards.
+GENERATED = {
+    "llama1b": ({}, 2),  # its default: ~1.1B parameters
+    "llama8b": (dict(vocab_size=128256, hidden_size=4096,
+                     intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8,
+                     rope_theta=500000.0), 4),  # Llama-3-8B's sizes
 }
 
 _LOAD_CHILD = r"""
@@ -183,19 +196,19 @@ def _median(runs: list[dict], key: str) -> float:
   return statistics.median(r[key] for r in runs)
 
 
-def load_rows(args, llama_dir: Path | None) -> list[str]:
+def load_rows(args, generated: dict[str, Path]) -> list[str]:
   fixed = [child(_LOAD_CHILD, dict(what="fixed")) for _ in range(args.repeats)]
   rows = [f"| fixed cost (import, 1 op) | | {gb(_median(fixed, 'peak'))} |"
           f" | | {_median(fixed, 'import_s'):.1f} (import) |"]
   for key in args.models:
-    what = str(llama_dir) if key == "llama1b" else MODELS[key]
+    what = str(generated[key]) if key in GENERATED else MODELS[key]
     for dtype in args.dtypes:
-      if dtype == "keep" and key == "llama1b":
+      if dtype == "keep" and key in GENERATED:
         continue  # A safetensors checkpoint: no blocks to keep.
       quantize = "keep" if dtype == "keep" else None
       runs = [child(_LOAD_CHILD, dict(
           what=what, dtype="float32" if quantize else dtype,
-          quantize=quantize, tokenizer=key != "llama1b"))
+          quantize=quantize, tokenizer=key not in GENERATED))
               for _ in range(args.repeats)]
       peak, weights = _median(runs, "peak"), runs[0]["weights"]
       times = [r["load_s"] for r in runs]
@@ -208,7 +221,7 @@ def load_rows(args, llama_dir: Path | None) -> list[str]:
 
 def generate_rows(args) -> list[str]:
   rows = []
-  for key in [k for k in args.models if k != "llama1b"]:
+  for key in [k for k in args.models if k not in GENERATED]:
     for dtype in args.dtypes:
       if dtype == "keep":
         continue
@@ -237,30 +250,36 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   names = lambda s: [x for x in s.split(",") if x]
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--models", type=names, default=list(MODELS))
+  parser.add_argument("--models", type=names,
+                      default=["smollm2", "gemma3", "llama1b"],
+                      help=f"of {list(MODELS)}")
   parser.add_argument("--dtypes", type=names, default=["float32", "bfloat16"])
   parser.add_argument("--workdir", default=None,
-                      help="where the 1.1B checkpoint is written (reused if"
-                      " there); default: a temporary directory")
+                      help="where generated checkpoints are written (reused"
+                      " if there); default: a temporary directory")
   parser.add_argument("--rows", type=int, default=4)
   parser.add_argument("--new", type=int, default=192)
   parser.add_argument("--skip-generate", action="store_true")
   args = parser.parse_args()
+  for key in args.models:
+    if key not in MODELS:
+      parser.error(f"unknown model {key!r}; choose from {list(MODELS)}")
 
   print("start:", uptime(), flush=True)
   with tempfile.TemporaryDirectory() as tmp:
-    llama_dir = None
-    if "llama1b" in args.models:
+    generated = {}
+    for key in [k for k in args.models if k in GENERATED]:
       # pylint: disable-next=g-import-not-at-top
       from tests.loading.synthetic_checkpoints import checkpoint_bytes
       # pylint: disable-next=g-import-not-at-top
       from tests.loading.synthetic_checkpoints import write_random_llama
-      llama_dir = Path(args.workdir or tmp) / "llama1b-bf16"
-      if not (llama_dir / "config.json").is_file():
-        write_random_llama(llama_dir)
-      print(f"llama1b: {gb(checkpoint_bytes(llama_dir))} GB of bf16"
-            f" safetensors in {llama_dir}", flush=True)
-    load = load_rows(args, llama_dir)
+      generated[key] = Path(args.workdir or tmp) / f"{key}-bf16"
+      if not (generated[key] / "config.json").is_file():
+        config, shards = GENERATED[key]
+        write_random_llama(generated[key], config, shards=shards)
+      print(f"{key}: {gb(checkpoint_bytes(generated[key]))} GB of bf16"
+            f" safetensors in {generated[key]}", flush=True)
+    load = load_rows(args, generated)
   print("\nLoads (one fresh process each; medians of"
         f" {args.repeats}; GB = 1e9 bytes)\n")
   print("| model | dtype | peak RSS GB | weights GB | peak - weights GB |"
