@@ -20,8 +20,11 @@ The mask is penzai's, built from the ``token_positions`` and
 position is valid (``>= 0``), not after its own, and within the sliding
 window. It is passed as a boolean ``[batch, 1, seq, kv_seq]`` array, so left
 padding, unwritten slots and a cache that already holds earlier turns mean
-the same as in the chain. Outputs at padding queries (position -1, where
-the chain averages over nothing meaningful) are zero.
+the same as in the chain. A causal layer's first prompt without padding
+(every row's slot j holds position j: the 8k-token TTFT case) takes a
+second branch, chosen at run time, with the causal flag instead of a mask
+array. Outputs at padding queries (position -1, where the chain averages
+over nothing meaningful) are zero.
 
 Axis conventions (`penzai_lm.model.transformer`): queries have the batch
 axes, ``seq``, the key/value head axes (``heads`` or ``head_groups``), the
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from typing import Any, Literal
 
@@ -153,10 +157,25 @@ class FusedPromptAttention(InPlaceKVCachingAttention):
     kv_pos = side_inputs["kv_token_positions"].order_as(
         *batch, "seq").data_array.reshape(rows, 1, slots)
     window = chain_window(self, self.chain)
-    mask = (q_pos >= kv_pos) & (kv_pos >= 0) & (q_pos - kv_pos < window)
-    out = jax.nn.dot_product_attention(
-        q, k, v, mask=mask[:, None], scale=1.0,
-        implementation=self.implementation)
+    attend = functools.partial(jax.nn.dot_product_attention, q, k, v,
+                               scale=1.0, implementation=self.implementation)
+
+    def masked():
+      mask = (q_pos >= kv_pos) & (kv_pos >= 0) & (q_pos - kv_pos < window)
+      return attend(mask=mask[:, None])
+
+    mask_layer = self.query_key_to_attn.sublayers[self.chain.mask_index]
+    if type(mask_layer) is pz.nn.ApplyCausalAttentionMask:
+      # A first prompt without padding (slot j holds position j) needs no
+      # mask array: the causal mask alone, which cuDNN computes without
+      # reading a [seq, kv_seq] bias per head and skips the blocks above
+      # the diagonal of (and the unwritten slots past the prompt).
+      end = side_inputs[self.kv_cache_end_index_key]
+      fresh = (end == 0) & jnp.all(
+          kv_pos[:, 0, :tokens] == jnp.arange(tokens, dtype=kv_pos.dtype))
+      out = jax.lax.cond(fresh, lambda: attend(is_causal=True), masked)
+    else:
+      out = masked()
     out = jnp.where((q_pos >= 0)[..., None], out, 0)
     axes = [*batch, "seq", *kv, *qh, "projection"]
     shape = [sizes[a] for a in axes]

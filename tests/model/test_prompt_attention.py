@@ -4,6 +4,7 @@ engine. The tests run the "xla" implementation; "cudnn" is the same call
 on a GPU (benchmarks/gpu_decode.py)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from penzai import pz
@@ -34,8 +35,12 @@ def _calls(cached, calls):
   return out
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fused_prompts_match_the_chain_on_every_family(name):
+def test_fused_prompts_match_the_chain_on_every_family(name, padded):
+  """With left padding (a mask array) and without it (a causal layer's
+  first prompt takes the causal-flag branch), then a second prompt after
+  the first and decode steps."""
   config = CONFIGS[name].replace(use_layer_stack=False)
   cached = KVCachingTransformerLM.from_uncached(
       build_transformer(config, seed=1), 32, {"batch": 3})
@@ -45,14 +50,15 @@ def test_fused_prompts_match_the_chain_on_every_family(name):
   assert swapped == (0 if config.attn_logit_softcap else config.num_layers)
   rng = np.random.default_rng(0)
   prompt = rng.integers(1, 97, (3, 9)).astype(np.int32)
-  prompt[1, :4] = 0  # left padding
+  if padded:
+    prompt[1, :4] = 0  # left padding
   calls = [prompt,
            rng.integers(1, 97, (3, 6)).astype(np.int32),  # a second prompt
            *(rng.integers(1, 97, (3, 1)).astype(np.int32) for _ in range(3))]
   want, got = _calls(cached, calls), _calls(fused, calls)
   for i, (w, g) in enumerate(zip(want, got)):
     assert np.isfinite(g).all()
-    if i == 0:  # padding positions' logits mean nothing
+    if i == 0 and padded:  # padding positions' logits mean nothing
       w[1, :4] = g[1, :4] = 0
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=0)
 
@@ -110,3 +116,31 @@ def test_generate_and_sessions_match_with_fused_prompts():
                  for s in sessions)
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got.logprobs[0], want.logprobs[0], atol=2e-5)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu",
+                    reason="cuDNN's flash attention needs a GPU")
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("name", ["llama_mqa_scaled", "gemma3", "qwen2_bias"])
+def test_cudnn_matches_the_chain_on_a_gpu(name, padded):
+  """The "cudnn" implementation in bfloat16 (the device machine runs it)."""
+  config = CONFIGS[name].replace(
+      use_layer_stack=False, parameter_dtype=jnp.bfloat16,
+      activation_dtype=jnp.bfloat16)
+  cached = KVCachingTransformerLM.from_uncached(
+      build_transformer(config, seed=1), 32, {"batch": 3})
+  fused = with_fused_prompt_attention(cached, "cudnn")
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(1, 97, (3, 16)).astype(np.int32)
+  if padded:
+    prompt[1, :4] = 0
+  calls = [prompt, rng.integers(1, 97, (3, 8)).astype(np.int32)]
+  want, got = _calls(cached, calls), _calls(fused, calls)
+  for i, (w, g) in enumerate(zip(want, got)):
+    if i == 0 and padded:
+      w[1, :4] = g[1, :4] = 0
+    np.testing.assert_allclose(g, w, atol=3e-2 * np.abs(w).max(), rtol=0)
+  model, state = pz.unbind_state_vars(fused, freeze=True)
+  hlo = jax.jit(lambda m, s, t: m.stateless_call(s, t)).lower(
+      model, state, pz.nx.wrap(prompt).tag("batch", "seq")).compile().as_text()
+  assert "__cudnn$fmha" in hlo  # cuDNN ran it, not a fallback
