@@ -162,6 +162,19 @@ def _load_checks(mesh) -> dict:
       after = penzai_lm.shard(penzai_lm.load_model(path, quantize=quantize),
                               mesh)
       out[str(quantize)] = _compare_placed(direct, after)
+    # q4_1 of the MLP down projection: 64 neurons are 2 scale groups, which
+    # 4 devices cannot split. Said at its first layer, before the rest of
+    # the checkpoint is quantized.
+    from penzai_lm import quantization  # pylint: disable=g-import-not-at-top
+    real, quantized = quantization.quantize_array, []
+    quantization.quantize_array = lambda *a: (quantized.append(a[-1]),
+                                              real(*a))[1]
+    try:
+      penzai_lm.load_model(path, mesh=mesh, quantize="q4_1")
+    except ValueError as e:
+      out["q4_1_error"] = dict(message=str(e), quantized=quantized)
+    finally:
+      quantization.quantize_array = real
   return out
 
 
@@ -267,6 +280,17 @@ def test_quantized_splits_that_cannot_be_made_are_named(results):
   # The tied table's 64 embedding values are 2 blocks: not 4 devices' worth.
   assert "2 scale groups along 'embedding' do not divide over 4 devices" in (
       errors["groups"])
+
+
+def test_load_names_a_quantized_split_it_cannot_make_early(results):
+  error = results["load"]["q4_1_error"]
+  assert "shard transformer/blocks/mlp/out_linear.weights:" in error["message"]
+  assert "2 scale groups along 'neurons' do not divide over 4 devices" in (
+      error["message"])
+  # Raised before that weight was quantized, in the stack's first layer
+  # (a layer stack is quantized one layer at a time: no label twice).
+  assert "transformer/blocks/mlp/out_linear.weights" not in error["quantized"]
+  assert len(set(error["quantized"])) == len(error["quantized"]) > 0
 
 
 def test_load_checks_mesh_and_rules_before_reading(tmp_path):

@@ -10,6 +10,8 @@ is the weights plus about one block's tensors (see docs/loading.md).
 from __future__ import annotations
 
 import collections
+import functools
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -36,7 +38,10 @@ from penzai_lm.model import TransformerLM
 from penzai_lm import quantization
 from penzai_lm import sharding
 from penzai_lm.model import build_transformer
+from penzai_lm.quantization.formats import BLOCK
 from penzai_lm.sharding import ShardingRules
+from penzai_lm.sharding.quantized import Flattened
+from penzai_lm.sharding.quantized import check_flattened
 from penzai_lm.tokenizer import Tokenizer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -166,14 +171,19 @@ def _as_variables(model):
   return pz.select(model).at_instances_of(pz.ParameterValue).apply(variable)
 
 
-def _quantizing(targets, fmt: str, host) -> tuple[Taken, Any]:
+def _quantizing(targets, fmt: str, host, check=None) -> tuple[Taken, Any]:
   """The weights ``quantize`` would quantize, quantized as they are read
   (one layer of a stack at a time, each float layer dropped at once), and
   the ``quantize`` choice that puts them in. ``host``: the device the
-  quantized arrays are made on (None: the default one)."""
+  quantized arrays are made on (None: the default one). ``check(label,
+  sizes, out_names, in_names)`` sees each weight's first layer first."""
   parts = collections.defaultdict(list)
 
   def take(label, axes, array):
+    if check is not None and label not in parts:
+      out_names, in_names = targets[label]
+      check(label, dict(zip(axes, array.shape)), out_names,
+            in_names or tuple(a for a in axes if a not in out_names))
     with jax.default_device(host):
       parts[label].extend(quantization.quantize_array(
           array, axes, *targets[label], fmt, label))
@@ -181,6 +191,22 @@ def _quantizing(targets, fmt: str, host) -> tuple[Taken, Any]:
   # Each is asked for once; popped, its parts go once they are in place.
   return (Taken(wants=targets.__contains__, take=take),
           lambda label: parts.pop(label, None))
+
+
+def _check_quantized_split(fmt, mesh, rules, label, sizes, out_names,
+                           in_names) -> None:
+  """Raises before anything is quantized if ``mesh`` cannot split the
+  quantized form of a weight (its flattened axes, its scale groups)."""
+  rules = sharding.resolve_rules(rules, mesh)
+  k = math.prod(sizes[a] for a in in_names)
+  flat = Flattened(
+      out_axes=tuple((a, sizes[a]) for a in out_names),
+      in_axes=tuple((a, sizes[a]) for a in in_names),
+      groups=1 if fmt == "int8" else k // BLOCK)
+  check_flattened(flat, mesh, rules, label)
+  sharding.parameter_sharding(
+      {out_names[0]: sizes[out_names[0]], in_names[0]: sizes[in_names[0]]},
+      mesh, rules, label=label)
 
 
 def _placement(mesh, rules) -> Place:
@@ -237,9 +263,13 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
   shape_only = frozenset()
   taken = None
   if quantize in quantization.FORMATS:
+    check = None
+    if mesh is not None:
+      check = functools.partial(_check_quantized_split, quantize, mesh, rules)
     taken, quantize = _quantizing(quantization.quantized_targets(model),
                                   quantize,
-                                  _host_device() if mesh is not None else None)
+                                  _host_device() if mesh is not None else None,
+                                  check)
   elif quantize == "keep":
     if checkpoint.gguf_reader is None:
       raise ValueError(f"quantize='keep' keeps a GGUF file's blocks, and"

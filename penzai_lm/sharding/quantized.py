@@ -35,10 +35,10 @@ def flattened_weights(model) -> dict[str, Flattened]:
   return found
 
 
-def unflattened_axes(value, flat: Flattened, mesh, rules: ShardingRules,
-                      label: str) -> tuple[list, list]:
-  """Names and sizes of a quantized array's dimensions as `_spec` checks
-  them: each flattened axis as the model axis it splits like."""
+def check_flattened(flat: Flattened, mesh, rules: ShardingRules,
+                    label: str) -> None:
+  """Raises ValueError if ``mesh`` and ``rules`` cannot split a quantized
+  weight whose arrays flatten ``flat`` (also before it is quantized)."""
   sizes = dict(mesh.shape)
 
   def ways(name):
@@ -55,13 +55,21 @@ def unflattened_axes(value, flat: Flattened, mesh, rules: ShardingRules,
             f" {[a for a, _ in axes]} as one flattened axis, which splits"
             f" only along {axes[0][0]!r}, not {name!r}. Keep {name!r} whole"
             f" (rules={{{name!r}: None}}), or shard the float model.")
-  (out_name, out_size), (in_name, in_size) = flat.out_axes[0], flat.in_axes[0]
+  in_name = flat.in_axes[0][0]
   if flat.groups > 1 and flat.groups % ways(in_name):
     raise ValueError(
         f"cannot shard {label}: its {flat.groups} scale groups along"
         f" {in_name!r} do not divide over {ways(in_name)} devices. Use a"
         f" mesh whose axes divide them, or keep {in_name!r} whole (rules="
         f"{{{in_name!r}: None}}).")
+
+
+def unflattened_axes(value, flat: Flattened, mesh, rules: ShardingRules,
+                      label: str) -> tuple[list, list]:
+  """Names and sizes of a quantized array's dimensions as `_spec` checks
+  them: each flattened axis as the model axis it splits like."""
+  check_flattened(flat, mesh, rules, label)
+  (out_name, out_size), (in_name, in_size) = flat.out_axes[0], flat.in_axes[0]
   names, shape = [], []
   for name, size in zip(data_axes(value), value.data_array.shape):
     if name == "quant_out":
