@@ -16,19 +16,24 @@ holds the other's memory) and reports:
 * compile seconds of the first generate, and the device's peak memory
   against the weights' bytes.
 
-Engines: ``penzai_lm`` (the default engine: on one GPU prompts run as
-cuDNN flash attention), ``penzai_lm-chain`` (`Engine(prompt_attention=None)`:
-penzai's own attention layers, for the TTFT comparison), and the peers
-``transformers-eager`` (``generate`` with its dynamic cache) and
-``transformers-compile`` (static cache, ``torch.compile`` of the forward
-pass). ``--formats int8`` adds penzai_lm with int8 weight-only quantization.
+Engines: ``penzai_lm`` (a layer-stacked model, as ``load`` makes it, on the
+default engine: on one GPU prompts run as cuDNN flash attention, and the
+stack is unstacked for decoding, a second copy of the weights off CPU),
+``penzai_lm-chain`` (`Engine(prompt_attention=None)`: penzai's own
+attention layers, for the TTFT comparison), ``penzai_lm-layers`` (a
+per-layer model, one copy), ``penzai_lm-scan``
+(`Engine(unstack_layer_stacks=False)`: decodes the stack as a scan, one
+copy), and the peers ``transformers-eager`` (``generate`` with its dynamic
+cache) and ``transformers-compile`` (static cache, ``torch.compile`` of the
+forward pass). ``--formats int8`` adds penzai_lm with int8 weight-only quantization.
 Extra XLA flags for the penzai_lm processes (``--xla-flags``) make sweeps of
 XLA:GPU options one command.
 
 Run on the device machine (``../shared/notes/gpu.md`` says which wheels
 travel):
 
-    python benchmarks/gpu_decode.py --json $OUT/gpu.json
+    python benchmarks/gpu_decode.py --shapes smollm2,llama1b \
+        --json $OUT/small.json
     python benchmarks/gpu_decode.py --shapes llama8b --formats bf16,int8 \\
         --engines penzai_lm,transformers-compile --ttft ""
 
@@ -65,8 +70,19 @@ SHAPES = {
                     mlp_hidden_size=14336, tie_embeddings=False,
                     rope_base=500000.0),
 }
-ENGINES = ("penzai_lm", "penzai_lm-chain", "transformers-eager",
-           "transformers-compile")
+# penzai_lm variants: (use_layer_stack of the model, Engine keywords).
+PENZAI = {
+    # A stacked model (what `load` returns), unstacked by the engine for
+    # decoding: on a GPU the per-layer weights are a second copy.
+    "penzai_lm": (True, {}),
+    # The same with penzai's attention layers for prompts.
+    "penzai_lm-chain": (True, dict(prompt_attention=None)),
+    # A per-layer model (`load(use_layer_stack=False)`): one copy.
+    "penzai_lm-layers": (False, {}),
+    # A stacked model decoded as a scan over its stack: one copy.
+    "penzai_lm-scan": (True, dict(unstack_layer_stacks=False)),
+}
+ENGINES = (*PENZAI, "transformers-eager", "transformers-compile")
 
 
 def _median(xs):
@@ -112,10 +128,12 @@ def penzai_child(spec: dict) -> dict:
   from penzai_lm.model import TransformerConfig  # pylint: disable=g-import-not-at-top
   from penzai_lm.model import build_transformer  # pylint: disable=g-import-not-at-top
 
+  stacked, engine_kwargs = PENZAI[spec["engine"]]
   shape = SHAPES[spec["shape"]]
   config = TransformerConfig(family="llama", **shape,
                              parameter_dtype=jnp.bfloat16,
-                             activation_dtype=jnp.bfloat16)
+                             activation_dtype=jnp.bfloat16,
+                             use_layer_stack=stacked)
   start = time.perf_counter()
   model = build_transformer(config, seed=0, on_device=True)
   jax.block_until_ready(model)
@@ -127,8 +145,7 @@ def penzai_child(spec: dict) -> dict:
     out["quantize_s"] = time.perf_counter() - start
   out["weight_bytes"] = sum(x.nbytes for x in jax.tree_util.tree_leaves(model)
                             if hasattr(x, "nbytes"))
-  attention = None if spec["engine"] == "penzai_lm-chain" else "auto"
-  engine = Engine(prompt_attention=attention)
+  engine = Engine(**engine_kwargs)
   greedy = dict(temperature=0.0, stop_tokens=[])
 
   def timed(prompts, new):
@@ -324,7 +341,7 @@ def main():
   for shape in shapes:
     results = []
     for engine in engines:
-      for fmt in (formats if engine == "penzai_lm" else ["bf16"]):
+      for fmt in (formats if engine in PENZAI else ["bf16"]):
         r = run_child(dict(base, engine=engine, shape=shape, format=fmt),
                       args.xla_flags)
         if r is not None:
