@@ -51,6 +51,7 @@ from penzai_lm.model.attention_chain import chain_window
 from penzai_lm.model.attention_chain import plain_chain
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
 from penzai_lm.model.cache_attention import write_at
+from penzai_lm.model.devices import devices_of
 
 Implementation = Literal["xla", "cudnn"]
 
@@ -190,26 +191,15 @@ def _batch_axes(query, kv, qh) -> list[str]:
           if a not in ("seq", "projection", *kv, *qh)]
 
 
-def _devices(model) -> set[jax.Device] | None:
-  """The devices of ``model``'s arrays (None if it holds tracers)."""
-  devices = set()
-  for x in jax.tree_util.tree_leaves(model):
-    if isinstance(x, jax.core.Tracer):
-      return None
-    if isinstance(x, jax.Array):
-      devices |= x.sharding.device_set
-  return devices
-
-
 def on_gpus(model) -> bool:
   """Whether ``model`` has arrays, all of them on GPUs."""
-  devices = _devices(model)
+  devices = devices_of(model)
   return bool(devices) and all(d.platform == "gpu" for d in devices)
 
 
 def on_one_gpu(model) -> bool:
   """Whether every array of ``model`` is on one and the same GPU."""
-  return on_gpus(model) and len(_devices(model)) == 1
+  return on_gpus(model) and len(devices_of(model)) == 1
 
 
 def with_fused_prompt_attention(model,
