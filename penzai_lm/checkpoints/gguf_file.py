@@ -1,7 +1,7 @@
 """Opening GGUF files: magic check, a faster ``gguf.GGUFReader``, bounds.
 
 The reader checks every tensor's type, shape and offset against the file
-(:func:`~penzai_lm.checkpoints.validation.check_gguf_tensor_infos`) before
+(:func:`~penzai_lm.checkpoints.file_checks.check_gguf_tensor_infos`) before
 gguf-py builds any view of the data: a misaligned, overlapping or
 out-of-file tensor is named in a :class:`CheckpointError` instead of being
 read as garbage or failing with a numpy reshape error.
@@ -16,7 +16,7 @@ import numpy as np
 
 from penzai_lm.checkpoints.checkpoint import CORRUPT_HINT
 from penzai_lm.checkpoints.checkpoint import CheckpointError
-from penzai_lm.checkpoints.validation import check_gguf_tensor_infos
+from penzai_lm.checkpoints.file_checks import check_gguf_tensor_infos
 
 GGUF_MAGIC = b"GGUF"
 

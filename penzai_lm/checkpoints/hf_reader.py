@@ -41,7 +41,7 @@ from penzai_lm.checkpoints.spec_types import frozen_map
 from penzai_lm.checkpoints.specs import SPECS
 from penzai_lm.checkpoints.validation import CONFIG_HINT
 from penzai_lm.checkpoints.validation import check_layer_count
-from penzai_lm.checkpoints.validation import check_safetensors_header
+from penzai_lm.checkpoints.file_checks import check_safetensors_header
 from penzai_lm.checkpoints.validation import layer_indices
 
 
