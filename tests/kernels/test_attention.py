@@ -4,7 +4,6 @@ family, inside the engine's compiled decode loop."""
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from penzai_lm.model.attention_chain import plain_chain
 from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model import build_transformer
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
+from tests.model.cached_calls import cached_calls
 from tests.model.configs import CONFIGS
 
 pytestmark = pytest.mark.skipif(not ops.available(),
@@ -93,19 +93,6 @@ def test_kernel_matches_reference(dtype, shape, window, softcap):
     assert not np.asarray(heads)[2].any()  # nothing to attend: zeros
 
 
-def _run(cached, tokens):
-  """Logits of a prefill then one-token steps, jitted."""
-  model, state = pz.unbind_state_vars(cached, freeze=True)
-  call = jax.jit(lambda m, s, t: m.stateless_call(s, t))
-  logits = []
-  for t in tokens:
-    out, state = call(model, state, pz.nx.wrap(t).tag("batch", "seq"))
-    logits.append(np.asarray(out.data_array, np.float32))
-  hlo = call.lower(model, state, pz.nx.wrap(tokens[-1]).tag(
-      "batch", "seq")).as_text()
-  return logits, hlo
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_cached_attention_matches_penzai_on_every_family(name):
   config = CONFIGS[name].replace(use_layer_stack=False)
@@ -119,8 +106,8 @@ def test_cached_attention_matches_penzai_on_every_family(name):
   prompt[1, :3] = 0  # left padding
   tokens = [prompt] + [rng.integers(1, 97, (3, 1)).astype(np.int32)
                        for _ in range(12)]  # past Mistral's window of 4
-  want, _ = _run(cached, tokens)
-  got, hlo = _run(fast, tokens)
+  want, _ = cached_calls(cached, tokens)
+  got, hlo = cached_calls(fast, tokens)
   assert hlo.count("pzlm_decode_attention") == config.num_layers
   for w, g in zip(want, got):
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=0)

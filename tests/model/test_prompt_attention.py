@@ -18,21 +18,10 @@ from penzai_lm.model.prompt_attention import FusedPromptAttention
 from penzai_lm.model.prompt_attention import on_gpus
 from penzai_lm.model.prompt_attention import on_one_gpu
 from penzai_lm.model.prompt_attention import with_fused_prompt_attention
+from tests.model.cached_calls import cached_calls
 from tests.model.configs import CONFIGS
 
 GREEDY = dict(temperature=0.0, stop_tokens=[])
-
-
-def _calls(cached, calls):
-  """Logits of each call in ``calls`` (token arrays), in order, jitted."""
-  model, state = pz.unbind_state_vars(cached, freeze=True)
-  step = jax.jit(lambda m, s, t: m.stateless_call(s, t))
-  out = []
-  for tokens in calls:
-    logits, state = step(model, state, pz.nx.wrap(tokens).tag("batch", "seq"))
-    out.append(np.array(logits.order_as("batch", "seq", "vocabulary")
-                          .data_array, np.float32))
-  return out
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -55,7 +44,8 @@ def test_fused_prompts_match_the_chain_on_every_family(name, padded):
   calls = [prompt,
            rng.integers(1, 97, (3, 6)).astype(np.int32),  # a second prompt
            *(rng.integers(1, 97, (3, 1)).astype(np.int32) for _ in range(3))]
-  want, got = _calls(cached, calls), _calls(fused, calls)
+  (want, _), (got, _) = (cached_calls(cached, calls),
+                          cached_calls(fused, calls))
   for i, (w, g) in enumerate(zip(want, got)):
     assert np.isfinite(g).all()
     if i == 0 and padded:  # padding positions' logits mean nothing
@@ -135,7 +125,8 @@ def test_cudnn_matches_the_chain_on_a_gpu(name, padded):
   if padded:
     prompt[1, :4] = 0
   calls = [prompt, rng.integers(1, 97, (3, 8)).astype(np.int32)]
-  want, got = _calls(cached, calls), _calls(fused, calls)
+  (want, _), (got, _) = (cached_calls(cached, calls),
+                          cached_calls(fused, calls))
   for i, (w, g) in enumerate(zip(want, got)):
     if i == 0 and padded:
       w[1, :4] = g[1, :4] = 0
