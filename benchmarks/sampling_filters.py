@@ -50,6 +50,10 @@ CONFIGS = {
     "combined": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05),
     "penalties": dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1,
                       presence_penalty=0.5, frequency_penalty=0.5),
+    "typical 0.9": dict(temperature=0.8, typical_p=0.9),
+    "epsilon 3e-4": dict(temperature=0.8, epsilon_cutoff=3e-4),
+    "eta 3e-4": dict(temperature=0.8, eta_cutoff=3e-4),
+    "top-p + typical": dict(temperature=0.8, top_p=0.9, typical_p=0.9),
 }
 
 

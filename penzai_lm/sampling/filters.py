@@ -164,20 +164,20 @@ def candidate_keep_mask(
   return keep, covered
 
 
-def _sortable(x: jax.Array) -> jax.Array:
+def sortable(x: jax.Array) -> jax.Array:
   """Maps float32 to uint32 so that unsigned order equals float order."""
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
   sign = bits >> 31
   return jnp.where(sign == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _unsortable(key: jax.Array) -> jax.Array:
-  """Inverse of :func:`_sortable`."""
+def unsortable(key: jax.Array) -> jax.Array:
+  """Inverse of :func:`sortable`."""
   bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _bisect(lo: jax.Array, hi: jax.Array, ok) -> jax.Array:
+def bisect(lo: jax.Array, hi: jax.Array, ok) -> jax.Array:
   """Per row, the smallest integer ``x`` in ``(lo, hi]`` with ``ok(x)``.
 
   ``ok`` must be monotone (False then True) and True at ``hi``; it maps a
@@ -226,9 +226,9 @@ def top_p_keep_mask_full(
   probs = jnp.exp(scaled - log_norm[:, None])
   mass_above = lambda t: jnp.sum(
       jnp.where(scaled > t[:, None], probs, 0.0), axis=-1)
-  hi = _sortable(upper)
-  lo = jnp.minimum(_sortable(jnp.min(scaled, axis=-1)) - 1, hi - 1)
-  t = _unsortable(_bisect(lo, hi, lambda k: mass_above(_unsortable(k)) < top_p))
+  hi = sortable(upper)
+  lo = jnp.minimum(sortable(jnp.min(scaled, axis=-1)) - 1, hi - 1)
+  t = unsortable(bisect(lo, hi, lambda k: mass_above(unsortable(k)) < top_p))
 
   above = scaled > t[:, None]
   group = scaled == t[:, None]
@@ -240,7 +240,7 @@ def top_p_keep_mask_full(
   def first_of_group():
     ids = jnp.arange(vocab, dtype=jnp.int32)
     count_below = lambda m: jnp.sum(group & (ids < m[:, None]), axis=-1)
-    end = _bisect(jnp.zeros((batch,), jnp.int32),
+    end = bisect(jnp.zeros((batch,), jnp.int32),
                   jnp.full((batch,), vocab, jnp.int32),
                   lambda m: count_below(m) >= n_group)
     return group & (ids < end[:, None])

@@ -11,10 +11,11 @@ Array conventions:
 
 Filter order (as in HF ``generate()``): (1) repetition, presence and
 frequency penalties, (2) logit bias, then banned tokens -> -inf,
-(3) temperature, (4) top-k, (5) top-p, (6) min-p, then a categorical draw
-(Gumbel-max). Greedy rows (temperature 0) take the argmax of the logits after
-steps (1)-(2) and ignore (3)-(6); ties go to the lowest token id, as they do
-for ``top_k=1`` and a tiny ``top_p``.
+(3) temperature, (4) top-k, (5) top-p, (6) min-p, (7) typical, epsilon
+and eta (``entropy_filters``), then a categorical draw (Gumbel-max). Greedy
+rows (temperature 0) take the argmax of the logits after steps (1)-(2) and
+ignore (3)-(7); ties go to the lowest token id, as they do for ``top_k=1``
+and a tiny ``top_p``.
 
 Cost: the batch decides, with ``jax.lax.cond``, which paths run (penalties
 only when some row uses them; each path only when some row needs it):
@@ -30,6 +31,11 @@ only when some row uses them; each path only when some row needs it):
     filters act on them and the draw is over them. A top-p-only row whose
     nucleus is larger than the candidates falls back to an exact bisection
     over the full vocabulary (``filters.top_p_keep_mask_full``).
+  * rows with typical, epsilon or eta sampling join the plain rows' draw:
+    their top-k / top-p become a mask over the vocabulary (the typical set
+    is not a prefix of the candidates; its threshold is a bisection). The
+    fallback rows, the plain rows and these share one draw over the
+    vocabulary, and the top-k rows of every kind one candidate extraction.
 No path sorts the whole vocabulary. Do not ``jax.vmap`` ``sample_next`` over
 rows: it is already batched, and vmap turns its conds into selects that run
 every path.
@@ -37,9 +43,12 @@ every path.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from penzai_lm.sampling import entropy_filters
 from penzai_lm.sampling import filters
 from penzai_lm.sampling import penalties
 from penzai_lm.sampling.penalties import SamplerState
@@ -93,62 +102,121 @@ def sample_full_vocab(noise: jax.Array, logits: jax.Array) -> jax.Array:
   return (which * chunk + pick).astype(jnp.int32)
 
 
-def _sample_plain(noise, logits, settings):
-  scaled = filters.scale_by_temperature(logits, settings.temperature)
-  keep = filters.min_p_mask(scaled, settings.min_p)
-  return sample_full_vocab(noise, jnp.where(keep, scaled, -jnp.inf))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Candidates:
+  """The ``top_k_cap`` best tokens of each row and what top-k / top-p /
+  min-p keep of them (see `filters.candidate_keep_mask`).
+
+  Attributes:
+    vals: f32 (batch, K) scaled logits, descending.
+    ids: i32 (batch, K) their token ids.
+    keep: bool (batch, K) kept candidates.
+    need_full: bool (batch,) rows whose nucleus does not fit in the
+      candidates (exact top-p over the vocabulary instead).
+    log_norm: f32 (batch,) the row's normaliser for top-p without top-k.
+  """
+
+  vals: jax.Array
+  ids: jax.Array
+  keep: jax.Array
+  need_full: jax.Array
+  log_norm: jax.Array
 
 
-def _sample_truncated(noise, logits, settings, truncating):
-  """Top-k / top-p / min-p rows, via ``top_k_cap`` candidates."""
-  batch, vocab = logits.shape
-  zeros = jnp.zeros((batch,), jnp.float32)
-  scaled = filters.scale_by_temperature(logits, settings.temperature)
+def _candidates(scaled, settings, truncating) -> _Candidates:
+  """Top-k / top-p / min-p over ``top_k_cap`` candidates."""
+  batch, vocab = scaled.shape
   num = min(settings.top_k_cap, vocab)
   p_only = truncating & (settings.top_k <= 0)
   # Full-row normaliser, only needed by top-p rows without top-k.
   log_norm = jax.lax.cond(
-      jnp.any(p_only), lambda: jax.nn.logsumexp(scaled, axis=-1), lambda: zeros)
+      jnp.any(p_only), lambda: jax.nn.logsumexp(scaled, axis=-1),
+      lambda: jnp.zeros((batch,), jnp.float32))
   vals, ids = filters.top_k_candidates(scaled, num)
   keep, covered = filters.candidate_keep_mask(
       vals, settings.top_k, settings.top_p, settings.min_p, log_norm,
       exhaustive=num == vocab)
-  pos = jnp.argmax(jnp.where(keep, vals, -jnp.inf) + noise[:, :num], axis=-1)
-  token = jnp.take_along_axis(ids, pos[:, None], axis=-1)[:, 0]
+  return _Candidates(vals, ids, keep, truncating & ~covered, log_norm)
 
-  need_full = truncating & ~covered
+
+def _vocabulary_mask(scaled, settings, cand: _Candidates) -> jax.Array:
+  """bool (batch, vocab): what top-k, top-p and min-p keep, as a vocabulary
+  mask (rows of ``cand.need_full``: the exact nucleus, by bisection)."""
+  batch, vocab = scaled.shape
+  mask = jnp.zeros((batch, vocab), bool).at[
+      jnp.arange(batch)[:, None], cand.ids].set(cand.keep)
 
   def full_nucleus():
     nucleus = filters.top_p_keep_mask_full(
-        scaled, log_norm, settings.top_p, upper=vals[:, -1])
-    keep = nucleus & filters.min_p_mask(scaled, settings.min_p)
-    return sample_full_vocab(noise, jnp.where(keep, scaled, -jnp.inf))
+        scaled, cand.log_norm, settings.top_p, upper=cand.vals[:, -1])
+    return nucleus & filters.min_p_mask(scaled, settings.min_p)
 
-  fallback = jax.lax.cond(jnp.any(need_full), full_nucleus,
-                          lambda: jnp.zeros((batch,), jnp.int32))
-  return jnp.where(need_full, fallback, token)
+  full = jax.lax.cond(jnp.any(cand.need_full), full_nucleus, lambda: mask)
+  return jnp.where(cand.need_full[:, None], full, mask)
 
 
 def _choose(processed, settings, noise):
-  """Token per row from penalised, biased logits (steps 3-6 + draw)."""
-  batch = processed.shape[0]
+  """Token per row from penalised, biased logits (steps 3-7 + draw).
+
+  Greedy rows take the argmax; rows with top-k / top-p draw over their
+  candidates; all other rows (no top-k / top-p, a nucleus larger than the
+  candidates, typical / epsilon / eta) draw over the vocabulary.
+  """
+  batch, vocab = processed.shape
+  num = min(settings.top_k_cap, vocab)
   greedy = filters.is_greedy(settings.temperature)
   truncating = ~greedy & ((settings.top_k > 0) | (settings.top_p < 1))
-  plain = ~greedy & ~truncating
+  entropy = ~greedy & entropy_filters.any_active(settings)
+  scale = lambda: filters.scale_by_temperature(processed,  # noqa: E731
+                                               settings.temperature)
   zeros = jnp.zeros((batch,), jnp.int32)
 
-  def run_if(rows, fn):
-    return jax.lax.cond(jnp.any(rows), fn, lambda: zeros)
-
-  token = run_if(greedy, lambda: filters.argmax_first(processed))
+  token = jax.lax.cond(jnp.any(greedy),
+                       lambda: filters.argmax_first(processed), lambda: zeros)
+  cand = jax.lax.cond(
+      jnp.any(truncating), lambda: _candidates(scale(), settings, truncating),
+      lambda: _Candidates(
+          jnp.zeros((batch, num), jnp.float32),
+          jnp.zeros((batch, num), jnp.int32), jnp.zeros((batch, num), bool),
+          jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.float32)))
+  by_candidates = truncating & ~entropy & ~cand.need_full
+  pos = jnp.argmax(jnp.where(cand.keep, cand.vals, -jnp.inf)
+                   + noise[:, :num], axis=-1)
   token = jnp.where(
-      plain, run_if(plain, lambda: _sample_plain(noise, processed, settings)),
-      token)
-  return jnp.where(
-      truncating,
-      run_if(truncating, lambda: _sample_truncated(noise, processed, settings,
-                                                   truncating)),
-      token)
+      by_candidates,
+      jnp.take_along_axis(cand.ids, pos[:, None], axis=-1)[:, 0], token)
+
+  by_vocabulary = ~greedy & ~by_candidates
+
+  def draw_over_vocabulary():
+    masked = by_vocabulary & truncating
+
+    def filtered():
+      scaled = scale()
+      keep = filters.min_p_mask(scaled, settings.min_p)
+      keep = jax.lax.cond(
+          jnp.any(masked),
+          lambda: jnp.where(masked[:, None],
+                            _vocabulary_mask(scaled, settings, cand), keep),
+          lambda: keep)
+      keep = entropy_filters.apply(scaled, keep, settings)
+      return sample_full_vocab(noise, jnp.where(keep, scaled, -jnp.inf))
+
+    def plain():
+      scaled = scale()
+      keep = filters.min_p_mask(scaled, settings.min_p)
+      return sample_full_vocab(noise, jnp.where(keep, scaled, -jnp.inf))
+
+    # Plain rows alone (temperature, min-p) keep their mask fused into the
+    # draw; the conds of `filtered` materialize it (temperature-only steps
+    # took 0.96 instead of 0.50 ms at batch 8, vocab 49k:
+    # benchmarks/sampling_filters.py).
+    return jax.lax.cond(jnp.any(masked | (by_vocabulary & entropy)),
+                        filtered, plain)
+
+  return jnp.where(by_vocabulary, jax.lax.cond(
+      jnp.any(by_vocabulary), draw_over_vocabulary, lambda: zeros), token)
 
 
 def _check_shapes(logits: jax.Array, settings: SamplingSettings,

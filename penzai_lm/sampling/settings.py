@@ -12,7 +12,8 @@ Array conventions:
     array value never does.
 
 Neutral values (the filter is off): ``temperature=1``, ``top_k=0``,
-``top_p=1``, ``min_p=0``, ``repetition_penalty=1``, ``presence_penalty=0``,
+``top_p=1``, ``min_p=0``, ``typical_p=1``, ``epsilon_cutoff=0``,
+``eta_cutoff=0``, ``repetition_penalty=1``, ``presence_penalty=0``,
 ``frequency_penalty=0``. ``temperature=0`` means greedy decoding.
 
 Build settings on the host with :meth:`SamplingSettings.make`, which checks
@@ -83,6 +84,12 @@ FIELDS: tuple[SamplingField, ...] = (
                   "must be in (0, 1] (1 turns top-p off)"),
     SamplingField("min_p", 0.0, "float", lambda p: 0 <= p < 1,
                   "must be in [0, 1) (0 turns min-p off)"),
+    SamplingField("typical_p", 1.0, "float", lambda p: 0 < p <= 1,
+                  "must be in (0, 1] (1 turns typical sampling off)"),
+    SamplingField("epsilon_cutoff", 0.0, "float", lambda e: 0 <= e < 1,
+                  "must be in [0, 1) (0 turns it off)"),
+    SamplingField("eta_cutoff", 0.0, "float", lambda e: 0 <= e < 1,
+                  "must be in [0, 1) (0 turns it off)"),
 )
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 
@@ -110,6 +117,14 @@ class SamplingSettings:
     top_k: i32 (batch,). 0 = off. Must be <= ``top_k_cap``.
     top_p: f32 (batch,). 1 = off. Nucleus sampling, HF semantics.
     min_p: f32 (batch,). 0 = off. Keeps tokens with p >= min_p * p_max.
+    typical_p: f32 (batch,). 1 = off. Locally typical sampling (Meister et
+      al. 2022, HF semantics): keeps the tokens whose surprisal is closest to
+      the entropy, up to ``typical_p`` of the mass.
+    epsilon_cutoff: f32 (batch,). 0 = off. Drops tokens with p < epsilon
+      (Hewitt et al. 2022); the most likely token always stays.
+    eta_cutoff: f32 (batch,). 0 = off. Drops tokens with p < min(eta,
+      sqrt(eta) * exp(-entropy)) (Hewitt et al. 2022); the most likely
+      token always stays.
     repetition_penalty: f32 (batch,). 1 = off. HF/CTRL semantics over tokens
       seen in the prompt or the generated output: positive logits are divided
       by it, negative logits multiplied.
@@ -129,6 +144,9 @@ class SamplingSettings:
   top_k: jax.Array
   top_p: jax.Array
   min_p: jax.Array
+  typical_p: jax.Array
+  epsilon_cutoff: jax.Array
+  eta_cutoff: jax.Array
   repetition_penalty: jax.Array
   presence_penalty: jax.Array
   frequency_penalty: jax.Array
@@ -171,7 +189,9 @@ class SamplingSettings:
         reuses one compiled program.
       **values: The settings: ``temperature`` (>= 0; 0 = greedy), ``top_k``
         (in [0, top_k_cap]; 0 = off), ``top_p`` (in (0, 1]; 1 = off),
-        ``min_p`` (in [0, 1); 0 = off), ``repetition_penalty`` (> 0; 1 =
+        ``min_p`` (in [0, 1); 0 = off), ``typical_p`` (in (0, 1]; 1 =
+        off), ``epsilon_cutoff`` and ``eta_cutoff`` (in [0, 1); 0 = off),
+        ``repetition_penalty`` (> 0; 1 =
         off), ``presence_penalty`` and ``frequency_penalty`` (finite; 0 =
         off), ``logit_bias`` (``{token_id: bias}`` for every row, a list of
         such dicts, or None) and ``banned_tokens`` (a list of ids for every

@@ -103,3 +103,27 @@ def goodness_of_fit(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float
   ratio = stat / chi_square_bound(int(nonzero.sum()) - 1)
   tv = 0.5 * np.abs(counts / n - probs).sum()
   return float(ratio), float(tv)
+
+
+def hf_warped_probs(logits, **settings) -> np.ndarray:
+  """The distribution HF ``generate(do_sample=True)`` draws from: its own
+  logits warpers (temperature, top-k, top-p, min-p, typical, epsilon, eta,
+  in HF's order) applied in float64 by ``transformers``."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from transformers.generation import logits_process as lp  # pylint: disable=g-import-not-at-top
+  warpers = {
+      "temperature": lambda v: lp.TemperatureLogitsWarper(v),
+      "top_k": lambda v: lp.TopKLogitsWarper(v),
+      "top_p": lambda v: lp.TopPLogitsWarper(v),
+      "min_p": lambda v: lp.MinPLogitsWarper(v),
+      "typical_p": lambda v: lp.TypicalLogitsWarper(v),
+      "epsilon_cutoff": lambda v: lp.EpsilonLogitsWarper(v),
+      "eta_cutoff": lambda v: lp.EtaLogitsWarper(v, device="cpu"),
+  }
+  unknown = set(settings) - set(warpers)
+  assert not unknown, unknown
+  scores = torch.tensor(np.asarray(logits, np.float64))[None]
+  for name, make in warpers.items():  # HF's order.
+    if name in settings:
+      scores = make(settings[name])(None, scores)
+  return softmax(scores[0].numpy())

@@ -93,6 +93,10 @@ ROW_SETTINGS = [  # One dict per logical row; each exercises another path.
     dict(temperature=0.8, top_k=20, top_p=0.9, frequency_penalty=0.3, seed=13),
     dict(temperature=1.0, top_p=0.95, seed=14),  # Flat row: bisection path.
     dict(temperature=1.2, top_k=0, top_p=0.6, seed=15),
+    dict(temperature=1.0, typical_p=0.8, seed=16),
+    dict(temperature=0.7, top_k=30, epsilon_cutoff=1e-3, eta_cutoff=1e-3,
+         seed=17),
+    dict(temperature=1.0, top_p=0.9, typical_p=0.9, seed=18),  # Flat row.
 ]
 
 
@@ -100,7 +104,7 @@ def _row_logits(rows, prev_tokens):
   """Deterministic per-row logits that depend on the previous token."""
   rng = np.random.default_rng(0)
   base = rng.standard_normal((len(ROW_SETTINGS), VOCAB)) * 2.5
-  base[3] *= 0.2  # Near-uniform: nucleus larger than the 256 candidates.
+  base[[3, 7]] *= 0.2  # Near-uniform: nucleus beyond the 256 candidates.
   table = rng.standard_normal((VOCAB, VOCAB)) * 0.5
   return jnp.asarray(base[rows] + table[prev_tokens], jnp.float32)
 
@@ -110,9 +114,11 @@ def generate(rows, steps=50, step_offsets=None):
   rows = np.asarray(rows)
   batch = len(rows)
   per_row = [ROW_SETTINGS[r] for r in rows]
-  keys = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+  keys = ["temperature", "top_k", "top_p", "min_p", "typical_p",
+          "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
           "presence_penalty", "frequency_penalty", "seed"]
   defaults = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                  typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
                   repetition_penalty=1.0, presence_penalty=0.0,
                   frequency_penalty=0.0)
   settings = SamplingSettings.make(batch, VOCAB, **{
@@ -133,17 +139,23 @@ def generate(rows, steps=50, step_offsets=None):
 
 
 def test_rows_are_batch_invariant():
-  batched, batched_lp = generate([0, 1, 2, 3])
-  for r in range(4):
+  rows = [0, 1, 2, 3, 5, 6, 7]  # Row 4 joins below.
+  batched, batched_lp = generate(rows)
+  slot_of = {r: slot for slot, r in enumerate(rows)}
+  for r in rows:
     alone, alone_lp = generate([r])
-    np.testing.assert_array_equal(alone[0], batched[r], err_msg=f"row {r}")
-    np.testing.assert_allclose(alone_lp[0], batched_lp[r], rtol=1e-5)
+    np.testing.assert_array_equal(alone[0], batched[slot_of[r]],
+                                  err_msg=f"row {r}")
+    np.testing.assert_allclose(alone_lp[0], batched_lp[slot_of[r]], rtol=1e-5)
   # Other slots, other neighbours (with their own step counters).
-  mixed, _ = generate([4, 2, 0, 3, 1], step_offsets=np.array([17, 0, 0, 0, 0]))
-  for slot, r in [(1, 2), (2, 0), (3, 3), (4, 1)]:
-    np.testing.assert_array_equal(mixed[slot], batched[r], err_msg=f"row {r}")
+  mixed_rows = [4, 2, 0, 7, 3, 1, 5]
+  mixed, _ = generate(mixed_rows, step_offsets=np.array([17, 0, 0, 0, 0, 0, 0]))
+  for slot, r in enumerate(mixed_rows[1:], start=1):
+    np.testing.assert_array_equal(mixed[slot], batched[slot_of[r]],
+                                  err_msg=f"row {r}")
   # The rows really are random and take different tokens.
-  assert len(set(batched[1].tolist())) > 10
+  for r in (1, 5, 7):
+    assert len(set(batched[slot_of[r]].tolist())) > 10, f"row {r}"
 
 
 def test_same_seed_reproduces_and_different_seeds_differ():
@@ -172,6 +184,8 @@ def test_changing_values_never_recompiles():
       dict(repetition_penalty=2.0, presence_penalty=-1.0, seed=[4, 5, 6]),
       dict(top_k=7, top_p=0.3, min_p=0.1, frequency_penalty=1.0, seed=99),
       dict(banned_tokens=[1, 2], logit_bias={3: 1.0}),
+      dict(typical_p=[0.5, 1.0, 0.9], top_k=[0, 10, 0]),
+      dict(epsilon_cutoff=0.01, eta_cutoff=[0.0, 0.001, 0.1], top_p=0.8),
   ]
   for i, kwargs in enumerate(variants):
     settings = SamplingSettings.make(batch, vocab, always_dense=True, **kwargs)

@@ -60,7 +60,7 @@ def test_always_dense_keeps_one_pytree_structure():
 
 def test_pytree_leaves_and_static_cap():
   s = SamplingSettings.make(2, 5)
-  assert len(jax.tree.leaves(s)) == 8
+  assert len(jax.tree.leaves(s)) == 11
   other = SamplingSettings.make(2, 5, top_k_cap=8)
   assert jax.tree.structure(s) != jax.tree.structure(other)
   doubled = jax.tree.map(lambda x: x, other)
@@ -83,6 +83,13 @@ BAD = [
     (dict(top_k=[1, 2]), "got 2 values for top_k but the batch has 4 rows"),
     (dict(min_p=1.0), r"min_p\[0\] = 1.0 is invalid: min_p must be in \[0, 1\)"),
     (dict(min_p=-0.5), r"min_p\[0\] = -0.5 is invalid"),
+    (dict(typical_p=0.0),
+     r"typical_p\[0\] = 0.0 is invalid: typical_p must be in \(0, 1\]"),
+    (dict(typical_p=[0.9, 0.9, 0.9, 1.2]), r"typical_p\[3\] = 1.2 is invalid"),
+    (dict(epsilon_cutoff=1.0),
+     r"epsilon_cutoff\[0\] = 1.0 is invalid: epsilon_cutoff must be in \[0, 1\)"),
+    (dict(eta_cutoff=-1e-4), r"eta_cutoff\[0\] = -0.0001 is invalid"),
+    (dict(eta_cutoff=float("nan")), r"eta_cutoff\[0\] must be finite"),
     (dict(repetition_penalty=0.0),
      r"repetition_penalty\[0\] = 0.0 is invalid: repetition_penalty must be > 0"),
     (dict(repetition_penalty=-1.2), r"repetition_penalty\[0\] = -1.2"),
