@@ -44,6 +44,9 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
                       " quantize them"
                       " (decoding reads the blocks in compiled CPU kernels)")
   parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+  parser.add_argument("--min-new-tokens", type=int, default=0,
+                      help="tokens to generate before a stop token may end"
+                      " the reply")
   parser.add_argument("--greedy", action="store_true",
                       help="always pick the most likely token (the default"
                       " unless --temperature is given)")
@@ -51,6 +54,12 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--top-k", type=int, default=0)
   parser.add_argument("--top-p", type=float, default=1.0)
   parser.add_argument("--min-p", type=float, default=0.0)
+  parser.add_argument("--typical-p", type=float, default=1.0,
+                      help="locally typical sampling mass (1 = off)")
+  parser.add_argument("--epsilon-cutoff", type=float, default=0.0,
+                      help="drop tokens with p below this (0 = off)")
+  parser.add_argument("--eta-cutoff", type=float, default=0.0,
+                      help="eta sampling (0 = off; 3e-4 to 2e-3 suggested)")
   parser.add_argument("--repetition-penalty", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--stop", action="append", default=[],
@@ -60,8 +69,11 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 def _settings(args) -> dict:
   temperature = 0.0 if args.greedy or args.temperature is None else args.temperature
   return dict(
-      max_new_tokens=args.max_new_tokens, temperature=temperature,
+      max_new_tokens=args.max_new_tokens,
+      min_new_tokens=args.min_new_tokens, temperature=temperature,
       top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+      typical_p=args.typical_p, epsilon_cutoff=args.epsilon_cutoff,
+      eta_cutoff=args.eta_cutoff,
       repetition_penalty=args.repetition_penalty, seed=args.seed,
   )
 

@@ -303,8 +303,11 @@ def generate(model, prompts: Any, *, engine: Engine | None = None,
 
       * ``max_new_tokens``: tokens generated per row at most (forced ones
         included); default 128.
+      * ``min_new_tokens``: tokens generated per row before its stop tokens
+        may be sampled (HF semantics; forced ones count); default 0.
       * sampling settings, each one value or a list per prompt / per row:
         ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``min_p``,
+        ``typical_p``, ``epsilon_cutoff``, ``eta_cutoff``,
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
         ``logit_bias`` and ``banned_tokens`` (see
         `penzai_lm.sampling.SamplingSettings`).

@@ -264,6 +264,16 @@ def _apply_host_control(c: LoopState, x: DecodeInputs) -> LoopState:
       q_pos=jnp.zeros_like(c.q_pos))
 
 
+def _early_stop_bans(x: DecodeInputs, step, vocab: int) -> jax.Array:
+  """bool (B, vocab): each row's stop ids while it has generated fewer than
+  ``min_new`` tokens (a traced value: no program per setting)."""
+  early = (step < x.min_new)[:, None] & (x.stop_ids >= 0)
+  ids = jnp.where(early, x.stop_ids, vocab)  # `vocab`: dropped.
+  rows = jnp.arange(ids.shape[0])[:, None]
+  return jnp.zeros((ids.shape[0], vocab), bool).at[rows, ids].set(
+      True, mode="drop")
+
+
 def _loop_step(shape: DecodeShape, feed_model, x: DecodeInputs,
                c: LoopState) -> LoopState:
   """One iteration: feed every active row's token, pick the next ones.
@@ -280,8 +290,9 @@ def _loop_step(shape: DecodeShape, feed_model, x: DecodeInputs,
   broken = c.feed & jnp.any(jnp.isnan(logits) | (logits == jnp.inf),
                             axis=-1)
   active = c.feed & ~broken
-  sampled, logprob = sampling.sample_next(logits, x.settings, c.sampler,
-                                          c.step)
+  sampled, logprob = sampling.sample_next(
+      logits, x.settings, c.sampler, c.step,
+      extra_bans=_early_stop_bans(x, c.step, logits.shape[-1]))
   queued = jnp.take_along_axis(
       x.q_tokens, jnp.minimum(c.q_pos, Q - 1)[:, None], axis=1)[:, 0]
   forced = active & (c.q_pos < x.q_len)

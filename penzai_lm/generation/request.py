@@ -13,20 +13,14 @@ Conventions:
   prompt, so ``num_rows = num_prompts * num_samples`` rows. Rows are
   prompt-major: row ``r`` is sample ``r % num_samples`` of prompt
   ``r // num_samples``.
-* A per-row option is either one value (used for every row), a list with
-  one value per prompt (each value is used for all samples of its prompt),
-  or a list with one value per row.
-* Seeds: ``seed=None`` draws a fresh random seed per prompt (reported in the
-  result). Sample 0 of a prompt uses the prompt's seed as is; sample ``j >
-  0`` uses ``derive_seed(seed, j)``, so every sample is drawn independently
-  from its first token on and ``num_samples=1`` reproduces sample 0.
+* Per-row options (one value, one per prompt or one per row) and seeds
+  are expanded to rows by `row_options`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +32,12 @@ from penzai_lm.generation import shapes as shapes_lib
 from penzai_lm.generation.prompts import is_int
 from penzai_lm.generation.prompts import is_sequence
 from penzai_lm.generation.prompts import normalize_prompts
-from penzai_lm.generation.prompts import token_list
+from penzai_lm.generation.row_options import check_min_new_reachable
+from penzai_lm.generation.row_options import expand_rows
+from penzai_lm.generation.row_options import max_new_rows
+from penzai_lm.generation.row_options import min_new_rows
+from penzai_lm.generation.row_options import row_seeds
+from penzai_lm.generation.row_options import token_lists
 from penzai_lm.generation.state import Continuation
 from penzai_lm.interp.points import parse_point
 from penzai_lm.model import KVCachingTransformerLM
@@ -53,93 +52,6 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_ROWS = 1 << 16
 
 
-def derive_seed(seed: int, sample: int) -> int:
-  """Seed of sample ``sample`` (> 0) of a prompt whose seed is ``seed``."""
-  return int(np.random.SeedSequence([int(seed), int(sample)]).generate_state(
-      1, np.uint32)[0])
-
-
-def expand_rows(name: str, value: Any, num_prompts: int, num_samples: int,
-                is_row_value=lambda v: not is_sequence(v)) -> list[Any]:
-  """Expands a per-row option to one value per row (see module docstring)."""
-  rows = num_prompts * num_samples
-  if is_row_value(value):
-    return [value] * rows
-  values = list(value)
-  if len(values) == rows:
-    return values
-  if len(values) == num_prompts:
-    return [v for v in values for _ in range(num_samples)]
-  expected = f"{num_prompts}" if num_samples == 1 else (
-      f"{num_prompts} (one per prompt) or {rows} (one per row)")
-  raise ValueError(
-      f"{name} has {len(values)} values but the request has {num_prompts}"
-      f" prompt(s) x {num_samples} sample(s); pass one value for every row or"
-      f" a list of length {expected}.")
-
-
-def _is_flat_ids(value: Any) -> bool:
-  """One row's list of ids (None or a flat list)."""
-  return value is None or (is_sequence(value) and not any(
-      is_sequence(i) for i in value))
-
-
-def token_lists(name: str, value: Any, num_prompts: int, num_samples: int,
-                vocab_size: int, default: Sequence[int] = ()
-                ) -> tuple[tuple[int, ...], ...]:
-  """A per-row list of token ids: one flat list for all rows, or a list of
-  lists (per prompt or per row); None gives ``default``."""
-  if value is None:
-    value = list(default)
-  if not is_sequence(value):
-    raise ValueError(
-        f"{name} must be a list of token ids (for every row) or a list of"
-        f" such lists (per prompt or per row), got {value!r}.")
-  items = list(value)
-  if items and any(is_sequence(i) for i in items) and not all(
-      is_sequence(i) for i in items):
-    raise ValueError(
-        f"{name} mixes token ids and lists; pass one list of ids for every"
-        " row or one list per prompt/row.")
-  rows = expand_rows(name, items, num_prompts, num_samples, _is_flat_ids)
-  return tuple(token_list(f"{name}[{r}]", ids, vocab_size)
-               for r, ids in enumerate(rows))
-
-
-def _check_seed(value: Any, index: int) -> int:
-  if value is None:
-    return secrets.randbits(32)
-  if not is_int(value) or not 0 <= int(value) < 2**32:
-    raise ValueError(
-        f"seed[{index}] = {value!r} is invalid: seeds must be integers in"
-        " [0, 2**32) or None (random).")
-  return int(value)
-
-
-def row_seeds(seed: Any, num_prompts: int, num_samples: int
-              ) -> tuple[int, ...]:
-  """Per-row u32 seeds (see module docstring)."""
-  if seed is None or is_int(seed):
-    per_prompt = [seed] * num_prompts
-  elif is_sequence(seed):
-    values = list(seed)
-    if len(values) == num_prompts * num_samples and num_samples > 1:
-      return tuple(_check_seed(v, r) for r, v in enumerate(values))
-    if len(values) != num_prompts:
-      raise ValueError(
-          f"seed has {len(values)} values but the request has {num_prompts}"
-          " prompt(s); pass one int (or None), or one per prompt.")
-    per_prompt = values
-  else:
-    raise ValueError(f"seed must be an int, None or a list, got {seed!r}.")
-  seeds = []
-  for p, value in enumerate(per_prompt):
-    base = _check_seed(value, p)
-    seeds.extend(base if j == 0 else derive_seed(base, j)
-                 for j in range(num_samples))
-  return tuple(seeds)
-
-
 @dataclasses.dataclass(frozen=True)
 class Request:
   """A validated request, expanded to one entry per row.
@@ -149,6 +61,8 @@ class Request:
     num_samples: Samples per prompt.
     max_new_tokens: Tokens each row generates at most (forced ones
       included).
+    min_new_tokens: Tokens each row generates before its stop tokens may be
+      sampled (forced ones included).
     seeds: The u32 seed of each row.
     stop_tokens: Stop ids per row.
     forced_tokens: Tokens forced at the start of each row's output.
@@ -161,6 +75,7 @@ class Request:
   prompts: tuple[np.ndarray, ...]
   num_samples: int
   max_new_tokens: tuple[int, ...]
+  min_new_tokens: tuple[int, ...]
   seeds: tuple[int, ...]
   stop_tokens: tuple[tuple[int, ...], ...]
   forced_tokens: tuple[tuple[int, ...], ...]
@@ -201,17 +116,6 @@ def is_cached_model(model) -> bool:
       f" {type(model).__name__}.")
 
 
-def _max_new(value: Any, n: int, num_samples: int) -> tuple[int, ...]:
-  rows = expand_rows("max_new_tokens", value, n, num_samples)
-  for r, v in enumerate(rows):
-    if not is_int(v) or int(v) < 1:
-      where = f" for row {r}" if len(set(map(repr, rows))) > 1 else ""
-      raise ValueError(
-          "max_new_tokens must be a positive integer (at least one new"
-          f" token), got {v!r}{where}.")
-  return tuple(int(v) for v in rows)
-
-
 def _sampling(values: dict[str, Any], seeds, n: int, num_samples: int,
               vocab: int) -> sampling.SamplingSettings:
   """The request's `SamplingSettings` (one row per request row)."""
@@ -246,8 +150,9 @@ def _sampling(values: dict[str, Any], seeds, n: int, num_samples: int,
     raise ValueError(f"{e}{hint}") from None
 
 
-_OPTIONS = ("max_new_tokens", "num_samples", "seed", "stop_tokens",
-            "forced_tokens", "logprobs_top_n", "use_cache", "capture")
+_OPTIONS = ("max_new_tokens", "min_new_tokens", "num_samples", "seed",
+            "stop_tokens", "forced_tokens", "logprobs_top_n", "use_cache",
+            "capture")
 
 
 def _check_option_names(values: dict[str, Any]) -> None:
@@ -266,6 +171,7 @@ def build_request(
     prompts: Any,
     *,
     max_new_tokens: Any = DEFAULT_MAX_NEW_TOKENS,
+    min_new_tokens: Any = 0,
     num_samples: Any = 1,
     seed: Any = None,
     stop_tokens: Any = None,
@@ -309,12 +215,14 @@ def build_request(
   n, num_samples = len(rows), int(num_samples)
   if default_stop_tokens is None:
     default_stop_tokens = config.eos_token_ids
-  max_new = _max_new(max_new_tokens, n, num_samples)
+  max_new = max_new_rows(max_new_tokens, n, num_samples)
+  min_new = min_new_rows(min_new_tokens, n, num_samples, max_new)
   seeds = row_seeds(seed, n, num_samples)
   stops = token_lists("stop_tokens", stop_tokens, n, num_samples, vocab,
                       default_stop_tokens)
   forced = token_lists("forced_tokens", forced_tokens, n, num_samples, vocab)
   settings = _sampling(sampling_values, seeds, n, num_samples, vocab)
+  check_min_new_reachable(settings, stops, min_new)
   capture = _capture_names(model, capture)
   info = shapes_lib.RowsInfo(
       num_prompts=n, num_samples=num_samples,
@@ -325,7 +233,8 @@ def build_request(
                             use_cache=use_cache, continuation=continuation)
   return Request(
       prompts=tuple(rows), num_samples=num_samples, max_new_tokens=max_new,
-      seeds=seeds, stop_tokens=stops, forced_tokens=forced,
+      min_new_tokens=min_new, seeds=seeds, stop_tokens=stops,
+      forced_tokens=forced,
       logprobs_top_n=int(logprobs_top_n), sampling=settings, prefill=prefill,
       capture=capture)
 

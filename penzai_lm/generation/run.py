@@ -110,6 +110,7 @@ class Run:
       stop_ids[r, :len(ids)] = ids
     self._settings = request.sampling.pad_rows(B)
     self._max_new = _padded(request.max_new_tokens, B, 1, np.int32)
+    self._min_new = _padded(request.min_new_tokens, B, 0, np.int32)
     self._stop_ids = stop_ids
     self._pause_id = np.asarray(
         -1 if tool is None else int(tool.pause_token_id), np.int32)
@@ -215,7 +216,7 @@ class Run:
       q_len[r] = n
       q_more[r] = len(queue) > Q
     return DecodeInputs(
-        settings=self._settings, max_new=self._max_new,
+        settings=self._settings, max_new=self._max_new, min_new=self._min_new,
         stop_ids=self._stop_ids, pause_id=self._pause_id,
         stop_at=np.asarray(stop_at, np.int32), end_rows=self._end_rows.copy(),
         end_reason=self._end_reason.copy(), resume=self._resume.copy(),

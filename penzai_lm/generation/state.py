@@ -221,6 +221,8 @@ class DecodeInputs:
   Attributes:
     settings: Sampling settings, one row per decode row.
     max_new: (B,) tokens each row may generate.
+    min_new: (B,) tokens each row generates before its stop ids may be
+      sampled.
     stop_ids: (B, S) stop ids per row, -1 padded.
     pause_id: Token after which a row waits for the host (a tool), or -1.
     stop_at: Run until ``t`` reaches this (chunked streaming).
@@ -234,6 +236,7 @@ class DecodeInputs:
 
   settings: sampling.SamplingSettings
   max_new: jax.Array
+  min_new: jax.Array
   stop_ids: jax.Array
   pause_id: jax.Array
   stop_at: jax.Array

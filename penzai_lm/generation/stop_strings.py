@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from penzai_lm.generation.request import expand_rows
+from penzai_lm.generation.row_options import expand_rows
 
 
 class StopStringMatcher:

@@ -246,6 +246,8 @@ def sample_next(
     settings: SamplingSettings,
     state: SamplerState,
     step: jax.Array | int,
+    *,
+    extra_bans: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples one token per row (see the module docstring for the order).
 
@@ -255,6 +257,9 @@ def sample_next(
     state: Token statistics for the penalties (``init_sampler_state``);
       update it with ``update_sampler_state`` after each call.
     step: int (batch,) or scalar: tokens generated so far by each row.
+    extra_bans: Optional bool (batch, vocab): tokens banned at this step only,
+      on top of ``settings.banned_tokens`` (the generation loop bans stop
+      tokens before a row's ``min_new_tokens``).
 
   Returns:
     ``(token, logprob)``: int32 (batch,) chosen ids and float32 (batch,)
@@ -268,6 +273,12 @@ def sample_next(
   step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), (batch,))
   noise = row_gumbels(row_keys(settings.seed, step),
                       noise_size(vocab, settings.top_k_cap))
+  banned = settings.banned_tokens
+  if extra_bans is not None:
+    if extra_bans.shape != (batch, vocab):
+      raise ValueError(f"extra_bans has shape {extra_bans.shape} but the "
+                       f"logits have shape {(batch, vocab)}.")
+    banned = extra_bans if banned is None else banned | extra_bans
 
   def choose(penalise: bool):
     processed = logits
@@ -275,8 +286,8 @@ def sample_next(
       processed = penalties.penalize(
           logits, state.counts, state.seen, settings.repetition_penalty,
           settings.presence_penalty, settings.frequency_penalty)
-    processed = filters.apply_bias_and_bans(
-        processed, settings.logit_bias, settings.banned_tokens)
+    processed = filters.apply_bias_and_bans(processed, settings.logit_bias,
+                                            banned)
     return _choose(processed, settings, noise)
 
   # Both branches hold the whole pipeline: a cond that returned the logits

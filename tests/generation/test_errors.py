@@ -88,6 +88,15 @@ def test_text_prompt_to_token_api(model):
     (dict(logprobs_top_n=-1), "logprobs_top_n must be an integer"),
     (dict(num_samples=0), "num_samples must be a positive integer"),
     (dict(use_cache="yes"), "use_cache must be True or False"),
+    (dict(min_new_tokens=-1), r"min_new_tokens must be an integer in \[0, "),
+    (dict(min_new_tokens=[2, 9], max_new_tokens=8),
+     r"max_new_tokens=8\].*got 9 for row 1"),
+    (dict(min_new_tokens=1.5), "min_new_tokens must be an integer"),
+    (dict(min_new_tokens=2, stop_tokens=[0],
+          banned_tokens=list(range(1, VOCAB))),
+     "row 0 bans every token but its stop tokens"),
+    (dict(typical_p=0.0), r"typical_p\[0\] = 0.0 is invalid"),
+    (dict(eta_cutoff=[0.1, 1.0]), r"eta_cutoff\[1\] = 1.0 is invalid"),
 ])
 def test_bad_settings(model, settings, match):
   _error(model, [[1, 2], [3]], match, **settings)
@@ -97,6 +106,7 @@ def test_bad_settings(model, settings, match):
     dict(temperature=[0.5, 0.5, 0.5]),
     dict(top_k=[1]),
     dict(max_new_tokens=[1, 2, 3]),
+    dict(min_new_tokens=[1, 2, 3]),
     dict(seed=[1, 2, 3]),
     dict(stop_tokens=[[1], [2], [3]]),
     dict(logit_bias=[{1: 1.0}] * 3),

@@ -138,6 +138,13 @@ def test_finish_reasons_stop_token_and_length(model):
                  max_new_tokens=[MAX_NEW, 2])
   assert both.finish_reasons == ["stop", "length"]
   assert both.tokens == [stopped.tokens[0], free.tokens[0][:2]]
+  # min_new_tokens holds the stop token back for that many tokens, per row.
+  held = _greedy(model, [row, row], stop_tokens=[target],
+                 min_new_tokens=[first + 2, 0])
+  assert held.tokens[1] == stopped.tokens[0]
+  assert target not in held.tokens[0][:first + 2]
+  assert held.tokens[0][:first] == free.tokens[0][:first]
+  assert held.tokens[0][first] != target
 
 
 def test_cache_full_with_a_small_cached_model(model):
@@ -250,6 +257,9 @@ def test_one_compilation_serves_a_bucket(model):
                     banned_tokens=[[4], [5, 6]], max_new_tokens=[2, 5])),
       ([6, 4], dict(max_new_tokens=3, stop_tokens=[[1, 2], [3]],
                     forced_tokens=[[1], []])),
+      ([5, 2], dict(temperature=0.9, typical_p=[0.8, 1.0], top_k=[0, 7],
+                    epsilon_cutoff=0.01, eta_cutoff=[0.0, 0.002],
+                    min_new_tokens=[4, 0], stop_tokens=[[1], [2]])),
   ]:
     settings.setdefault("max_new_tokens", MAX_NEW)
     result = generate(model, prompts(lengths, seed=len(lengths)), **settings)

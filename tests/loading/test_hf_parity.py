@@ -163,6 +163,31 @@ def test_greedy_generation_matches_transformers(hf_dir):
   assert list(got.tokens[0]) == expected, name
 
 
+def test_min_new_tokens_matches_transformers(hf_dir):
+  """``min_new_tokens`` holds the stop token back as HF's
+  ``MinNewTokensLengthLogitsProcessor`` does: the same greedy tokens."""
+  name, path, hf_model = hf_dir
+  if name != "llama_gqa_headdim":
+    pytest.skip("one architecture is enough")
+  model = load_model(path)
+  prompt = [int(i) for i in np.random.RandomState(5).randint(3, 99, size=6)]
+  free = penzai_lm.generate(model, prompt, max_new_tokens=12,
+                            temperature=0.0, stop_tokens=[]).tokens[0]
+  # The model would stop at its first token that differs from the first.
+  first = next(i for i, t in enumerate(free) if t not in free[:1])
+  stop = free[first]
+  got = penzai_lm.generate(model, prompt, max_new_tokens=12, min_new_tokens=6,
+                           temperature=0.0, stop_tokens=[stop]).tokens[0]
+  with torch.no_grad():
+    expected = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=6,
+        do_sample=False, eos_token_id=stop, pad_token_id=0,
+        generation_config=transformers.GenerationConfig(),
+    )[0, len(prompt):].tolist()
+  assert list(got) == expected
+  assert stop not in got[:6] and got[:first] == free[:first]
+
+
 def test_bfloat16_load_is_close_to_float32(hf_dir):
   name, path, hf_model = hf_dir
   if name != "llama_gqa_headdim":
