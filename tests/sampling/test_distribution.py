@@ -41,6 +41,17 @@ def draw_counts(logits: np.ndarray, seed: int = 7, **kwargs) -> np.ndarray:
   return counts
 
 
+def assert_draws_follow(probs: np.ndarray, logits: np.ndarray,
+                        **kwargs) -> None:
+  """NUM_DRAWS tokens sampled with ``kwargs`` follow ``probs`` (chi-square
+  test) and never take a token of probability 0."""
+  counts = draw_counts(logits, **kwargs)
+  assert counts.sum() == NUM_DRAWS
+  assert counts[probs == 0].sum() == 0, "sampled a filtered-out token"
+  ratio, tv = reference.goodness_of_fit(counts, probs)
+  assert ratio < 1.0, f"chi-square {ratio:.2f}x its 1e-6 bound (TV {tv:.4f})"
+
+
 def zipf_logits(vocab: int, seed: int = 0, power: float = 1.0) -> np.ndarray:
   rng = np.random.default_rng(seed)
   rank = rng.permutation(vocab) + 1
@@ -78,12 +89,8 @@ def test_matches_filtered_softmax(name):
     assert reference.top_p_margin(
         logits, temperature=kwargs.get("temperature", 1.0),
         top_k=kwargs.get("top_k", 0), top_p=kwargs["top_p"]) > 1e-4
-  probs = reference.filtered_probs(logits, **ref_kwargs)
-  counts = draw_counts(logits, **kwargs)
-  assert counts.sum() == NUM_DRAWS
-  assert counts[probs == 0].sum() == 0, "sampled a filtered-out token"
-  ratio, tv = reference.goodness_of_fit(counts, probs)
-  assert ratio < 1.0, f"chi-square {ratio:.2f}x its 1e-6 bound (TV {tv:.4f})"
+  assert_draws_follow(reference.filtered_probs(logits, **ref_kwargs), logits,
+                      **kwargs)
 
 
 def test_ties_at_top_p_boundary_keep_lowest_ids():
