@@ -156,6 +156,49 @@ def _vocabulary_mask(scaled, settings, cand: _Candidates) -> jax.Array:
   return jnp.where(cand.need_full[:, None], full, mask)
 
 
+def _no_candidates(batch: int, num: int) -> _Candidates:
+  return _Candidates(
+      jnp.zeros((batch, num), jnp.float32), jnp.zeros((batch, num), jnp.int32),
+      jnp.zeros((batch, num), bool), jnp.zeros((batch,), bool),
+      jnp.zeros((batch,), jnp.float32))
+
+
+def _draw_over_vocabulary(noise, processed, settings, cand: _Candidates,
+                          masked: jax.Array, special: jax.Array) -> jax.Array:
+  """Draws for the rows that do not use the candidates.
+
+  Args:
+    noise: The rows' Gumbel noise.
+    processed: f32 (batch, vocab) penalised, biased logits.
+    settings: The rows' settings.
+    cand: The candidates (valid for the top-k / top-p rows).
+    masked: bool (batch,) rows whose top-k / top-p become a vocabulary mask.
+    special: bool (batch,) rows that need more than temperature and min-p.
+  """
+
+  def filtered():
+    scaled = filters.scale_by_temperature(processed, settings.temperature)
+    keep = filters.min_p_mask(scaled, settings.min_p)
+    keep = jax.lax.cond(
+        jnp.any(masked),
+        lambda: jnp.where(masked[:, None],
+                          _vocabulary_mask(scaled, settings, cand), keep),
+        lambda: keep)
+    keep = entropy_filters.apply(scaled, keep, settings)
+    return sample_full_vocab(noise, jnp.where(keep, scaled, -jnp.inf))
+
+  def plain():
+    scaled = filters.scale_by_temperature(processed, settings.temperature)
+    keep = filters.min_p_mask(scaled, settings.min_p)
+    return sample_full_vocab(noise, jnp.where(keep, scaled, -jnp.inf))
+
+  # Plain rows alone (temperature, min-p) keep their mask fused into the
+  # draw; the conds of `filtered` materialize it (temperature-only steps
+  # took 0.96 instead of 0.50 ms at batch 8, vocab 49k:
+  # benchmarks/sampling_filters.py).
+  return jax.lax.cond(jnp.any(special), filtered, plain)
+
+
 def _choose(processed, settings, noise):
   """Token per row from penalised, biased logits (steps 3-7 + draw).
 
@@ -168,18 +211,15 @@ def _choose(processed, settings, noise):
   greedy = filters.is_greedy(settings.temperature)
   truncating = ~greedy & ((settings.top_k > 0) | (settings.top_p < 1))
   entropy = ~greedy & entropy_filters.any_active(settings)
-  scale = lambda: filters.scale_by_temperature(processed,  # noqa: E731
-                                               settings.temperature)
   zeros = jnp.zeros((batch,), jnp.int32)
 
   token = jax.lax.cond(jnp.any(greedy),
                        lambda: filters.argmax_first(processed), lambda: zeros)
   cand = jax.lax.cond(
-      jnp.any(truncating), lambda: _candidates(scale(), settings, truncating),
-      lambda: _Candidates(
-          jnp.zeros((batch, num), jnp.float32),
-          jnp.zeros((batch, num), jnp.int32), jnp.zeros((batch, num), bool),
-          jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.float32)))
+      jnp.any(truncating),
+      lambda: _candidates(filters.scale_by_temperature(
+          processed, settings.temperature), settings, truncating),
+      lambda: _no_candidates(batch, num))
   by_candidates = truncating & ~entropy & ~cand.need_full
   pos = jnp.argmax(jnp.where(cand.keep, cand.vals, -jnp.inf)
                    + noise[:, :num], axis=-1)
@@ -188,35 +228,12 @@ def _choose(processed, settings, noise):
       jnp.take_along_axis(cand.ids, pos[:, None], axis=-1)[:, 0], token)
 
   by_vocabulary = ~greedy & ~by_candidates
-
-  def draw_over_vocabulary():
-    masked = by_vocabulary & truncating
-
-    def filtered():
-      scaled = scale()
-      keep = filters.min_p_mask(scaled, settings.min_p)
-      keep = jax.lax.cond(
-          jnp.any(masked),
-          lambda: jnp.where(masked[:, None],
-                            _vocabulary_mask(scaled, settings, cand), keep),
-          lambda: keep)
-      keep = entropy_filters.apply(scaled, keep, settings)
-      return sample_full_vocab(noise, jnp.where(keep, scaled, -jnp.inf))
-
-    def plain():
-      scaled = scale()
-      keep = filters.min_p_mask(scaled, settings.min_p)
-      return sample_full_vocab(noise, jnp.where(keep, scaled, -jnp.inf))
-
-    # Plain rows alone (temperature, min-p) keep their mask fused into the
-    # draw; the conds of `filtered` materialize it (temperature-only steps
-    # took 0.96 instead of 0.50 ms at batch 8, vocab 49k:
-    # benchmarks/sampling_filters.py).
-    return jax.lax.cond(jnp.any(masked | (by_vocabulary & entropy)),
-                        filtered, plain)
-
+  masked = by_vocabulary & truncating
   return jnp.where(by_vocabulary, jax.lax.cond(
-      jnp.any(by_vocabulary), draw_over_vocabulary, lambda: zeros), token)
+      jnp.any(by_vocabulary),
+      lambda: _draw_over_vocabulary(noise, processed, settings, cand, masked,
+                                    masked | (by_vocabulary & entropy)),
+      lambda: zeros), token)
 
 
 def _check_shapes(logits: jax.Array, settings: SamplingSettings,
