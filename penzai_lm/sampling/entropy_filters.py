@@ -93,8 +93,8 @@ def apply(scaled: jax.Array, keep: jax.Array,
     bool (batch, vocab): the tokens left to sample from.
   """
   # Each filter sees what the previous ones left, and runs only when some
-  # row uses it (the typical bisection costs ~0.8 ms a step at batch 1 on a
-  # 49k vocabulary, each cutoff ~0.2 ms: benchmarks/sampling_filters.py).
+  # row uses it (typical sampling costs ~0.6 ms a step at batch 1 on a 49k
+  # vocabulary, each cutoff ~0.25 ms: benchmarks/sampling_filters.py).
   for on, mask, value in (
       (settings.typical_p < 1, typical_mask, settings.typical_p),
       (settings.epsilon_cutoff > 0, epsilon_mask, settings.epsilon_cutoff),

@@ -241,8 +241,8 @@ def top_p_keep_mask_full(
     ids = jnp.arange(vocab, dtype=jnp.int32)
     count_below = lambda m: jnp.sum(group & (ids < m[:, None]), axis=-1)
     end = bisect(jnp.zeros((batch,), jnp.int32),
-                  jnp.full((batch,), vocab, jnp.int32),
-                  lambda m: count_below(m) >= n_group)
+                 jnp.full((batch,), vocab, jnp.int32),
+                 lambda m: count_below(m) >= n_group)
     return group & (ids < end[:, None])
 
   tied = jax.lax.cond(jnp.any(group_size > 1), first_of_group, lambda: group)

@@ -191,11 +191,11 @@ class SamplingSettings:
         (in [0, top_k_cap]; 0 = off), ``top_p`` (in (0, 1]; 1 = off),
         ``min_p`` (in [0, 1); 0 = off), ``typical_p`` (in (0, 1]; 1 =
         off), ``epsilon_cutoff`` and ``eta_cutoff`` (in [0, 1); 0 = off),
-        ``repetition_penalty`` (> 0; 1 =
-        off), ``presence_penalty`` and ``frequency_penalty`` (finite; 0 =
-        off), ``logit_bias`` (``{token_id: bias}`` for every row, a list of
-        such dicts, or None) and ``banned_tokens`` (a list of ids for every
-        row, a list of lists, or None).
+        ``repetition_penalty`` (> 0; 1 = off), ``presence_penalty`` and
+        ``frequency_penalty`` (finite; 0 = off), ``logit_bias``
+        (``{token_id: bias}`` for every row, a list of such dicts, or None)
+        and ``banned_tokens`` (a list of ids for every row, a list of lists,
+        or None).
 
     Returns:
       A ``SamplingSettings``.
