@@ -23,9 +23,11 @@ import difflib
 import re
 from collections.abc import Iterable
 
+import jax
 import jax.numpy as jnp
 from penzai import pz
 
+from penzai_lm.model.build import head_axes
 from penzai_lm.model.hooks import BLOCK_POINTS
 from penzai_lm.model.hooks import HookPoint
 from penzai_lm.model.hooks import MODEL_POINTS
@@ -76,19 +78,48 @@ def parse_point(model, name: str) -> Point:
   if name in MODEL_POINTS:
     return Point(name, name, None)
   m = _BLOCK_NAME.match(name)
+  if m is not None and m.group(2) not in BLOCK_POINTS and has_point(
+      model, m.group(2), int(m.group(1))):
+    return Point(name, m.group(2), int(m.group(1)))  # Added by a splice.
   if m is None or m.group(2) not in BLOCK_POINTS:
     point = m.group(2) if m else name
-    close = difflib.get_close_matches(point, BLOCK_POINTS + MODEL_POINTS, 1)
+    added = _added_points(model)
+    close = difflib.get_close_matches(
+        point, BLOCK_POINTS + MODEL_POINTS + tuple(added), 1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
+    spliced = ("" if added else " Points such as"
+               " 'blocks.6.resid_post.sae.features' exist once an"
+               " autoencoder is spliced in (penzai_lm.sae.splice).")
     raise ValueError(
         f"unknown point {name!r}{hint}. Points are 'embed', 'final_norm' and"
-        f" 'blocks.{{i}}.P' with P one of {', '.join(BLOCK_POINTS)}.")
+        f" 'blocks.{{i}}.P' with P one of {', '.join(BLOCK_POINTS + added)}."
+        + spliced)
   layer = int(m.group(1))
   if not 0 <= layer < num_layers:
     raise ValueError(
         f"{name!r} does not exist: the model has {num_layers} blocks"
         f" (blocks.0 to blocks.{num_layers - 1}).")
   return Point(name, m.group(2), layer)
+
+
+def _added_points(model) -> tuple[str, ...]:
+  """Block point names added to the model (by splices), in model order."""
+  names = (h.point for h in pz.select(model).at_instances_of(HookPoint)
+           .get_sequence() if h.layer is not None)
+  return tuple(n for n in dict.fromkeys(names) if n not in BLOCK_POINTS)
+
+
+def has_point(model, point: str, layer: int) -> bool:
+  """Whether block ``layer`` of ``model`` has a hook point named ``point``
+  (e.g. ``"resid_post.sae.features"``, added by a splice)."""
+  def matches(h: HookPoint) -> bool:
+    if h.point != point or h.layer is None:
+      return False
+    if is_stacked(h):
+      return 0 <= layer < h.layer.named_shape["blocks"]
+    return int(h.layer.data_array) == layer
+  return bool(pz.select(model).at_instances_of(HookPoint).where(
+      matches).count())
 
 
 def hook_points(model, point: str):
@@ -147,13 +178,16 @@ def insert_at(model, names: str | Iterable[str], layer: pz.nn.Layer, *,
     The patched model (the input is unchanged).
 
   Raises:
-    ValueError: for a name the model does not have.
+    ValueError: for a name the model does not have, or a layer whose
+      arrays do not fit the point (`check_fits`).
+    TypeError: if ``layer`` is not a ``pz.nn.Layer``.
   """
   names = [names] if isinstance(names, str) else list(names)
   if not names:
     raise ValueError("names is empty: give at least one point name.")
   by_point: dict[str, list[int | None]] = {}
   for point in (parse_point(model, n) for n in names):
+    check_fits(model, point, layer)
     by_point.setdefault(point.point, []).append(point.layer)
   for point, layers in by_point.items():
     model = _insert(model, point, layers, layer, after_hook)
@@ -173,3 +207,89 @@ def _insert(model, point: str, layers: list[int | None], layer, after_hook):
   if after_hook:
     return selection.insert_after(layer)
   return selection.insert_before(layer)
+
+
+# ---------------------------------------------- checks at insertion time
+
+# The unit axes of the points' values (`penzai_lm.model.hooks`); any other
+# axis of an inserted layer's array (``batch``, ``seq``, ...) is a token axis.
+_UNIT_AXES = ("embedding", "neurons", "projection", "heads", "head_groups",
+              "query_heads")
+
+
+def point_value_axes(config, point: str) -> dict[str, int]:
+  """The unit axes of a point's value and their sizes (besides the token
+  axes; ``attn.pattern``'s ``kv_seq`` grows with the tokens, so is not
+  listed)."""
+  common, query_only = head_axes(config)
+  if point in ("attn.pattern", "attn.head_out"):
+    heads = {**common, **query_only}
+    return heads if point == "attn.pattern" else {
+        **heads, "projection": config.head_dim}
+  if point == "mlp.neurons":
+    return {"neurons": config.mlp_hidden_size}
+  return {"embedding": config.hidden_size}
+
+
+def _works_on_its_axes_only(layer) -> bool:
+  """Whether ``layer`` is one of penzai_lm's interventions, which need every
+  unit axis of their arrays in the value (a user's layer may hold other
+  arrays, e.g. an encoder over ``embedding`` at a head point)."""
+  from penzai_lm.interp import interventions  # pylint: disable=g-import-not-at-top
+  return isinstance(layer, (interventions.AddVector, interventions.Ablate,
+                            interventions.ZeroHeads, interventions.Clamp,
+                            interventions.PatchValue))
+
+
+def check_fits(model, point: Point, layer) -> None:
+  """Checks, before the model runs, that ``layer`` can sit at ``point``.
+
+  Every named array of the layer is checked: a unit axis the point's value
+  has (``embedding``, ``neurons``, head axes, ``projection``) must have the
+  value's size; a ``blocks`` axis needs a layer stack with that many
+  blocks; penzai_lm's interventions may not have unit axes the value lacks.
+  (Unchecked, these fail only when the model runs, with penzai's
+  "Inconsistent named axes in nmap".)
+
+  Raises:
+    TypeError: if ``layer`` is not a ``pz.nn.Layer``.
+    ValueError: naming the point, the array and the expected size.
+  """
+  if not isinstance(layer, pz.nn.Layer):
+    what = getattr(layer, "__name__", type(layer).__name__)
+    raise TypeError(
+        f"insert_at needs a pz.nn.Layer, got {what!r}"
+        f" ({type(layer).__name__}). Wrap a function in a layer: an"
+        " elementwise one as pz.nn.Elementwise(fn), anything else as a"
+        " @pz.pytree_dataclass subclass of pz.nn.Layer whose __call__(self,"
+        " x, /, **side_inputs) returns the new value, with its arrays as"
+        " fields (data: changing them does not recompile, while every new"
+        " function object is a new program).")
+  config = _config(model)
+  expected = point_value_axes(config, point.point)
+  stacked = is_stacked(hook_points(model, point.point).get_sequence()[0])
+  arrays = pz.select(layer).at_instances_of(pz.nx.NamedArrayBase)
+  for path, array in arrays.selected_by_path.items():
+    where = f"{type(layer).__name__}{jax.tree_util.keystr(path)}"
+    for axis, size in array.named_shape.items():
+      if axis == "blocks":
+        if point.layer is None or not stacked:
+          raise ValueError(
+              f"{where} has a 'blocks' axis, but {point.name} is not in a"
+              " layer stack; give one value (no 'blocks' axis), or insert"
+              " it in a stacked model.")
+        if size != config.num_layers:
+          raise ValueError(
+              f"{where} has {size} 'blocks' but the model has"
+              f" {config.num_layers}.")
+      elif axis in expected and size != expected[axis]:
+        raise ValueError(
+            f"{where} has axis {axis!r} of size {size}, but the value at"
+            f" {point.name} has {axis!r} of size {expected[axis]}: give an"
+            f" array of size {expected[axis]} (is it for another model?).")
+      elif (axis in _UNIT_AXES and axis not in expected
+            and _works_on_its_axes_only(layer)):
+        raise ValueError(
+            f"{where} has axis {axis!r}, but the value at {point.name} has"
+            f" unit axes {expected} (besides the token axes); insert it at a"
+            " point that has that axis (see penzai_lm.model.hooks).")

@@ -148,10 +148,12 @@ def test_intervention_errors_name_the_problem():
   with pytest.raises(ValueError, match=r"head 4 does not exist: the model"
                      r" has 4 query heads"):
     interp.ZeroHeads.build(stacked.config, [4])
-  patched = interp.insert_at(stacked, "blocks.0.resid_post",
-                             interp.ZeroHeads.build(stacked.config, [0]))
-  with pytest.raises(ValueError, match="ZeroHeads works on axes"):
-    _logits(patched, [IDS[0]])
+  # Axes the point lacks: refused by insert_at, before the model runs.
+  with pytest.raises(ValueError, match=r"ZeroHeads.mask has axis"
+                     r" 'head_groups', but the value at blocks.0.resid_post"
+                     r" has unit axes \{'embedding': 32\}"):
+    interp.insert_at(stacked, "blocks.0.resid_post",
+                     interp.ZeroHeads.build(stacked.config, [0]))
   cached = penzai_lm.KVCachingTransformerLM.from_uncached(
       stacked, 8, {"batch": 1})
   with pytest.raises(TypeError, match="needs the uncached TransformerLM"):
@@ -183,3 +185,72 @@ def test_saliency_gradient_through_the_embeddings():
   np.testing.assert_allclose(grad[0, 1, 7], numeric, rtol=5e-2, atol=1e-3)
   assert np.asarray(grad[0, :3]).any()
   assert not np.asarray(grad[0, 3:]).any()  # Causal: later tokens no effect.
+
+
+# Probes of issue 28: mistakes that failed only when the model ran (with
+# penzai's "Inconsistent named axes in nmap(add)"), or with a
+# functools.partial error, are refused by insert_at with what to do.
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unstacked"])
+def test_wrong_size_steering_vector_fails_at_insert_at(layout):
+  model = dict(zip(["stacked", "unstacked"], _models("llama_gqa")))[layout]
+  with pytest.raises(ValueError, match=r"AddVector.vector has axis"
+                     r" 'embedding' of size 16, but the value at"
+                     r" blocks.1.resid_post has 'embedding' of size 32"):
+    interp.insert_at(model, "blocks.1.resid_post",
+                     interp.AddVector.build(np.ones(16, np.float32)))
+  with pytest.raises(ValueError, match=r"Ablate.value has axis 'neurons' of"
+                     r" size 40, .* blocks.2.mlp.neurons has 'neurons' of"
+                     r" size 48"):
+    interp.insert_at(model, "blocks.2.mlp.neurons", interp.Ablate.neurons(
+        model.config, [1], mean=pz.nx.zeros({"neurons": 40})))
+  # Right sizes (and a per-row batch axis, which is not checked) pass,
+  # and the check does not change what runs.
+  vector = np.arange(32, dtype=np.float32) / 32
+  steered = interp.insert_at(model, "blocks.1.resid_post",
+                             interp.AddVector.build(vector, [1.0, 2.0]))
+  plain = interp.run_with_cache(model, IDS, names=["blocks.1.resid_post"])
+  got = interp.run_with_cache(steered, IDS, names=["blocks.1.resid_post"])
+  a = plain["blocks.1.resid_post"]
+  moved = _np(got["blocks.1.resid_post"], a) - _np(a, a)
+  np.testing.assert_allclose(moved[0, -1], vector, atol=1e-5)
+  np.testing.assert_allclose(moved[1, -1], 2 * vector, atol=1e-5)
+
+
+def test_blocks_axis_needs_a_layer_stack_of_that_many_blocks():
+  stacked, unstacked = _models("llama_gqa")
+  per_block = pz.nx.zeros({"blocks": 3, "embedding": 32})
+  interp.insert_at(stacked, "blocks.1.resid_post",
+                   interp.AddVector.build(per_block))
+  with pytest.raises(ValueError, match=r"AddVector.vector has a 'blocks'"
+                     r" axis, but blocks.1.resid_post is not in a layer"
+                     r" stack"):
+    interp.insert_at(unstacked, "blocks.1.resid_post",
+                     interp.AddVector.build(per_block))
+  with pytest.raises(ValueError, match=r"has 4 'blocks' but the model has"
+                     r" 3"):
+    interp.insert_at(stacked, "blocks.1.resid_post", interp.AddVector.build(
+        pz.nx.zeros({"blocks": 4, "embedding": 32})))
+
+
+def test_insert_at_a_plain_function_is_a_type_error():
+  stacked, _ = _models("llama_gqa")
+
+  def double(x):
+    return x * 2
+
+  with pytest.raises(TypeError, match=r"insert_at needs a pz.nn.Layer, got"
+                     r" 'double' \(function\). Wrap a function in a layer:"
+                     r" an elementwise one as pz.nn.Elementwise\(fn\)"):
+    interp.insert_at(stacked, "blocks.1.resid_post", double)
+  # The suggested wrapping works.
+  wrapped = interp.insert_at(stacked, "blocks.1.resid_post",
+                             pz.nn.Elementwise(double))
+  plain = interp.run_with_cache(stacked, [IDS[0]],
+                                names=["blocks.1.resid_post"])
+  got = interp.run_with_cache(wrapped, [IDS[0]],
+                              names=["blocks.1.resid_post"])
+  a = plain["blocks.1.resid_post"]
+  np.testing.assert_allclose(_np(got["blocks.1.resid_post"], a),
+                             2 * _np(a, a), rtol=1e-6)
