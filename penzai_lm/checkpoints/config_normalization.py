@@ -175,9 +175,25 @@ def _normalize_single_rope(
   else:
     params = _std_rope(raw.get("rope_scaling"))
     params["rope_theta"] = float(raw.get("rope_theta", rope.theta))
+  _default_original_context(params, cfg)
   cfg["rope_parameters"] = params
   cfg["rope_theta"] = params["rope_theta"]
   cfg["rope_scaling"] = _scaling_of(params)
+
+
+def _default_original_context(
+    params: dict[str, Any], cfg: Mapping[str, Any]
+) -> None:
+  """The pre-training context length of the scaled RoPEs that need it, as
+  transformers fills it in: the config's top-level value (Phi-3 has one),
+  else the RoPE dict's own, else ``max_position_embeddings``."""
+  if params["rope_type"] not in ("llama3", "yarn", "longrope"):
+    return
+  key = "original_max_position_embeddings"
+  if cfg.get(key) is not None:
+    params[key] = cfg[key]
+  elif params.get(key) is None:
+    params[key] = cfg["max_position_embeddings"]
 
 
 def _layer_types_from_layer(
@@ -199,9 +215,12 @@ def _periodic_layer_types(
     cfg: dict[str, Any], raw: Mapping[str, Any], rule: SlidingPeriodic
 ) -> None:
   """Derives the window pattern and ``layer_types`` (Gemma-style)."""
-  pattern = raw.get(
-      "sliding_window_pattern", raw.get("_sliding_window_pattern", rule.period)
-  )
+  # Null counts as absent (the pattern is only needed to derive layer_types).
+  pattern = raw.get("sliding_window_pattern")
+  if pattern is None:
+    pattern = raw.get("_sliding_window_pattern")
+  if pattern is None:
+    pattern = rule.period
   cfg["sliding_window_pattern"] = pattern
   cfg["_sliding_window_pattern"] = pattern
   if cfg.get("layer_types") is None:
@@ -226,6 +245,7 @@ def _normalize_local_global_rope(
   sliding.setdefault(
       "rope_theta", float(raw.get("rope_local_base_freq", rope.local_theta))
   )
+  _default_original_context(full, cfg)
   cfg["rope_parameters"] = {"sliding_attention": sliding, "full_attention": full}
   cfg["rope_theta"] = full["rope_theta"]
   cfg["rope_local_base_freq"] = sliding["rope_theta"]

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import struct
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -88,7 +89,20 @@ def _detect_architecture(
     config: dict[str, Any], path: Path, specs: Sequence[ArchitectureSpec]
 ) -> tuple[ArchitectureSpec, str]:
   """Returns (the spec, HF class name or model_type that selected it)."""
+  where = path / "config.json"
   classes = config.get("architectures") or []
+  if not isinstance(classes, list) or not all(
+      isinstance(c, str) for c in classes
+  ):
+    raise CheckpointError(
+        f"{where}: key 'architectures' = {_short(classes)} must be a list of"
+        f' class names, such as ["LlamaForCausalLM"]; {CONFIG_HINT}'
+    )
+  if not isinstance(config.get("model_type"), (str, type(None))):
+    raise CheckpointError(
+        f"{where}: key 'model_type' = {_short(config['model_type'])} must be"
+        f' a string, such as "llama"; {CONFIG_HINT}'
+    )
   by_class = _class_table(specs)
   for cls in classes:
     if cls in by_class:
@@ -100,9 +114,56 @@ def _detect_architecture(
   what = ", ".join(classes) if classes else f"model_type {model_type!r}"
   raise CheckpointError(
       layout.unsupported_architecture_message(
-          f"{what} in {path / 'config.json'}", _supported_text(specs)
+          f"{what} in {where}", _supported_text(specs)
       )
   )
+
+
+def _short(value: Any, limit: int = 80) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# Real configs and headers nest a few levels (text_config > rope_parameters >
+# full_attention); far deeper is hostile, and would overflow the stack of
+# the code that copies or walks the value.
+_MAX_JSON_DEPTH = 64
+
+
+def _parse_json(data: bytes, what: str) -> Any:
+  """``json.loads(data)``; every way it fails is a `CheckpointError` naming
+  ``what`` (a file, or a file's part)."""
+  try:
+    value = json.loads(data)
+  except RecursionError as e:
+    raise CheckpointError(
+        f"Cannot parse {what}: it nests JSON arrays or objects too deeply;"
+        f" {CORRUPT_HINT}"
+    ) from e
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"Cannot parse {what}: {e}; {CORRUPT_HINT}") from e
+  except ValueError as e:  # An integer past Python's digit limit.
+    raise CheckpointError(
+        f"Cannot parse {what}: it holds an integer of more than"
+        f" {sys.get_int_max_str_digits()} digits, which no model needs;"
+        f" {CORRUPT_HINT}"
+    ) from e
+  stack = [(value, 1)]
+  while stack:
+    item, depth = stack.pop()
+    children = (
+        item.values() if isinstance(item, dict)
+        else item if isinstance(item, list) else ()
+    )
+    for child in children:
+      if isinstance(child, (dict, list)):
+        if depth >= _MAX_JSON_DEPTH:
+          raise CheckpointError(
+              f"{what} nests JSON arrays or objects more than"
+              f" {_MAX_JSON_DEPTH} levels deep; {CORRUPT_HINT}"
+          )
+        stack.append((child, depth + 1))
+  return value
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -112,13 +173,11 @@ def _read_config(path: Path) -> dict[str, Any]:
         f"{path} has no config.json; a Hugging Face model directory needs"
         " config.json and model.safetensors (or model.safetensors.index.json)"
     )
-  try:
-    with open(cfg_path, encoding="utf-8") as f:
-      config = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"Cannot parse {cfg_path}: {e}; {CORRUPT_HINT}") from e
+  config = _parse_json(cfg_path.read_bytes(), str(cfg_path))
   if not isinstance(config, dict):
-    raise CheckpointError(f"{cfg_path} does not hold a JSON object")
+    raise CheckpointError(
+        f"{cfg_path} does not hold a JSON object; {CORRUPT_HINT}"
+    )
   return config
 
 
@@ -127,15 +186,17 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
   index = path / "model.safetensors.index.json"
   single = path / "model.safetensors"
   if index.is_file():
-    try:
-      with open(index, encoding="utf-8") as f:
-        weight_map = json.load(f)["weight_map"]
-      if not all(isinstance(v, str) for v in weight_map.values()):
-        raise TypeError("shard names must be strings")
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    weight_map = _parse_json(index.read_bytes(), str(index))
+    weight_map = (
+        weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    )
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) for v in weight_map.values()
+    ):
       raise CheckpointError(
-          f"Cannot parse {index}: {e}; {CORRUPT_HINT}"
-      ) from e
+          f"{index}: key 'weight_map' must be an object of tensor name ->"
+          f" shard file name; {CORRUPT_HINT}"
+      )
     files = sorted(set(weight_map.values()))
     missing = [f for f in files if not (path / f).is_file()]
     if missing:
@@ -172,12 +233,7 @@ def _read_header(file: Path) -> tuple[dict[str, Any], int]:
           f"{file}: header length {n} exceeds the file ({size} bytes);"
           f" {CORRUPT_HINT}"
       )
-    try:
-      header = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise CheckpointError(
-          f"{file}: cannot parse the safetensors header: {e}; {CORRUPT_HINT}"
-      ) from e
+    header = _parse_json(f.read(n), f"the safetensors header of {file}")
   return check_safetensors_header(str(file), header, 8 + n, size), 8 + n
 
 
@@ -233,7 +289,7 @@ def _read_headers(
 
 
 def _text_config(
-    config: dict[str, Any], spec: ArchitectureSpec, hf_class: str
+    config: dict[str, Any], spec: ArchitectureSpec, hf_class: str, where: str
 ) -> dict[str, Any]:
   """The text-model part of a multimodal wrapper's config; else the config."""
   wrapper = spec.hf.multimodal
@@ -244,7 +300,13 @@ def _text_config(
       is_wrapper_type and "text_config" in config
   ):
     return config
-  text = dict(config.get("text_config") or {})
+  text = config.get("text_config") or {}
+  if not isinstance(text, dict):
+    raise CheckpointError(
+        f"{where}: key 'text_config' = {_short(text)} must be an"
+        f" object (the text model's config); {CONFIG_HINT}"
+    )
+  text = dict(text)
   for key in (
       "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"
   ):
@@ -291,8 +353,8 @@ def open_hf_dir(
     )
   raw = _read_config(path)
   spec, hf_class = _detect_architecture(raw, path, specs)
-  text = _text_config(raw, spec, hf_class)
   where = str(path / "config.json")
+  text = _text_config(raw, spec, hf_class, where)
   if text is not raw:
     where += " (text_config)"
   headers = _read_headers(spec, *_weight_files(path))

@@ -10,10 +10,13 @@ broken. The readers run each check at the earliest point it can run:
 * Config against tensors, before anything sized by the config is built: the
   claimed layer count against the layers the checkpoint has tensors for
   (:func:`check_layer_count`).
-* Config values: positive integer sizes, a sane layer count, head counts that
-  divide, even head dims, finite positive RoPE bases and factors, finite
-  non-negative norm epsilons (:func:`check_config_values`; ``normalize_config``
-  runs it too, so that no caller can make it build a billion layer types).
+* Config values: positive integer sizes (below 2**31), a sane layer count,
+  head counts that divide, even head dims, finite positive RoPE bases and
+  factors, finite non-negative norm epsilons, no null where a model needs a
+  value, RoPE scaling dicts with the keys their ``rope_type`` needs, integer
+  token ids, a boolean ``tie_word_embeddings``, one ``layer_types`` entry
+  per layer (:func:`check_config_values`; ``normalize_config`` runs it too,
+  so that no caller can make it build a billion layer types).
 * Weights, as each tensor is converted: no NaN or inf (:func:`check_finite`).
 
 Every failure is a :class:`~penzai_lm.checkpoints.checkpoint.CheckpointError`
@@ -36,6 +39,9 @@ from penzai_lm.checkpoints.tensor_io import all_finite
 # The deepest public LMs have ~130 layers; anything past this is a corrupt or
 # hostile config, and checking it up front keeps per-layer loops short.
 MAX_LAYERS = 4096
+# Sizes index int32 arrays (and the largest real ones, vocabularies and
+# context lengths, are below 2**25): a larger one is corrupt or hostile.
+MAX_SIZE = 2**31 - 1
 
 CONFIG_HINT = (
     "fix the value (compare with the model's original config.json) or"
@@ -132,6 +138,28 @@ _ROPE_POSITIVE = (
     "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings",
 )
+# The keys each rope_type needs, as transformers' ``validate_rope`` requires
+# them (``original_max_position_embeddings`` defaults to
+# ``max_position_embeddings`` there, and in ``normalize_config``).
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
+# Nested rope_parameters (Gemma 3): one dict per attention kind.
+_ROPE_LAYER_KINDS = ("full_attention", "sliding_attention")
+# Keys whose spec default is a value but that a config may set to null:
+# derived (head_dim, num_key_value_heads) or off (windows, soft-caps).
+_NULLABLE = (
+    "num_key_value_heads", "head_dim", "sliding_window", "n_inner",
+    "final_logit_softcapping", "attn_logit_softcapping",
+    "sliding_window_pattern", "_sliding_window_pattern",
+)
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 class _Checker:
@@ -142,28 +170,72 @@ class _Checker:
 
   def fail(self, key: str, value: Any, problem: str) -> None:
     raise CheckpointError(
-        f"{self.where}: {self.label(key)} = {value!r} {problem}; {self.fix}"
+        f"{self.where}: {self.label(key)} = {_short_repr(value)} {problem};"
+        f" {self.fix}"
     )
 
   def int_at_least(self, key: str, value: Any, low: int) -> None:
     if not _is_int(value) or value < low:
       kind = "positive" if low > 0 else "non-negative"
       self.fail(key, value, f"must be a {kind} integer")
+    if value > MAX_SIZE:
+      self.fail(key, value, f"is larger than any model size (at most {MAX_SIZE})")
 
   def number(self, key: str, value: Any, positive: bool) -> None:
+    # The model computes in float32: a value that overflows to inf (or a
+    # positive one that rounds to 0) there is as broken as inf (or 0).
+    kind = "positive" if positive else "non-negative"
     ok = _is_real(value) and math.isfinite(value)
     if not ok or value < 0 or (positive and value == 0):
-      kind = "positive" if positive else "non-negative"
       self.fail(key, value, f"must be a finite {kind} number")
+    if value and not _F32_TINY <= value <= _F32_MAX:
+      self.fail(key, value, f"must be a finite {kind} number in float32's"
+                f" range ({_F32_TINY:.3g} to {_F32_MAX:.3g})")
 
   def rope(self, key: str, params: Any) -> None:
-    if not isinstance(params, Mapping):
+    """A RoPE dict: null, one dict, or one per attention kind (Gemma 3)."""
+    if params is None:
       return
-    for k, v in params.items():
-      if isinstance(v, Mapping):
+    if not isinstance(params, Mapping):
+      self.fail(
+          key, params, "must be an object such as {\"rope_type\": \"linear\","
+          " \"factor\": 2.0}, or null for plain RoPE",
+      )
+    if any(k in params for k in _ROPE_LAYER_KINDS):
+      for k, v in params.items():
         self.rope(f"{key}.{k}", v)
-      elif k in _ROPE_POSITIVE and v is not None:
+      return
+    kind = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(kind, str):
+      self.fail(f"{key}.rope_type", kind,
+                "must be a string such as \"linear\" or \"llama3\"")
+    missing = [k for k in _ROPE_REQUIRED.get(kind, ()) if params.get(k) is None]
+    if missing:
+      self.fail(
+          key, params, f"lacks {', '.join(map(repr, missing))}, which"
+          f" rope_type {kind!r} needs",
+      )
+    for k, v in params.items():
+      if k in _ROPE_POSITIVE and (v is not None or k == "rope_theta"):
         self.number(f"{key}.{k}", v, positive=True)
+
+  def token_ids(self, key: str, value: Any) -> None:
+    """A token id, or (``eos_token_id``) a list of them; null allowed."""
+    if value is None:
+      return
+    many = key == "eos_token_id" and isinstance(value, (list, tuple))
+    if not all(_is_int(i) for i in (value if many else [value])):
+      lists = " or a list of them" if key == "eos_token_id" else ""
+      self.fail(key, value, f"must be a token id (an integer){lists}, or null")
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+  """``repr(value)``, cut to ``limit`` characters (a config value can be a
+  4000-digit number or a whole dict)."""
+  if _is_int(value) and abs(value) >= 10**limit:
+    return f"<an integer of more than {limit} digits>"
+  text = repr(value)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_config_values(
@@ -184,10 +256,14 @@ def check_config_values(
     fix: How to fix a bad value, for messages.
 
   Raises:
-    CheckpointError: naming the first bad key: a non-positive or non-integer
-      size, more than :data:`MAX_LAYERS` layers, head counts that do not
-      divide, an odd RoPE head dim, a NaN/inf/negative RoPE base, factor,
-      softcap or norm epsilon.
+    CheckpointError: naming the first bad key: a non-positive, non-integer
+      or larger than :data:`MAX_SIZE` size, more than :data:`MAX_LAYERS`
+      layers, head counts that do not divide, an odd RoPE head dim, a
+      NaN/inf/negative RoPE base, factor, softcap or norm epsilon, a null
+      that the model needs a value for, a RoPE dict that is not one or lacks
+      a key its ``rope_type`` needs, a token id that is not an integer, a
+      ``tie_word_embeddings`` that is not a boolean, or ``layer_types`` that
+      are not one string per layer.
   """
   c = {**spec.config_defaults, **config}
   check = _Checker(where, label, fix)
@@ -197,8 +273,15 @@ def check_config_values(
   for key in _POSITIVE_NUMBERS + _NON_NEGATIVE_NUMBERS:
     if c.get(key) is not None:
       check.number(key, c[key], positive=key in _POSITIVE_NUMBERS)
+  _check_nulls(spec, config, check)
   for key in _ROPE_DICTS:
     check.rope(key, c.get(key))
+  for key in _TOKEN_IDS:
+    check.token_ids(key, c.get(key))
+  tie = c.get("tie_word_embeddings")
+  if tie is not None and not isinstance(tie, bool):
+    check.fail("tie_word_embeddings", tie, "must be true or false")
+  _check_layer_types(spec, c, check)
   layers_key = spec.layout.layer_count_key
   if c.get(layers_key) is not None and c[layers_key] > MAX_LAYERS:
     check.fail(
@@ -206,6 +289,51 @@ def check_config_values(
         f"is more layers than any real model has (at most {MAX_LAYERS})",
     )
   _check_divisibility(spec, c, check)
+
+
+def _check_nulls(
+    spec: ArchitectureSpec, config: Mapping[str, Any], check: _Checker
+) -> None:
+  """A size or constant set to null that the model needs a value for.
+
+  Null means "unset" only where the architecture's own default is null, or
+  where null has a meaning (`_NULLABLE`: derived, or off).
+  """
+  needed = {
+      k for k, v in spec.config_defaults.items()
+      if v is not None and k not in _NULLABLE
+  }
+  if spec.rope is not None:
+    needed.add("rope_theta")
+    if spec.rope.local_theta is not None:
+      needed.add("rope_local_base_freq")
+  for key in _POSITIVE_INTS + _POSITIVE_NUMBERS + _NON_NEGATIVE_NUMBERS:
+    if key in needed and key in config and config[key] is None:
+      check.fail(key, None, "(null) must be set: the model needs a value")
+
+
+def _check_layer_types(
+    spec: ArchitectureSpec, c: Mapping[str, Any], check: _Checker
+) -> None:
+  """``layer_types``: null, or one attention kind (a string) per layer."""
+  kinds = c.get("layer_types")
+  if kinds is None:
+    return
+  if not isinstance(kinds, (list, tuple)) or not all(
+      isinstance(k, str) for k in kinds
+  ):
+    check.fail(
+        "layer_types", kinds, "must be a list with one string per layer"
+        " (\"full_attention\" or \"sliding_attention\")",
+    )
+  layers = c.get(spec.layout.layer_count_key)
+  if spec.sliding_layers is not None and _is_int(layers) and (
+      len(kinds) != layers
+  ):
+    check.fail(
+        "layer_types", kinds,
+        f"has {len(kinds)} entries, but the model has {layers} layers",
+    )
 
 
 def _check_divisibility(

@@ -5,17 +5,19 @@ and head counts, special tokens) are read here; the family name, the feature
 fields and the family's options come from its adapter
 (`penzai_lm.loading.families`). Options the model does not implement (RoPE
 scaling other than Llama 3's, bidirectional attention, ...) raise a
-`ValueError` that names the option, rather than loading a model that computes
-something else.
+`CheckpointError` (a `ValueError`) that names the checkpoint's config file and
+the option, rather than loading a model that computes something else.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 import jax.numpy as jnp
 
 from penzai_lm.checkpoints import Checkpoint
+from penzai_lm.checkpoints import CheckpointError
 from penzai_lm.checkpoints import LazyCheckpoint
 from penzai_lm.loading.families import ADAPTERS
 from penzai_lm.loading.families import FamilyAdapter
@@ -70,15 +72,38 @@ def config_from_checkpoint(
     The configuration, with every feature field set by the family adapter.
 
   Raises:
-    ValueError: for an architecture without an adapter, or an option the
-      model does not implement.
+    ValueError: for an architecture without an adapter.
+    CheckpointError (a ValueError): an option the model does not implement,
+      or a config value it cannot take; the message names the config file.
   """
   arch, c = checkpoint.architecture, checkpoint.config
   adapter = adapter_for(arch, adapters)
-  fields = {**_size_fields(c), **adapter.config_fields(arch, c)}
-  return TransformerConfig(
-      parameter_dtype=dtype,
-      activation_dtype=dtype,
-      use_layer_stack=use_layer_stack,
-      **fields,
-  )
+  try:
+    fields = {**_size_fields(c), **adapter.config_fields(arch, c)}
+    return TransformerConfig(
+        parameter_dtype=dtype,
+        activation_dtype=dtype,
+        use_layer_stack=use_layer_stack,
+        **fields,
+    )
+  except (ValueError, KeyError, TypeError) as e:
+    # The readers check every value a model needs; what still fails here is
+    # an option the model lacks (or a value it cannot take): say where.
+    if isinstance(e, CheckpointError):
+      raise
+    if isinstance(e, KeyError):
+      problem = f"lacks key {e.args[0] if e.args else e!r}"
+    else:
+      problem = str(e)
+    raise CheckpointError(f"{_config_file(checkpoint)}: {problem}") from e
+
+
+def _config_file(checkpoint: Checkpoint | LazyCheckpoint) -> str:
+  """Where a checkpoint's config came from: a directory's config.json, or
+  a GGUF file's metadata."""
+  source = Path(checkpoint.source)
+  if source.is_dir():
+    return str(source / "config.json")
+  if checkpoint.gguf_reader is not None or source.suffix == ".gguf":
+    return f"the metadata of {source}"
+  return f"the config of {checkpoint.source}"
