@@ -15,11 +15,9 @@ rename. No torch is needed: tensors are read one at a time by
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import struct
-import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -43,6 +41,8 @@ from penzai_lm.checkpoints.specs import SPECS
 from penzai_lm.checkpoints.validation import CONFIG_HINT
 from penzai_lm.checkpoints.validation import check_layer_count
 from penzai_lm.checkpoints.file_checks import check_safetensors_header
+from penzai_lm.checkpoints.json_files import parse_json
+from penzai_lm.checkpoints.json_files import short_repr
 from penzai_lm.checkpoints.validation import layer_indices
 
 
@@ -95,12 +95,12 @@ def _detect_architecture(
       isinstance(c, str) for c in classes
   ):
     raise CheckpointError(
-        f"{where}: key 'architectures' = {_short(classes)} must be a list of"
+        f"{where}: key 'architectures' = {short_repr(classes)} must be a list of"
         f' class names, such as ["LlamaForCausalLM"]; {CONFIG_HINT}'
     )
   if not isinstance(config.get("model_type"), (str, type(None))):
     raise CheckpointError(
-        f"{where}: key 'model_type' = {_short(config['model_type'])} must be"
+        f"{where}: key 'model_type' = {short_repr(config['model_type'])} must be"
         f' a string, such as "llama"; {CONFIG_HINT}'
     )
   by_class = _class_table(specs)
@@ -119,53 +119,6 @@ def _detect_architecture(
   )
 
 
-def _short(value: Any, limit: int = 80) -> str:
-  text = repr(value)
-  return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# Real configs and headers nest a few levels (text_config > rope_parameters >
-# full_attention); far deeper is hostile, and would overflow the stack of
-# the code that copies or walks the value.
-_MAX_JSON_DEPTH = 64
-
-
-def _parse_json(data: bytes, what: str) -> Any:
-  """``json.loads(data)``; every way it fails is a `CheckpointError` naming
-  ``what`` (a file, or a file's part)."""
-  try:
-    value = json.loads(data)
-  except RecursionError as e:
-    raise CheckpointError(
-        f"Cannot parse {what}: it nests JSON arrays or objects too deeply;"
-        f" {CORRUPT_HINT}"
-    ) from e
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"Cannot parse {what}: {e}; {CORRUPT_HINT}") from e
-  except ValueError as e:  # An integer past Python's digit limit.
-    raise CheckpointError(
-        f"Cannot parse {what}: it holds an integer of more than"
-        f" {sys.get_int_max_str_digits()} digits, which no model needs;"
-        f" {CORRUPT_HINT}"
-    ) from e
-  stack = [(value, 1)]
-  while stack:
-    item, depth = stack.pop()
-    children = (
-        item.values() if isinstance(item, dict)
-        else item if isinstance(item, list) else ()
-    )
-    for child in children:
-      if isinstance(child, (dict, list)):
-        if depth >= _MAX_JSON_DEPTH:
-          raise CheckpointError(
-              f"{what} nests JSON arrays or objects more than"
-              f" {_MAX_JSON_DEPTH} levels deep; {CORRUPT_HINT}"
-          )
-        stack.append((child, depth + 1))
-  return value
-
-
 def _read_config(path: Path) -> dict[str, Any]:
   cfg_path = path / "config.json"
   if not cfg_path.is_file():
@@ -173,7 +126,7 @@ def _read_config(path: Path) -> dict[str, Any]:
         f"{path} has no config.json; a Hugging Face model directory needs"
         " config.json and model.safetensors (or model.safetensors.index.json)"
     )
-  config = _parse_json(cfg_path.read_bytes(), str(cfg_path))
+  config = parse_json(cfg_path.read_bytes(), str(cfg_path))
   if not isinstance(config, dict):
     raise CheckpointError(
         f"{cfg_path} does not hold a JSON object; {CORRUPT_HINT}"
@@ -186,7 +139,7 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
   index = path / "model.safetensors.index.json"
   single = path / "model.safetensors"
   if index.is_file():
-    weight_map = _parse_json(index.read_bytes(), str(index))
+    weight_map = parse_json(index.read_bytes(), str(index))
     weight_map = (
         weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     )
@@ -233,7 +186,7 @@ def _read_header(file: Path) -> tuple[dict[str, Any], int]:
           f"{file}: header length {n} exceeds the file ({size} bytes);"
           f" {CORRUPT_HINT}"
       )
-    header = _parse_json(f.read(n), f"the safetensors header of {file}")
+    header = parse_json(f.read(n), f"the safetensors header of {file}")
   return check_safetensors_header(str(file), header, 8 + n, size), 8 + n
 
 
@@ -303,7 +256,7 @@ def _text_config(
   text = config.get("text_config") or {}
   if not isinstance(text, dict):
     raise CheckpointError(
-        f"{where}: key 'text_config' = {_short(text)} must be an"
+        f"{where}: key 'text_config' = {short_repr(text)} must be an"
         f" object (the text model's config); {CONFIG_HINT}"
     )
   text = dict(text)
