@@ -92,6 +92,20 @@ def _check_factor(factor, what: str = "scale factor") -> float:
   return factor
 
 
+def _check_strength(strength) -> float | list[float]:
+  """A finite real strength, or a list of them (one per row)."""
+  if isinstance(strength, (str, bytes)) or not isinstance(
+      strength, (list, tuple, np.ndarray, jnp.ndarray)):
+    return _check_factor(strength, "strength")
+  array = np.asarray(strength)
+  if array.ndim != 1 or not array.size or array.dtype.kind not in "fiu":
+    raise ValueError(
+        "strength must be a real number or a non-empty 1-D list of them (one"
+        f" per row), got {strength!r}")
+  return [_check_factor(float(s), f"strength[{i}]")
+          for i, s in enumerate(array)]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class ControlVector:
   """A steering vector: one direction per block, added to the residual stream.
@@ -282,29 +296,37 @@ class ControlVector:
       out[i] = v
     return out
 
-  def apply(self, model, strength: float = 1.0):
+  def apply(self, model, strength=1.0, *, where="all",
+            batch_axis: str = "batch"):
     """Returns ``model`` steered by this vector (llama.cpp's
     ``--control-vector``): ``strength * directions[i]`` is added at
-    ``blocks.{i}.resid_post`` for every block ``i`` of the vector.
+    ``blocks.{i}.resid_post`` for every block ``i`` of the vector, at the
+    tokens ``where`` selects.
 
     On per-layer blocks each steered block gets an `AddVector`; in a layer
     stack one `AddVector` holds a direction per block along ``blocks`` (zero
     for blocks without one), which the stack's scan slices, so any vector
-    (and any strength: it is an array) shares one compiled program. Both
-    layouts compute the same thing.
+    (and any strength or rule: they are arrays) shares one compiled
+    program. Both layouts compute the same thing.
 
     Args:
       model: A `TransformerLM` or `KVCachingTransformerLM` (patched or not).
       strength: A finite real factor (``apply(m, s)`` steers like
-        ``scaled(s).apply(m)``).
+        ``scaled(s).apply(m)``), or one per row (a list or 1-D array:
+        ``apply(m, [0, 4, 8])`` steers three prompts of one `generate` call
+        by 0, 4 and 8; see `penzai_lm.interp.interventions` for rows).
+      where: Which tokens: ``"all"`` (llama.cpp's behaviour), ``"prompt"``,
+        ``"generated"`` or a `TokenRule` (which may itself be per row).
+      batch_axis: The batch axis per-row strengths are tagged with.
 
     Returns:
       The steered model (the input is unchanged).
 
     Raises:
       ValueError: if the vector's size is not the model's hidden size, it
-        has directions for blocks the model does not have, or ``strength``
-        is not a finite real number.
+        has directions for blocks the model does not have, ``strength`` is
+        not a finite real number or a 1-D list of them, or ``where`` is not
+        a rule.
       TypeError: if ``model`` is not a penzai_lm model.
     """
     config = getattr(model, "config", None)
@@ -313,7 +335,7 @@ class ControlVector:
           "expected a penzai_lm TransformerLM or KVCachingTransformerLM, got"
           f" {type(model).__name__}"
       )
-    strength = _check_factor(strength, "strength")
+    strength = _check_strength(strength)
     if self.hidden_size != config.hidden_size:
       raise ValueError(
           f"the control vector has size {self.hidden_size} but the model's"
@@ -321,15 +343,18 @@ class ControlVector:
           f" (model_hint={self.model_hint!r})"
       )
     stacked = self.for_layers(config.num_layers)  # Checks the blocks.
+
+    def steer(vector):
+      return interventions.AddVector.build(
+          vector, strength=strength, where=where, batch_axis=batch_axis)
+
     hooks = points_lib.hook_points(model, "resid_post")
     if points_lib.is_stacked(hooks.get_sequence()[0]):
       vector = pz.nx.wrap(jnp.asarray(stacked)).tag("blocks", "embedding")
-      return hooks.insert_before(
-          interventions.AddVector.build(vector, strength=strength))
+      return hooks.insert_before(steer(vector))
     for i, direction in self.directions.items():
-      model = points_lib.insert_at(
-          model, f"blocks.{i}.resid_post",
-          interventions.AddVector.build(direction, strength=strength))
+      model = points_lib.insert_at(model, f"blocks.{i}.resid_post",
+                                   steer(direction))
     return model
 
   def __eq__(self, other) -> bool:

@@ -10,6 +10,7 @@ import pytest
 from penzai import pz
 
 import penzai_lm
+from penzai_lm import generation
 from penzai_lm import interp
 from penzai_lm.generation.prepare import unstack_layers
 from penzai_lm.interp import ControlVector
@@ -203,5 +204,55 @@ def test_apply_errors():
       make_cv(blocks=(1, 3, 5), size=WIDTH).apply(model)
     with pytest.raises(ValueError, match="strength must be finite"):
       make_cv(blocks=(1,), size=WIDTH).apply(model, float("inf"))
+    with pytest.raises(ValueError, match=r"strength\[1\] must be finite"):
+      make_cv(blocks=(1,), size=WIDTH).apply(model, [1.0, float("nan")])
+    for bad in ([[1.0, 2.0]], [], ["4"], [True, False]):
+      with pytest.raises(ValueError, match="strength must be a real number"
+                         " or a non-empty 1-D list"):
+        make_cv(blocks=(1,), size=WIDTH).apply(model, bad)
+    with pytest.raises(ValueError, match="where must be 'all', 'prompt'"):
+      make_cv(blocks=(1,), size=WIDTH).apply(model, 1.0, where="everywhere")
   with pytest.raises(TypeError, match="expected a penzai_lm TransformerLM"):
     make_cv().apply(object())
+
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+STEERED = "blocks.2.resid_post"
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unstacked"])
+def test_apply_per_row_strengths_with_where_equal_separate_runs(layout):
+  """Issue 28's probe: ``apply(model, [0, 4, 8], where=...)`` steers three
+  rows of one generate call as three calls with one strength each do (the
+  tokens, and the steered point's values at every position)."""
+  model = dict(zip(["stacked", "unstacked"], _models()))[layout]
+  cv = make_cv(blocks=(0, 2), size=WIDTH)
+  strengths = [0.0, 4.0, 8.0]
+  engine = generation.Engine()
+  run = dict(max_new_tokens=5, capture=[STEERED], temperature=0.0,
+             stop_tokens=[])
+  plain = engine.generate(model, PROMPTS, **run)
+  for where in ("generated", interp.TokenRule.positions([1, 0, 2], 5)):
+    batched = engine.generate(cv.apply(model, strengths, where=where),
+                              PROMPTS, **run)
+    for row, strength in enumerate(strengths):
+      rule = where if isinstance(where, str) else interp.TokenRule.positions(
+          int(where.start.data_array[row]), 5)
+      alone = engine.generate(cv.apply(model, strength, where=rule),
+                              [PROMPTS[row]], **run)
+      assert alone.tokens[0] == batched.tokens[row], (where, row)
+      got, want = batched.captures[STEERED][row], alone.captures[STEERED][0]
+      np.testing.assert_allclose(
+          np.asarray(got.unwrap(*want.named_shape)),
+          np.asarray(want.unwrap(*want.named_shape)), atol=1e-5)
+    assert batched.tokens[0] == plain.tokens[0]  # Strength 0.
+    assert len(set(map(tuple, batched.tokens))) == 3  # Steering acted.
+    if where == "generated":
+      # The prompt is not steered: its values are the plain model's.
+      for row, prompt in enumerate(PROMPTS):
+        got = batched.captures[STEERED][row]
+        base = plain.captures[STEERED][row]
+        sl = {"seq": pz.slice[:len(prompt)]}
+        np.testing.assert_allclose(
+            np.asarray(got[sl].unwrap(*got.named_shape)),
+            np.asarray(base[sl].unwrap(*got.named_shape)), atol=1e-6)
