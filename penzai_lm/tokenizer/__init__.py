@@ -3,9 +3,11 @@
 * `Tokenizer.from_gguf(path_or_reader)`: from a GGUF file's metadata.
 * `Tokenizer.from_hf(directory)`: from a Hugging Face ``tokenizer.json``.
 * `IncrementalDetokenizer`: streaming decode for generation.
+* `TokenizerFileError`: a malformed tokenizer file (names file and field).
 """
 
 from penzai_lm.tokenizer.detokenizer import IncrementalDetokenizer
 from penzai_lm.tokenizer.tokenizer import Tokenizer
+from penzai_lm.tokenizer.tokenizer import TokenizerFileError
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "TokenizerFileError"]

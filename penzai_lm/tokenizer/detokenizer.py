@@ -140,7 +140,9 @@ class IncrementalDetokenizer:
           f"Token id {token_id} is outside the vocabulary "
           f"[0, {self.tokenizer.vocab_size})."
       )
-    self._pending.append(token_id)
+    # A duplicate vocabulary entry decodes as the id it duplicates (and so
+    # counts as a byte token when that one is).
+    self._pending.append(self.tokenizer.id_aliases.get(token_id, token_id))
     if self._ends_in_byte_run():
       return ""
     text = self._decode_pending()

@@ -9,13 +9,15 @@ directory with a ``tokenizer.json`` (`Tokenizer.from_hf`)::
 
 Encoding never adds EOS; BOS is added when the model's files ask for it.
 Text spelling a special token (``<|im_start|>``) encodes to that token.
+
+The files are untrusted input: a malformed file or field raises
+`TokenizerFileError` (a ValueError) naming the file and the field; see
+`file_values`, `gguf_vocab.check_fields` and `hf_files`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,8 +27,11 @@ import tokenizers
 from penzai_lm.tokenizer import chat_template as chat_template_lib
 from penzai_lm.tokenizer import gguf_metadata
 from penzai_lm.tokenizer import gguf_vocab
+from penzai_lm.tokenizer import hf_files
+from penzai_lm.tokenizer import vocab_cache
+from penzai_lm.tokenizer.file_values import TokenizerFileError
 
-__all__ = ["Tokenizer", "clean_up_tokenization"]
+__all__ = ["Tokenizer", "TokenizerFileError", "clean_up_tokenization"]
 
 # End-of-turn tokens that stop generation, in addition to EOS, when the
 # vocabulary has them as special tokens.
@@ -49,7 +54,11 @@ class Tokenizer:
 
   Attributes:
     backend: The underlying `tokenizers.Tokenizer`.
-    vocab_size: Number of token ids (including added tokens).
+    vocab_size: Number of token ids (including added tokens). For a GGUF
+      file, the number of entries of ``tokenizer.ggml.tokens``.
+    id_aliases: Ids that decode as another id: an earlier entry of a GGUF
+      vocabulary that spells the same string as a later one (text encodes
+      to the later one, as in llama.cpp).
     bos_id: Beginning-of-sequence id, or None if the model has none.
     eos_id: End-of-sequence id, or None if the model has none.
     pad_id: Padding id. If the files name none, falls back to ``eos_id``
@@ -84,9 +93,13 @@ class Tokenizer:
       clean_up_tokenization_spaces: bool = False,
       architecture: str | None = None,
       chat_template_source: str | None = None,
+      vocab_size: int | None = None,
+      id_aliases: Mapping[int, int] | None = None,
   ):
     self.backend = backend
-    self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+    self.vocab_size = (backend.get_vocab_size(with_added_tokens=True)
+                       if vocab_size is None else int(vocab_size))
+    self.id_aliases = dict(id_aliases or {})
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id),
                         ("pad_id", pad_id), ("unk_id", unk_id)):
       if value is not None and not 0 <= value < self.vocab_size:
@@ -99,9 +112,10 @@ class Tokenizer:
       pad_id = eos_id if eos_id is not None else 0
     self.pad_id = pad_id
     self.add_bos = bool(add_bos) and bos_id is not None
+    special = {
+        i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     self.special_ids = frozenset(
-        i for i, t in backend.get_added_tokens_decoder().items() if t.special
-    )
+        special | {i for i, j in self.id_aliases.items() if j in special})
     stops = [eos_id, *extra_eos_ids]
     for token in END_OF_TURN_TOKENS:
       i = backend.token_to_id(token)
@@ -132,26 +146,34 @@ class Tokenizer:
     """Builds the tokenizer described by a GGUF file's metadata.
 
     Only ``tokenizer.*`` and ``general.architecture`` fields are read. The
-    SentencePiece vocabularies (e.g. Gemma 3, slow to build) are cached as
-    ``tokenizer.json`` under `penzai_lm.fetch.cache_dir()`.
+    SentencePiece vocabularies (e.g. Gemma 3, slow to build) are cached
+    under `penzai_lm.fetch.cache_dir()`, keyed by a hash of those fields
+    (see `vocab_cache`), for a path and an open reader alike.
 
     Args:
       path_or_reader: A GGUF file path, or an open `gguf.GGUFReader`.
 
     Raises:
-      ValueError: If the file is missing, not GGUF, or has an unsupported
-        tokenizer type.
+      ValueError: If the file is missing or not GGUF;
+        `TokenizerFileError` if a tokenizer field is malformed (wrong type,
+        id outside the vocabulary, per-token array of the wrong length,
+        invalid UTF-8) or of an unsupported tokenizer type.
     """
-    meta = gguf_metadata.read_tokenizer_metadata(path_or_reader)
+    meta, digest = gguf_metadata.read_tokenizer_fields(path_or_reader)
+    file = gguf_metadata.gguf_file_path(path_or_reader) or "a GGUF file"
     if "tokenizer.ggml.model" not in meta:
       raise ValueError(
-          "This GGUF file has no tokenizer (no tokenizer.ggml.model key); "
+          f"{file} has no tokenizer (no tokenizer.ggml.model key); "
           "use Tokenizer.from_hf with the model's tokenizer.json instead."
       )
-    full = lambda: gguf_metadata.read_tokenizer_metadata(  # pylint: disable=g-long-lambda
-        path_or_reader, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
-    backend = gguf_vocab.load_or_build(
-        meta, gguf_metadata.gguf_file_path(path_or_reader), full)
+    meta = gguf_vocab.check_fields(meta, file)
+    arrays = (gguf_vocab.TOKENS, gguf_vocab.MERGES)
+
+    def read_full() -> dict[str, Any]:
+      full = gguf_metadata.read_tokenizer_metadata(path_or_reader, arrays)
+      return {**meta, **{k: full[k] for k in arrays if k in full}}
+
+    backend, aliases = vocab_cache.load_or_build(meta, digest, file, read_full)
     get = lambda key: meta.get(f"tokenizer.ggml.{key}")
     add_bos = get("add_bos_token")
     if add_bos is None:  # llama.cpp's default: BOS for SentencePiece vocabs.
@@ -163,13 +185,14 @@ class Tokenizer:
         eos_id=get("eos_token_id"),
         pad_id=get("padding_token_id"),
         unk_id=get("unknown_token_id"),
-        add_bos=bool(add_bos),
+        add_bos=add_bos,
         extra_eos_ids=() if eos_extra is None else (eos_extra,),
         chat_template=meta.get("tokenizer.chat_template"),
         architecture=meta.get("general.architecture"),
         chat_template_source=(
-            "the chat template (tokenizer.chat_template) of "
-            f"{gguf_metadata.gguf_file_path(path_or_reader) or 'a GGUF file'}"),
+            f"the chat template (tokenizer.chat_template) of {file}"),
+        vocab_size=meta[gguf_vocab.TOKENS],
+        id_aliases=aliases,
     )
 
   @classmethod
@@ -186,63 +209,10 @@ class Tokenizer:
       directory: The model directory.
 
     Raises:
-      ValueError: If the directory has no ``tokenizer.json``.
+      ValueError: If the directory has no ``tokenizer.json``;
+        `TokenizerFileError` if a file or field is malformed.
     """
-    d = pathlib.Path(directory)
-    if not (d / "tokenizer.json").is_file():
-      raise ValueError(
-          f"{d} has no tokenizer.json. Tokenizer.from_hf needs a Hugging Face "
-          "'fast' tokenizer file; for a GGUF file use Tokenizer.from_gguf."
-      )
-    backend = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
-    cfg = _read_json(d / "tokenizer_config.json")
-    smap = _read_json(d / "special_tokens_map.json")
-    model_cfg = _read_json(d / "config.json")
-    gen_cfg = _read_json(d / "generation_config.json")
-
-    def token_id(name: str) -> int | None:
-      token = _token_content(cfg.get(name, smap.get(name)))
-      if token is not None and backend.token_to_id(token) is not None:
-        return backend.token_to_id(token)
-      value = model_cfg.get(f"{name}_id")
-      return value[0] if isinstance(value, list) and value else (
-          value if isinstance(value, int) else None)
-
-    bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
-    add_bos = cfg.get("add_bos_token")
-    if add_bos is None:  # Does the post-processor add BOS (e.g. Llama 3)?
-      with_special = backend.encode("a", add_special_tokens=True).ids
-      plain = backend.encode("a", add_special_tokens=False).ids
-      add_bos = (bos_id is not None and len(with_special) > len(plain)
-                 and with_special[0] == bos_id)
-    extra = []
-    for source in (gen_cfg, model_cfg):
-      value = source.get("eos_token_id")
-      extra.extend(value if isinstance(value, list) else [value])
-    if eos_id is None and extra and extra[0] is not None:
-      eos_id = extra[0]
-    template = cfg.get("chat_template")
-    source = f"the chat template of {d / 'tokenizer_config.json'}"
-    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-      named = {t.get("name"): t.get("template") for t in template}
-      template = named.get("default", next(iter(named.values()), None))
-    if (d / "chat_template.jinja").is_file():
-      template = (d / "chat_template.jinja").read_text(encoding="utf-8")
-      source = f"the chat template {d / 'chat_template.jinja'}"
-    return cls(
-        backend,
-        bos_id=bos_id,
-        eos_id=eos_id,
-        pad_id=token_id("pad_token"),
-        unk_id=token_id("unk_token"),
-        add_bos=bool(add_bos),
-        extra_eos_ids=[i for i in extra if isinstance(i, int)],
-        chat_template=template,
-        clean_up_tokenization_spaces=bool(
-            cfg.get("clean_up_tokenization_spaces", False)),
-        architecture=model_cfg.get("model_type"),
-        chat_template_source=source,
-    )
+    return cls(**hf_files.read_hf_tokenizer(directory))
 
   # Vocabulary.
 
@@ -253,7 +223,8 @@ class Tokenizer:
   def id_to_token(self, token_id: int) -> str:
     """The token string of an id (in the vocabulary's own spelling)."""
     self._check_ids([token_id])
-    return self.backend.id_to_token(int(token_id))
+    token_id = int(token_id)
+    return self.backend.id_to_token(self.id_aliases.get(token_id, token_id))
 
   # Encoding and decoding.
 
@@ -305,8 +276,10 @@ class Tokenizer:
 
   def decode_raw(self, ids: Any, *, skip_special_tokens: bool = False) -> str:
     """Like `decode`, but without ``clean_up_tokenization_spaces``."""
-    return self.backend.decode(
-        self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+    ids = self._check_ids(ids)
+    if self.id_aliases:
+      ids = [self.id_aliases.get(i, i) for i in ids]
+    return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
   def decode(self, ids: Any, *, skip_special_tokens: bool = False) -> str:
     """Decodes token ids to text.
@@ -332,7 +305,7 @@ class Tokenizer:
     for name, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id),
                     ("unk_token", self.unk_id), ("pad_token", self.pad_id)):
       if i is not None:
-        out[name] = self.backend.id_to_token(i)
+        out[name] = self.id_to_token(i)
     return out
 
   def apply_chat_template(
@@ -388,17 +361,3 @@ class Tokenizer:
     if self.add_bos and (not ids or ids[0] != self.bos_id):
       ids.insert(0, self.bos_id)
     return ids
-
-
-def _read_json(path: pathlib.Path) -> dict[str, Any]:
-  if not path.is_file():
-    return {}
-  with open(path, encoding="utf-8") as f:
-    data = json.load(f)
-  return data if isinstance(data, dict) else {}
-
-
-def _token_content(value: Any) -> str | None:
-  if isinstance(value, Mapping):  # {"content": "<s>", "lstrip": ...}
-    value = value.get("content")
-  return value if isinstance(value, str) else None
