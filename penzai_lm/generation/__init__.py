@@ -3,7 +3,7 @@
 Token level (knows nothing about text):
 
 * `generate(model, prompts, **options) -> GenerationResult`
-* `stream(model, prompts, **options) -> GenerationStream` of `StreamEvent`s
+* `stream(model, prompts, **options) -> GenerationStream`, an iterator of `StreamEvent`
 
 Text level (takes a `penzai_lm.tokenizer.Tokenizer`):
 

@@ -80,7 +80,7 @@ class StreamEvent:
 
 
 class GenerationStream:
-  """Iterator of `StreamEvent`s; see the module docstring.
+  """Iterator of `StreamEvent` objects; see the module docstring.
 
   Attributes:
     run: The underlying `Run` (host bookkeeping, device state).
@@ -279,7 +279,7 @@ def stream(model, prompts, *, engine: engine_lib.Engine | None = None,
     **options: Any option of `generate`.
 
   Returns:
-    A `GenerationStream` yielding `StreamEvent`s.
+    A `GenerationStream` yielding `StreamEvent` objects.
   """
   return engine_lib.resolve_engine(engine).stream(
       model, prompts, chunk_size=chunk_size, cancel=cancel, **options)

@@ -1,4 +1,4 @@
-"""Loading real checkpoints into `TransformerLM`s."""
+"""Loading real checkpoints into `TransformerLM` models."""
 
 from penzai_lm.loading.config_mapping import config_from_checkpoint
 from penzai_lm.loading.load import load
