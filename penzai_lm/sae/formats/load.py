@@ -1,0 +1,163 @@
+"""`load_sae`, `load_transcoders` and `save_sae`: one entry point per kind.
+
+`load_sae` recognizes the format from the path:
+
+=====================================  ======================================
+path                                   format
+=====================================  ======================================
+a directory with ``cfg.json``          SAELens (`formats.saelens`)
+``params.npz`` (or its directory)      Gemma Scope 1 (`formats.gemma_scope`)
+``params.safetensors`` (or its         Gemma Scope 2
+directory); any safetensors file
+with lower-case ``w_enc``
+a safetensors file with ``W_enc``      one circuit-tracer transcoder (needs
+(and no ``cfg.json`` beside it)        ``point=``)
+=====================================  ======================================
+
+`load_transcoders` reads a circuit-tracer ``config.yaml`` (a directory with
+one, or the file): a `TranscoderSet` or a `CrossLayerTranscoder`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from penzai_lm.sae.autoencoder import SparseAutoencoder
+from penzai_lm.sae.formats import circuit_tracer
+from penzai_lm.sae.formats import gemma_scope
+from penzai_lm.sae.formats import saelens
+from penzai_lm.sae.formats import tensor_files
+from penzai_lm.sae.formats.cross_layer import CrossLayerTranscoder
+from penzai_lm.sae.formats.errors import SAEFormatError
+
+
+def _existing(path) -> Path:
+  if not isinstance(path, (str, os.PathLike)):
+    raise TypeError(f"path must be a str or os.PathLike, got"
+                    f" {type(path).__name__}.")
+  path = Path(path).expanduser()
+  if not path.exists():
+    raise FileNotFoundError(f"{path} does not exist.")
+  return path
+
+
+def load_sae(path, *, model=None, point: str | None = None,
+             output_point: str | None = None, input_axes=None, dtype=None
+             ) -> SparseAutoencoder:
+  """Loads a sparse autoencoder or transcoder from disk (formats above).
+
+  Args:
+    path: A directory or file.
+    model: The model it is for (or its `TransformerConfig`): checks the
+      sizes, and gives the head layout of attention-output SAEs (SAELens
+      ``hook_z``, Gemma Scope ``-att``), which need it (or ``input_axes``).
+    point: The point it reads, overriding the file's hook name (needed when
+      the file names none or one penzai_lm does not know).
+    output_point: The point a transcoder writes, overriding the file's.
+    input_axes: The input's axes, ``{"name": size, ...}`` or ``((name,
+      size), ...)`` flattened in the file's order (overrides the point's).
+    dtype: The dtype to load in (default: SAELens's ``dtype`` field, else
+      float32).
+
+  Returns:
+    A checked `SparseAutoencoder` whose config names its points.
+
+  Raises:
+    FileNotFoundError: if ``path`` does not exist.
+    SAEFormatError: for a file that is not one of the formats, or is
+      malformed; the message names the file and field.
+  """
+  path = _existing(path)
+  kwargs = dict(model=model, point=point, output_point=output_point,
+                input_axes=input_axes, dtype=dtype)
+  if path.is_dir():
+    for name in (saelens.CFG, gemma_scope.GS1_FILE, gemma_scope.GS2_FILE):
+      if (path / name).is_file():
+        return load_sae(path / name, **kwargs)
+    if (path / circuit_tracer.CONFIG).is_file():
+      raise SAEFormatError(f"{path} is a circuit-tracer directory"
+                           f" ({circuit_tracer.CONFIG}): load it with"
+                           " penzai_lm.sae.load_transcoders.")
+    raise SAEFormatError(
+        f"{path} holds none of {saelens.CFG} (SAELens),"
+        f" {gemma_scope.GS1_FILE} (Gemma Scope), {gemma_scope.GS2_FILE}"
+        " (Gemma Scope 2); pass the file itself if it has another name.")
+  if path.name == saelens.CFG or (path.name == saelens.WEIGHTS and (
+      path.parent / saelens.CFG).is_file()):
+    return saelens.read_saelens(path.parent, **kwargs)
+  if path.suffix == ".npz":
+    return gemma_scope.read_gemma_scope_1(path, **kwargs)
+  if path.suffix != ".safetensors":
+    raise SAEFormatError(f"{path}: not an autoencoder file penzai_lm reads"
+                         " (cfg.json, .npz or .safetensors).")
+  names = tensor_files.safetensors_locations(path)
+  if "w_enc" in names:
+    return gemma_scope.read_gemma_scope_2(path, **kwargs)
+  if "W_enc" in names:
+    if point is None:
+      raise SAEFormatError(
+          f"{path} is a circuit-tracer transcoder file, which names no"
+          " points: pass point= (e.g. 'blocks.3.mlp_in'; output_point"
+          " defaults to that block's mlp_out), or load the directory's"
+          " config.yaml with load_transcoders.")
+    return circuit_tracer.read_layer_file(
+        path, point=point, output_point=output_point, model=model,
+        dtype=dtype)
+  raise SAEFormatError(
+      f"{path} holds neither 'W_enc' (SAELens, circuit-tracer) nor 'w_enc'"
+      f" (Gemma Scope 2); it holds {sorted(names)}.")
+
+
+def load_transcoders(path, *, model=None, input_point: str | None = None,
+                     output_point: str | None = None, dtype=None
+                     ) -> circuit_tracer.TranscoderSet | CrossLayerTranscoder:
+  """Loads circuit-tracer transcoders from a ``config.yaml`` (or its
+  directory): a `TranscoderSet` (``model_kind: transcoder_set``) or a
+  `CrossLayerTranscoder`.
+
+  Args:
+    path: The directory or the ``config.yaml``.
+    model: The model (or config), to check sizes.
+    input_point, output_point: Block-relative points (``"mlp_in"``,
+      ``"mlp_out"``) overriding ``feature_input_hook`` /
+      ``feature_output_hook``.
+    dtype: The dtype to load in (default float32, as circuit-tracer).
+
+  Raises:
+    FileNotFoundError: if ``path`` does not exist.
+    SAEFormatError: for malformed or missing files, naming file and field.
+  """
+  path = _existing(path)
+  directory = path if path.is_dir() else path.parent
+  if not (directory / circuit_tracer.CONFIG).is_file():
+    raise SAEFormatError(f"{directory} has no {circuit_tracer.CONFIG}.")
+  config = circuit_tracer.read_config(directory)
+  read = (circuit_tracer.read_transcoder_set
+          if config["model_kind"] == "transcoder_set"
+          else circuit_tracer.read_clt)
+  return read(directory, config, model=model, input_point=input_point,
+              output_point=output_point, dtype=dtype)
+
+
+def save_sae(sae: SparseAutoencoder, directory, *, model_name: str | None = None,
+             metadata: dict | None = None) -> Path:
+  """Saves ``sae`` in SAELens's format (``cfg.json`` +
+  ``sae_weights.safetensors``), readable by ``sae_lens.SAE.load_from_disk``
+  and by `load_sae`.
+
+  Args:
+    sae: The autoencoder.
+    directory: Created if needed; existing files of these names are
+      replaced.
+    model_name: Recorded as ``metadata.model_name``.
+    metadata: More ``metadata`` fields (JSON values).
+
+  Returns:
+    The directory.
+
+  Raises:
+    ValueError: for an autoencoder SAELens cannot represent.
+  """
+  return saelens.write_saelens(sae, directory, model_name=model_name,
+                               metadata=metadata)
