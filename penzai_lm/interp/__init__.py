@@ -18,8 +18,13 @@
   steers a model with one.
 * Activation patching sweeps: `patching_sweep` (every layer x position in
   one batched run) returning a `PatchingResult`; `LogitDiff` metric.
+* Attribution patching: `attribution_patching` (the gradient estimate of
+  every cell of a sweep, per head and neuron too, in one compiled forward
+  and backward pass) returning an `AttributionResult`.
 """
 
+from penzai_lm.interp.attribution import AttributionResult
+from penzai_lm.interp.attribution import attribution_patching
 from penzai_lm.interp.cache import ActivationCache
 from penzai_lm.interp.cache import Capture
 from penzai_lm.interp.cache import run_with_cache
@@ -52,6 +57,7 @@ __all__ = [
     "ActivationCache",
     "AddVector",
     "AtLayers",
+    "AttributionResult",
     "Capture",
     "Clamp",
     "ControlVector",
@@ -62,6 +68,7 @@ __all__ = [
     "Point",
     "TokenRule",
     "ZeroHeads",
+    "attribution_patching",
     "embed",
     "head_coordinates",
     "heads_mask",
