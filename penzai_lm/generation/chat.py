@@ -170,9 +170,8 @@ class ChatSession:
         self._finish_reply()
         messages = self._messages + [{"role": "user", "content": content}]
         ids, rendered = self._new_tokens(messages)
-        if settings.get("stop_tokens") is None:
-          settings["default_stop_tokens"] = text_lib.default_stop_tokens(
-              self.session.model, self.tokenizer)
+        settings = text_lib.text_options(self.session.model, self.tokenizer,
+                                         settings)
         stream = self.session.stream(
             ids, chunk_size=chunk_size, cancel=cancel,
             text=lambda request: text_lib.TextView.for_request(

@@ -26,7 +26,8 @@ def is_sequence(value: Any) -> bool:
   """A list-like of values (an array with at least one axis; not a str)."""
   if isinstance(value, (np.ndarray, jax.Array)):
     return value.ndim > 0
-  return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+  return isinstance(value, Sequence) and not isinstance(
+      value, (str, bytes, bytearray, memoryview))
 
 
 # Prompts.
@@ -64,6 +65,11 @@ def normalize_prompts(
       raise ValueError(
           f"prompts as an array must be 1-D (one prompt) or 2-D (one row per"
           f" prompt); got shape {array.shape}.")
+  elif isinstance(prompts, (bytes, bytearray, memoryview)):
+    raise TypeError(
+        f"prompts must be token ids, not {type(prompts).__name__}: decode"
+        " and encode them (tokenizer.encode(data.decode('utf-8'))), or to"
+        " generate from text use generate_text(model, tokenizer, text).")
   elif isinstance(prompts, str):
     raise TypeError(
         "prompts must be token ids, not text: encode them"

@@ -32,6 +32,7 @@ from penzai_lm.generation import shapes as shapes_lib
 from penzai_lm.generation.prompts import is_int
 from penzai_lm.generation.prompts import is_sequence
 from penzai_lm.generation.prompts import normalize_prompts
+from penzai_lm.generation.row_options import ban_padding_ids
 from penzai_lm.generation.row_options import check_min_new_reachable
 from penzai_lm.generation.row_options import expand_rows
 from penzai_lm.generation.row_options import max_new_rows
@@ -152,7 +153,7 @@ def _sampling(values: dict[str, Any], seeds, n: int, num_samples: int,
 
 _OPTIONS = ("max_new_tokens", "min_new_tokens", "num_samples", "seed",
             "stop_tokens", "forced_tokens", "logprobs_top_n", "use_cache",
-            "capture")
+            "capture", "tokenizer_vocab_size")
 
 
 def _check_option_names(values: dict[str, Any]) -> None:
@@ -179,6 +180,7 @@ def build_request(
     logprobs_top_n: Any = 0,
     use_cache: Any = True,
     default_stop_tokens: Sequence[int] | None = None,
+    tokenizer_vocab_size: int | None = None,
     continuation: Continuation | None = None,
     capture: Any = None,
     **sampling_values: Any,
@@ -186,8 +188,11 @@ def build_request(
   """Validates a request for ``model`` (see `penzai_lm.generation.generate`).
 
   ``default_stop_tokens`` (default: ``model.config.eos_token_ids``) apply
-  when ``stop_tokens`` is None; ``continuation`` appends to a session's
-  state.
+  when ``stop_tokens`` is None; ``tokenizer_vocab_size`` (set by the text
+  functions, from the tokenizer) bans the ids at and above it from sampling:
+  a padded vocabulary's ids that have no text. Token-id generation leaves it
+  None, so every id of the model may be sampled. ``continuation`` appends
+  to a session's state.
   """
   cached = is_cached_model(model)
   _check_option_names(sampling_values)
@@ -221,7 +226,9 @@ def build_request(
   stops = token_lists("stop_tokens", stop_tokens, n, num_samples, vocab,
                       default_stop_tokens)
   forced = token_lists("forced_tokens", forced_tokens, n, num_samples, vocab)
-  settings = _sampling(sampling_values, seeds, n, num_samples, vocab)
+  settings = ban_padding_ids(
+      _sampling(sampling_values, seeds, n, num_samples, vocab),
+      tokenizer_vocab_size, vocab)
   check_min_new_reachable(settings, stops, min_new)
   capture = _capture_names(model, capture)
   info = shapes_lib.RowsInfo(

@@ -14,10 +14,12 @@ Conventions (see `request`): rows are prompt-major, row ``r`` is sample
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from penzai_lm.generation.prompts import is_int
@@ -151,3 +153,31 @@ def check_min_new_reachable(settings, stops, min_new) -> None:
         raise ValueError(
             f"row {r} bans every token but its stop tokens, so it cannot"
             f" generate min_new_tokens={least} tokens; ban fewer tokens.")
+
+
+def ban_padding_ids(settings, tokenizer_vocab_size: Any, vocab_size: int):
+  """``settings`` with ids ``>= tokenizer_vocab_size`` banned in every row.
+
+  Models ship padded vocabularies (Qwen2.5: 151936 rows for 151665 tokens,
+  Phi-3: 32064 for 32011): the padding ids have logits but no text, so a
+  sampled one could not be decoded. The ban is data in the settings' dense
+  mask, so it compiles nothing new.
+  """
+  if tokenizer_vocab_size is None:
+    return settings
+  if not is_int(tokenizer_vocab_size) or not (
+      0 < tokenizer_vocab_size <= vocab_size):
+    raise ValueError(
+        f"tokenizer_vocab_size must be an integer in [1, {vocab_size}] (the"
+        f" model's vocabulary), got {tokenizer_vocab_size!r}.")
+  if tokenizer_vocab_size == vocab_size:
+    return settings
+  banned = np.array(settings.banned_tokens)  # A copy: the ban is added.
+  banned[:, int(tokenizer_vocab_size):] = True
+  for r in range(banned.shape[0]):
+    if banned[r].all():
+      raise ValueError(
+          f"banned_tokens[{r}] bans every token of the tokenizer (ids"
+          f" >= {tokenizer_vocab_size} are the model's vocabulary padding and"
+          " are never sampled); at least one token must stay allowed.")
+  return dataclasses.replace(settings, banned_tokens=jnp.asarray(banned))

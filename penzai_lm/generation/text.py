@@ -16,6 +16,13 @@ Stop tokens default to the model's ``eos_token_ids`` plus the tokenizer's
 ``stop_ids`` (EOS, end-of-turn tokens). A stop token is kept in ``tokens`` but
 its text is not part of ``texts``.
 
+Padded vocabularies: a model may have more ids than its tokenizer (Qwen2.5,
+Phi-3 round the embedding up); the extra ids have no text, so the text
+functions (and `ChatSession`) never sample them: ids at and above
+``tokenizer.vocab_size`` are banned in every row, as data (no new compile).
+`generate` with token ids has no tokenizer and bans nothing; pass it
+``tokenizer_vocab_size=tokenizer.vocab_size`` for the same ban.
+
 Stop strings (``stop_strings=["\\n\\n", ...]``, or one list per prompt/row)
 are matched on the decoded text as it is produced: the earliest match ends
 the row with ``"stop"``, the match and everything after it are removed from
@@ -62,6 +69,7 @@ def encode_prompts(tokenizer, prompt_or_prompts: Any) -> list[list[int]]:
   """Encodes the accepted prompt forms (see module docstring) to id lists."""
 
   def encode_one(i, prompt):
+    _check_not_bytes(prompt, f"prompt {i}")
     if isinstance(prompt, str):
       ids = tokenizer.encode(prompt)
       if not ids:
@@ -78,6 +86,7 @@ def encode_prompts(tokenizer, prompt_or_prompts: Any) -> list[list[int]]:
         f" content dicts) or a list of token ids, got {prompt!r:.80}.")
 
   p = prompt_or_prompts
+  _check_not_bytes(p, "the prompt")
   if isinstance(p, str) or _is_conversation(p) or _is_ids(p):
     return [encode_one(0, p)]
   if isinstance(p, Sequence) and not isinstance(p, (str, bytes)):
@@ -87,6 +96,14 @@ def encode_prompts(tokenizer, prompt_or_prompts: Any) -> list[list[int]]:
   raise TypeError(
       "prompt_or_prompts must be a string, a chat conversation, a list of"
       f" token ids or a list of these; got {type(p).__name__}.")
+
+
+def _check_not_bytes(value: Any, what: str) -> None:
+  """Bytes are a sequence of ints: without this, they would pass for ids."""
+  if isinstance(value, (bytes, bytearray, memoryview)):
+    raise TypeError(
+        f"{what} is {type(value).__name__}, not text: decode it first (e.g."
+        " data.decode('utf-8')), or pass token ids as a list of ints.")
 
 
 class _RowText:
@@ -244,15 +261,25 @@ def _text_stream(model, tokenizer, prompt_or_prompts, stop_strings,
                  engine, options) -> GenerationStream:
   prompts = encode_prompts(tokenizer, prompt_or_prompts)
   check_vocabularies(model, tokenizer)
-  if options.get("stop_tokens") is None:
-    options = dict(options,
-                   default_stop_tokens=default_stop_tokens(model, tokenizer))
+  options = text_options(model, tokenizer, options)
   run = engine_lib.resolve_engine(engine).start(
       model, prompts, tool=_tool(tokenizer, calculator, tool), **options)
   view = TextView.for_request(tokenizer, run.request, stop_strings,
                               skip_special_tokens)
   return GenerationStream(run, chunk_size=chunk_size, cancel=cancel,
                           text=view)
+
+
+def text_options(model, tokenizer, options: dict[str, Any]
+                 ) -> dict[str, Any]:
+  """``options`` plus what the tokenizer implies: the default stop tokens,
+  and the ban of the ids it has no text for (see the module docstring)."""
+  options = dict(options)
+  if options.get("stop_tokens") is None:
+    options["default_stop_tokens"] = default_stop_tokens(model, tokenizer)
+  if options.get("tokenizer_vocab_size") is None:  # Ids it cannot decode.
+    options["tokenizer_vocab_size"] = tokenizer.vocab_size
+  return options
 
 
 def check_vocabularies(model, tokenizer) -> None:

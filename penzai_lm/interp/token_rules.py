@@ -31,7 +31,9 @@ generated token is sampled from the last prompt token's logits, so steering
 it needs the prompt (or at least its last position) selected.
 
 Bounds may be per row: a named array with the batch axis, or a list given
-to a constructor with ``batch_axis``.
+to a constructor with ``batch_axis``. Bounds are stored as int32, clamped to
+``[-2**30, 2**30]`` (positions stay far below 2**30), so a huge bound such
+as ``steps(0, 2**40)`` means "no end" rather than wrapping around.
 """
 
 from __future__ import annotations
@@ -47,15 +49,40 @@ _FAR = 1 << 30
 NAMES = ("all", "prompt", "generated")
 
 
+def _host_ints(value, what: str) -> np.ndarray:
+  """A host bound as an int64 array clamped to ``[-_FAR, _FAR]``.
+
+  Python ints of any size are clamped before numpy sees them (2**70 would
+  not fit int64; 2**40 would wrap in int32).
+  """
+  def clamp(v):
+    if isinstance(v, np.generic):
+      v = v.item()
+    if isinstance(v, int) and not isinstance(v, bool):
+      return max(-_FAR, min(_FAR, v))
+    return v
+  if isinstance(value, np.ndarray) and value.dtype == object:
+    value = value.tolist()
+  if isinstance(value, (list, tuple)):
+    value = [clamp(v) for v in value]
+  elif not isinstance(value, np.ndarray):
+    value = clamp(value)
+  try:
+    array = np.asarray(value)
+  except (ValueError, TypeError):
+    array = np.asarray(None)  # Reported below.
+  if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+    raise ValueError(f"{what} must be an integer (or one per row), got"
+                     f" {value!r}.")
+  return np.clip(array, -_FAR, _FAR)
+
+
 def _bound(value, batch_axis: str, what: str) -> pz.nx.NamedArray:
   if isinstance(value, pz.nx.NamedArrayBase):
     if not jnp.issubdtype(value.dtype, jnp.integer):
       raise ValueError(f"{what} must be integers, got {value.dtype}.")
-    return value.astype(jnp.int32)
-  array = np.asarray(value)
-  if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
-    raise ValueError(f"{what} must be an integer (or one per row), got"
-                     f" {value!r}.")
+    return pz.nx.nmap(jnp.clip)(value, -_FAR, _FAR).astype(jnp.int32)
+  array = _host_ints(value, what)
   if array.ndim > 1:
     raise ValueError(f"{what} must be an integer or a list with one per row,"
                      f" got shape {array.shape}.")
@@ -142,10 +169,7 @@ def _check_range(start, stop, what: str, minimum: int) -> None:
   for name, value in (("start", start), ("stop", stop)):
     if value is None or isinstance(value, pz.nx.NamedArrayBase):
       continue
-    array = np.asarray(value)
-    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
-      raise ValueError(f"{what} {name} must be an integer (or one per row),"
-                       f" got {value!r}.")
+    array = _host_ints(value, f"{what} {name}")
     if (array < minimum).any():
       raise ValueError(f"{what} {name} must be >= {minimum}, got {value!r}.")
   if (stop is not None and not isinstance(start, pz.nx.NamedArrayBase)
