@@ -423,13 +423,15 @@ def test_load_reuses_gemma_tokenizer_cache(monkeypatch):
   """One real load of Gemma 3 270M with its tokenizer from the cache."""
   from tests.checkpoints.checkpoint_test_utils import real_model_path  # pylint: disable=g-import-not-at-top
   path = real_model_path("gemma3-270m")
-  Tokenizer.from_gguf(path)  # Builds the entry if this cache lacks it.
+  text = "Hello  world 🌁 <start_of_turn>"
+  expected = Tokenizer.from_gguf(path).encode(text)  # Builds it if needed.
   monkeypatch.setattr(gguf_vocab, "build_tokenizer", _fail_build)
   start = time.perf_counter()
   _, tok = penzai_lm.load(path)
   assert time.perf_counter() - start < 120
   assert tok.vocab_size == 262144
-  assert tok.decode(tok.encode("Hello  world 🌁")) == "Hello  world 🌁"
+  assert tok.encode(text) == expected
+  assert tok.decode(expected, skip_special_tokens=True) == "Hello  world 🌁 "
 
 
 # ---- Finding 3: vocab_size counts ids; duplicates decode --------------------
