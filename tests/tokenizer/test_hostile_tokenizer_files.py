@@ -25,6 +25,7 @@ from penzai_lm.tokenizer import Tokenizer
 from penzai_lm.tokenizer import TokenizerFileError
 from penzai_lm.tokenizer import gguf_vocab
 from tests.checkpoints import corrupt_file_builders as cb
+from tests.checkpoints.checkpoint_test_utils import real_model_path
 from tests.checkpoints.checkpoint_test_utils import write_gguf
 from tests.tokenizer.conftest import BYTE
 from tests.tokenizer.conftest import CONTROL
@@ -421,7 +422,6 @@ def test_load_uses_tokenizer_cache(tmp_path, tiny_cache, monkeypatch):
 @pytest.mark.slow
 def test_load_reuses_gemma_tokenizer_cache(monkeypatch):
   """One real load of Gemma 3 270M with its tokenizer from the cache."""
-  from tests.checkpoints.checkpoint_test_utils import real_model_path  # pylint: disable=g-import-not-at-top
   path = real_model_path("gemma3-270m")
   text = "Hello  world 🌁 <start_of_turn>"
   expected = Tokenizer.from_gguf(path).encode(text)  # Builds it if needed.
