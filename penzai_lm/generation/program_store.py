@@ -23,7 +23,11 @@ its exported form (``jax.jit(exported.call)``), so a new process asks XLA's
 persistent cache for exactly the module the first process compiled.
 
 Files are pickles next to XLA's compiled executables; the directory must be
-as trusted as that cache (both hold code that runs).
+as trusted as that cache (both hold code that runs). Each file starts with
+a header line recording the pickle's size and sha256 at write time; a file
+whose header, size or hash does not match (a flipped bit, a truncation) or
+that does not lower is damaged: it is never read, a warning names it, and
+the program is traced again and written over it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import importlib
 import os
 import pathlib
 import pickle
+import shutil
 import tempfile
 import types
 from typing import Any
@@ -46,8 +51,9 @@ import numpy as np
 
 from penzai_lm.kernels.build import TARGETS as KERNEL_TARGETS
 
-_FORMAT = 1
+_FORMAT = 2
 _SUFFIX = ".pzlm-program"
+_MAGIC = b"PZLM-PROGRAM"  # Header: magic, format, payload size, sha256.
 # Modules whose types and functions may appear in a fingerprint: their code
 # is pinned by the versions (jax, penzai) or the source digest (penzai_lm).
 _KNOWN_MODULES = ("penzai_lm", "penzai", "jax", "jaxlib", "numpy",
@@ -142,6 +148,7 @@ def _source_digest() -> str:
   return digest.hexdigest()
 
 
+@functools.cache  # The code this process runs, not files edited since.
 def _versions() -> str:
   import jaxlib  # pylint: disable=g-import-not-at-top
   import penzai  # pylint: disable=g-import-not-at-top
@@ -220,6 +227,7 @@ class StoreStats:
   saved: int = 0     # Programs traced, exported and written.
   unnamed: int = 0   # Programs traced as usual: no fingerprint.
   unexported: int = 0  # Programs jax.export refused (traced as usual).
+  damaged: int = 0   # Files that failed their check: traced, rewritten.
 
 
 class ProgramStore:
@@ -235,7 +243,6 @@ class ProgramStore:
       raise ValueError("ProgramStore needs a directory, got an empty path.")
     self.directory = pathlib.Path(directory).expanduser()
     self.stats = StoreStats()
-    self._versions: str | None = None
     self._warned = False
 
   def key(self, name: str, static: Any, args: tuple, options: dict,
@@ -255,9 +262,7 @@ class ProgramStore:
     except Unnamed:
       self.stats.unnamed += 1
       return None
-    if self._versions is None:
-      self._versions = _versions()
-    return hashlib.sha256((self._versions + text).encode()).hexdigest()
+    return hashlib.sha256((_versions() + text).encode()).hexdigest()
 
   def lower(self, key: str, fn, static, args: tuple,
             donate: tuple[int, ...]) -> "LoweredProgram | None":
@@ -270,25 +275,32 @@ class ProgramStore:
     served, with a warning.
     """
     leaves, in_tree = jax.tree_util.tree_flatten(args)
-    stored = self._read(key)
-    if stored is None:
-      try:
-        exported, out_tree = _export(fn, static, in_tree, leaves,
-                                     _the_device(leaves).platform)
-      except Exception as e:  # pylint: disable=broad-except
-        # E.g. a patch with a host callback, which jax.export refuses.
-        self.stats.unexported += 1
-        self._warn(f"a {type(e).__name__} while exporting it ({e})")
-        return None
-      try:
-        self._write(key, exported, out_tree)
-        self.stats.saved += 1
-      except (OSError, ImportError, ValueError) as e:
-        self._warn(f"it could not be written to {self.directory} ({e})")
-    else:
-      exported, out_tree = stored
-      self.stats.loaded += 1
     flat_donate = _leaf_indices(args, donate)
+    stored = self._read(key)
+    if stored is not None:
+      exported, out_tree = stored
+      try:
+        lowered = jax.jit(exported.call,
+                          donate_argnums=flat_donate).lower(*leaves)
+      except Exception as e:  # pylint: disable=broad-except
+        # Intact by its hash, yet not a program for these arguments.
+        self._discard(self._path(key), f"it does not lower ({e})")
+      else:
+        self.stats.loaded += 1
+        return LoweredProgram(lowered, in_tree, out_tree)
+    try:
+      exported, out_tree = _export(fn, static, in_tree, leaves,
+                                   _the_device(leaves).platform)
+    except Exception as e:  # pylint: disable=broad-except
+      # E.g. a patch with a host callback, which jax.export refuses.
+      self.stats.unexported += 1
+      self._warn(f"a {type(e).__name__} while exporting it ({e})")
+      return None
+    try:
+      self._write(key, exported, out_tree)
+      self.stats.saved += 1
+    except (OSError, ImportError, ValueError) as e:
+      self._warn(f"it could not be written to {self.directory} ({e})")
     lowered = jax.jit(exported.call, donate_argnums=flat_donate).lower(*leaves)
     return LoweredProgram(lowered, in_tree, out_tree)
 
@@ -302,30 +314,71 @@ class ProgramStore:
   def _path(self, key: str) -> pathlib.Path:
     return self.directory / f"{key}{_SUFFIX}"
 
-  def _read(self, key: str):
+  def _discard(self, path: pathlib.Path, why: str) -> None:
+    """Warns about a damaged program file and removes it."""
+    self.stats.damaged += 1
+    warnings.warn(f"penzai_lm: ignoring the damaged stored program {path}:"
+                  f" {why}. The program is traced again and the file"
+                  " replaced.", stacklevel=5)
     try:
-      with open(self._path(key), "rb") as f:
-        version, blob, out_tree = pickle.load(f)
-      if version != _FORMAT:
-        return None
-      return jax.export.deserialize(bytearray(blob)), out_tree
+      if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+      else:
+        path.unlink()
+    except OSError:
+      pass  # A read-only store: the fresh program is not written either.
+
+  def _read(self, key: str):
+    """The stored ``(exported, out_tree)``, or None (missing or damaged)."""
+    path = self._path(key)
+    try:
+      data = path.read_bytes()
     except FileNotFoundError:
       return None
-    except Exception:  # pylint: disable=broad-except
-      # A damaged or foreign file: trace again and overwrite it.
+    except OSError as e:  # E.g. a directory under the name.
+      self._discard(path, f"it cannot be read ({e})")
+      return None
+    why, payload = _check(data)
+    if why is not None:
+      self._discard(path, why)
+      return None
+    try:
+      blob, out_tree = pickle.loads(payload)
+      return jax.export.deserialize(bytearray(blob)), out_tree
+    except Exception as e:  # pylint: disable=broad-except
+      self._discard(path, f"it does not deserialize ({e})")
       return None
 
   def _write(self, key: str, exported, out_tree) -> None:
-    blob = bytes(exported.serialize())
+    payload = pickle.dumps((bytes(exported.serialize()), out_tree))
+    header = b"%s %d %d %s\n" % (_MAGIC, _FORMAT, len(payload),
+                                 hashlib.sha256(payload).hexdigest().encode())
     self.directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.",
+                               suffix=".tmp")
     try:
       with os.fdopen(fd, "wb") as f:
-        pickle.dump((_FORMAT, blob, out_tree), f)
+        f.write(header + payload)
       os.replace(tmp, self._path(key))
     except BaseException:
       os.unlink(tmp)
       raise
+
+
+def _check(data: bytes) -> tuple[str | None, bytes]:
+  """``(None, payload)`` for an intact file, else ``(why, b"")``."""
+  header, newline, payload = data.partition(b"\n")
+  fields = header.split(b" ")
+  if not newline or len(fields) != 4 or fields[0] != _MAGIC:
+    return "it has no program header", b""
+  if fields[1] != str(_FORMAT).encode():
+    return f"its format is {fields[1]!r}, expected {_FORMAT}", b""
+  if fields[2] != str(len(payload)).encode():
+    return (f"{len(payload)} bytes follow its header, which records"
+            f" {fields[2].decode(errors='replace')}"), b""
+  if hashlib.sha256(payload).hexdigest().encode() != fields[3]:
+    return "its sha256 differs from the one recorded when it was written", b""
+  return None, payload
 
 
 def _export(fn, static, in_tree, leaves, platform: str):

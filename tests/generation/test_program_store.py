@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import numpy as np
@@ -104,13 +105,54 @@ def test_unknown_code_is_traced_not_stored(tmp_path):
   assert tokens == _run(Engine(program_store=None), model)[0]
 
 
-def test_a_damaged_file_is_traced_again(tmp_path):
-  _run(Engine(program_store=tmp_path))
-  for path in tmp_path.glob("*.pzlm-program"):
-    path.write_bytes(b"not a program")
-  engine = Engine(program_store=tmp_path)
-  assert _run(engine)[0] == _run(Engine(program_store=None))[0]
-  assert engine.program_store().stats.saved == 2
+def _flip_a_bit(path):
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x10  # Inside the exported StableHLO.
+  path.write_bytes(data)
+
+
+def _truncate(path):
+  path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
+
+
+def _directory(path):
+  path.unlink()
+  path.mkdir()
+
+
+# Each round damages the two programs (prefill, decode) of one run.
+_DAMAGE_ROUNDS = [
+    (_flip_a_bit, _truncate),
+    (lambda path: path.write_bytes(b"not a program"),
+     lambda path: path.write_bytes(b"")),
+    (_directory, _flip_a_bit),
+]
+
+
+def test_a_damaged_stored_program_is_named_and_replaced(tmp_path):
+  """A flipped bit once failed every later run ("Failed to deserialize
+  StableHLO"), never replaced and not named. Now each damaged file is
+  named in a warning, traced again and written over."""
+  expected = _run(Engine(program_store=tmp_path))[0]
+  files = sorted(tmp_path.glob("*.pzlm-program"))
+  assert len(files) == 2
+  for damage in _DAMAGE_ROUNDS:
+    for path, damage_one in zip(files, damage):
+      damage_one(path)
+    engine = Engine(program_store=tmp_path)
+    with pytest.warns(UserWarning, match="damaged stored program") as record:
+      assert _run(engine)[0] == expected
+    messages = " ".join(str(w.message) for w in record)
+    assert all(str(path) in messages for path in files), messages
+    stats = engine.program_store().stats
+    assert (stats.damaged, stats.saved, stats.loaded) == (2, 2, 0)
+  # Replaced: a new engine reads both back, without a warning.
+  again = Engine(program_store=tmp_path)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert _run(again)[0] == expected
+  assert (again.program_store().stats.loaded,
+          again.program_store().stats.damaged) == (2, 0)
 
 
 def test_auto_store_follows_the_jax_cache_dir(tmp_path):
