@@ -104,7 +104,8 @@ def insert_captures(model, names, token_shape: dict[str, int],
       if blocks:
         metadata = {"layerstack_axes": {
             "blocks": pz.nn.LayerStackVarBehavior.PER_LAYER}}
-      var = pz.StateVariable(_buffer(config, point, token_shape, blocks),
+      var = pz.StateVariable(_buffer(config, point, token_shape, blocks,
+                                     hook_point),
                              label=f"{label_prefix}/{point}",
                              metadata=metadata)
       patched = points_lib.hook_points(patched, point).insert_after(
@@ -114,7 +115,8 @@ def insert_captures(model, names, token_shape: dict[str, int],
                                         p.layer if blocks else None))
       continue
     for p in wanted:
-      var = pz.StateVariable(_buffer(config, point, token_shape, 0),
+      var = pz.StateVariable(_buffer(config, point, token_shape, 0,
+                                     _hook_of(model, p)),
                              label=f"{label_prefix}/{p.name}")
       patched = points_lib.insert_at(patched, p.name, Capture(var),
                                      after_hook=True)
@@ -181,11 +183,26 @@ def _token_batch(model, tokens) -> tuple[Any, Any, list[int]]:
   return named, positions, [len(r) for r in rows]
 
 
-def _buffer(config, point, token_shape, stacked_blocks):
-  axes = {**token_shape, **_value_axes(config, point, token_shape["seq"])}
+def _hook_of(model, point: points_lib.Point):
+  """The hook point of one block (or of the model) for a parsed point."""
+  for h in points_lib.hook_points(model, point.point).get_sequence():
+    if point.layer is None or h.layer is None or (
+        not h.layer.named_shape and int(h.layer.data_array) == point.layer):
+      return h
+  return None
+
+
+def _buffer(config, point, token_shape, stacked_blocks, hook_point=None):
+  # Points added by a splice (penzai_lm.sae) say their own axes and dtype.
+  own = getattr(hook_point, "value_axes", None)
+  value_axes = (dict(own) if own else
+                _value_axes(config, point, token_shape["seq"]))
+  dtype = (getattr(hook_point, "value_dtype", None) if own
+           else None) or config.activation_dtype
+  axes = {**token_shape, **value_axes}
   if stacked_blocks:
     axes = {"blocks": stacked_blocks, **axes}
-  return pz.nx.zeros(axes, config.activation_dtype)
+  return pz.nx.zeros(axes, dtype)
 
 
 def run_with_cache(model, tokens, names=None, **side_inputs

@@ -266,8 +266,11 @@ def check_fits(model, point: Point, layer) -> None:
         " fields (data: changing them does not recompile, while every new"
         " function object is a new program).")
   config = _config(model)
-  expected = point_value_axes(config, point.point)
-  stacked = is_stacked(hook_points(model, point.point).get_sequence()[0])
+  first = hook_points(model, point.point).get_sequence()[0]
+  # Points added by a splice (penzai_lm.sae) carry their value's axes.
+  own = getattr(first, "value_axes", None)
+  expected = dict(own) if own else point_value_axes(config, point.point)
+  stacked = is_stacked(first)
   arrays = pz.select(layer).at_instances_of(pz.nx.NamedArrayBase)
   for path, array in arrays.selected_by_path.items():
     where = f"{type(layer).__name__}{jax.tree_util.keystr(path)}"

@@ -230,6 +230,7 @@ def build_block(name, rng, config, layer_type, mixed, layer: int
   ]
   mlp = [
       _norm(f"{name}/pre_ffw_norm", rng, config, embedding),
+      hook("mlp_in", layer),
       build_feedforward(f"{name}/mlp", rng, config, layer),
   ]
   if post_norms:

@@ -18,6 +18,9 @@ point                  value (axes besides the batch axes and ``seq``)
 ``blocks.{i}.attn_out``    the attention branch's output (after Gemma's post
                        norm), added to the residual stream
 ``blocks.{i}.resid_mid``   the residual stream between attention and MLP
+``blocks.{i}.mlp_in``      the MLP's input: the residual stream after the
+                       pre-MLP norm (TransformerLens ``ln2.hook_normalized``,
+                       where transcoders read)
 ``blocks.{i}.mlp.neurons``  the MLP's hidden activations (after the gate):
                        ``neurons``
 ``blocks.{i}.mlp_out``     the MLP branch's output (after Gemma's post norm)
@@ -45,7 +48,7 @@ from penzai import pz
 from penzai_lm.model.config import TransformerConfig
 
 BLOCK_POINTS = ("resid_pre", "attn.pattern", "attn.head_out", "attn_out",
-                "resid_mid", "mlp.neurons", "mlp_out", "resid_post")
+                "resid_mid", "mlp_in", "mlp.neurons", "mlp_out", "resid_post")
 MODEL_POINTS = ("embed", "final_norm")
 
 
