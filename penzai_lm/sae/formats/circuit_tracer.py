@@ -128,8 +128,11 @@ def _hf_cached(uri: str, field: str, cfg_path: Path) -> Path:
       " local paths instead.")
 
 
-def _listed_paths(config: dict, directory: Path, pattern: str) -> list[Path]:
-  """The per-block files, block ``i`` at index ``i``."""
+def _listed_paths(config: dict, directory: Path,
+                  pattern: str | None = None) -> list[Path]:
+  """The per-block files, block ``i`` at index ``i``: the config's list,
+  else the directory's files matching ``pattern`` (block number in group
+  1)."""
   cfg_path = directory / CONFIG
   listed = config.get("transcoders")
   if listed is not None:
@@ -249,7 +252,7 @@ def read_transcoder_set(directory: Path, config: dict, *, model=None,
 def _clt_arrays(directory: Path, config: dict) -> dict:
   """A CLT's arrays in `CrossLayerTranscoder.from_arrays`'s layout."""
   if config.get("transcoders") is not None:
-    files = _listed_paths(config, directory, "")
+    files = _listed_paths(config, directory)
     n, per = len(files), []
     for file in files:
       t = tensor_files.read_safetensors(file)

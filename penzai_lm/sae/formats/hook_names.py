@@ -167,8 +167,9 @@ def point_axes(point: str | None, size: int, config, where: str
   for _, n in axes:
     flat *= n
   if flat != size:
+    at = "the residual stream" if point is None else point
     raise SAEFormatError(
-        f"{where} is {size}, but the model's value at {point} has"
+        f"{where} is {size}, but the model's value at {at} has"
         f" {dict(axes)} ({flat} values): the autoencoder was made for"
         " another model.")
   return tuple(axes)

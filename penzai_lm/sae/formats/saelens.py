@@ -216,9 +216,10 @@ def read_saelens(directory: Path, *, model=None, point=None, output_point=None,
   if transcoder and norm != "none":
     raise SAEFormatError(
         f"{where(cfg_path, 'normalize_activations')} is {norm!r} on a"
-        " transcoder: SAELens normalizes its input but not its output, which"
-        " penzai_lm's autoencoders do not model; fold the normalization into"
-        " the weights or use 'none'.")
+        " transcoder: SAELens normalizes a transcoder's input without undoing"
+        " it on the output, while penzai_lm's autoencoders always undo it, so"
+        " this transcoder cannot be loaded exactly (only 'none' is"
+        " supported for transcoders).")
   is_topk = activation == "topk"
   k = config_field(cfg, "k", cfg_path, kind="int") if is_topk else None
   rescale = (config_field(cfg, "rescale_acts_by_decoder_norm", cfg_path,
