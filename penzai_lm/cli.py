@@ -9,17 +9,28 @@ Text streams to stdout; a stats line (time to first token, prefill and decode
 tokens/s) goes to stderr. JAX's persistent compilation cache is on (and the
 engine keeps its exported programs in it), so a second run neither traces nor
 compiles the generation programs again.
+
+Ctrl-C: during generation it stops the run at the next chunk of steps and
+keeps what was generated (streamed, printed, or as JSON with the finish
+reason "cancelled"); anywhere else (loading, compiling after a second Ctrl-C)
+it stops at once. Either way one line on stderr says so and the exit code is
+130 (128 + SIGINT), with no traceback. In ``chat``, Ctrl-C stops the reply
+and the chat goes on; at the prompt it quits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 DEFAULT_MAX_NEW_TOKENS = 128
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C.
 
 
 def _enable_compilation_cache() -> None:
@@ -88,15 +99,51 @@ def _stats_line(timings, reasons, extra: str = "") -> str:
   )
 
 
-def _print_stream(stream) -> None:
-  """Writes a text stream to stdout; Ctrl-C ends it and keeps the text."""
+@contextlib.contextmanager
+def _ctrl_c_cancels(cancel: threading.Event):
+  """While inside, the first Ctrl-C sets ``cancel`` (the run ends at its next
+  chunk and keeps its text) and a second one interrupts at once.
+
+  A signal handler, not ``except KeyboardInterrupt``: the exception could
+  land anywhere (inside a compiled call, or the detokenizer), the event is
+  checked where stopping is safe. Handlers can only be set on the main
+  thread; elsewhere Ctrl-C stays an exception.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  previous = signal.getsignal(signal.SIGINT)
+  if previous is None:  # Set outside Python: restore Python's default.
+    previous = signal.default_int_handler
+
+  def handler(signum, frame):  # pylint: disable=unused-argument
+    cancel.set()
+    signal.signal(signal.SIGINT, previous)  # A second Ctrl-C: at once.
+    print("\n[interrupted: stopping at the next chunk, keeping the text;"
+          " Ctrl-C again stops at once]", file=sys.stderr, flush=True)
+
+  signal.signal(signal.SIGINT, handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+def _print_stream(stream) -> bool:
+  """Writes a text stream to stdout; True if Ctrl-C ended it (the text so
+  far is kept)."""
+  interrupted = False
   try:
     for event in stream:
       sys.stdout.write(event.text)
       sys.stdout.flush()
   except KeyboardInterrupt:
     stream.close()
+    interrupted = True
+    print("\n[interrupted]", file=sys.stderr)
   print()
+  return interrupted
 
 
 def _read_prompt(args) -> str:
@@ -110,6 +157,8 @@ def _read_prompt(args) -> str:
 def _load(args):
   import penzai_lm  # pylint: disable=g-import-not-at-top
 
+  print(f"[loading {args.model or 'the default model'}]", file=sys.stderr,
+        flush=True)
   start = time.perf_counter()
   # Generation decodes on per-layer weights; loading them that way saves the
   # copy the engine would otherwise make of a layer stack.
@@ -127,15 +176,19 @@ def cmd_generate(args) -> int:
   model, tokenizer = _load(args)
   request = [{"role": "user", "content": prompt}] if args.chat else prompt
   settings = _settings(args)
+  cancel = threading.Event()
   if args.num_samples > 1 or args.no_stream or args.json:
-    result = generation.generate_text(
-        model, tokenizer, request, stop_strings=args.stop or None,
-        num_samples=args.num_samples, **settings,
-    )
+    # With cancel= the run goes in chunks, so Ctrl-C keeps the text so far.
+    with _ctrl_c_cancels(cancel):
+      result = generation.generate_text(
+          model, tokenizer, request, stop_strings=args.stop or None,
+          num_samples=args.num_samples, cancel=cancel, **settings,
+      )
     if args.json:
       print(json.dumps({
           "texts": result.texts, "tokens": result.tokens,
           "finish_reasons": result.finish_reasons,
+          "interrupted": cancel.is_set(),
           "timings": vars(result.timings),
       }, indent=2, default=float))
     else:
@@ -144,17 +197,19 @@ def cmd_generate(args) -> int:
           print(f"--- sample {i} ---")
         print(text)
     print(_stats_line(result.timings, result.finish_reasons), file=sys.stderr)
-    return 0
+    return EXIT_INTERRUPTED if cancel.is_set() else 0
 
   stream = generation.stream_text(
-      model, tokenizer, request, stop_strings=args.stop or None, **settings
+      model, tokenizer, request, stop_strings=args.stop or None,
+      cancel=cancel, **settings
   )
   if not args.chat:
     sys.stdout.write(prompt)
-  _print_stream(stream)
+  with _ctrl_c_cancels(cancel):
+    interrupted = _print_stream(stream)
   result = stream.result
   print(_stats_line(result.timings, result.finish_reasons), file=sys.stderr)
-  return 0
+  return EXIT_INTERRUPTED if interrupted or cancel.is_set() else 0
 
 
 def cmd_chat(args) -> int:
@@ -181,8 +236,10 @@ def cmd_chat(args) -> int:
       continue
     turn_settings = dict(settings, seed=settings["seed"] + turn)
     turn += 1
-    _print_stream(
-        chat.send(line, stop_strings=args.stop or None, **turn_settings))
+    cancel = threading.Event()
+    with _ctrl_c_cancels(cancel):
+      _print_stream(chat.send(line, stop_strings=args.stop or None,
+                              cancel=cancel, **turn_settings))
     result = chat.last_result
     print(_stats_line(
         result.timings, result.finish_reasons,
@@ -218,13 +275,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
-  _enable_compilation_cache()
+  """Runs the command line; returns the exit code (see the module
+  docstring for Ctrl-C)."""
   try:
+    args = build_parser().parse_args(argv)
+    _enable_compilation_cache()
     return args.func(args)
   except (ValueError, FileNotFoundError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    print("\n[interrupted]", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,11 +1,21 @@
-"""The penzai-lm command line, on the real default model."""
+"""The penzai-lm command line, on the real default model; Ctrl-C on a tiny
+one (in a subprocess, with a real SIGINT)."""
 
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
+import tokenizers
 
 from penzai_lm import cli
+from penzai_lm.tokenizer import Tokenizer
+from tests.checkpoints.corrupt_file_builders import valid_hf
 
 pytestmark = pytest.mark.slow
 
@@ -99,9 +109,10 @@ def test_ctrl_c_stops_generate_and_keeps_the_text(capsys, monkeypatch):
 
   monkeypatch.setattr(generation, "stream_text", interrupted)
   code, out, err = _run(capsys, "generate", PROMPT, "--max-new-tokens", "32")
-  assert code == 0
+  assert code == cli.EXIT_INTERRUPTED
   assert out == PROMPT + "".join(seen[0].pieces) + "\n"
   assert seen[0].pieces and "finish: cancelled" in err
+  assert "[interrupted]" in err and "Traceback" not in err
 
 
 def test_chat_keeps_the_cache_across_turns(capsys, monkeypatch):
@@ -136,3 +147,152 @@ def test_chat_ctrl_c_stops_a_reply_and_the_chat_goes_on(capsys, monkeypatch):
   stats = [l for l in err.splitlines() if "tokens cached" in l]
   assert "finish: cancelled" in stats[0] and "finish: cancelled" not in stats[1]
   assert "0 re-reads" in stats[1]
+
+
+# ---- Ctrl-C, on a tiny model ------------------------------------------------
+
+# Long enough that the run is still going when the signal comes; stop tokens
+# are banned (--min-new-tokens) so that it does not end early.
+LONG = ["--max-new-tokens", "3000", "--min-new-tokens", "3000",
+        "--temperature", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+  """A tiny random llama (32 ids) with a 7-token tokenizer, as a Hugging Face
+  directory."""
+  d = valid_hf(tmp_path_factory.mktemp("tiny"),
+               {"max_position_embeddings": 4096, "eos_token_id": 1})
+  vocab = {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "c": 4, "Ġ": 5, "Ġa": 6}
+  backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [("Ġ", "a")]))
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(
+      add_prefix_space=False)
+  backend.decoder = tokenizers.decoders.ByteLevel()
+  backend.add_special_tokens(["<s>", "</s>"])
+  backend.save(str(d / "tokenizer.json"))
+  (d / "tokenizer_config.json").write_text(
+      json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+  return d
+
+
+class _Cli:
+  """``python -m penzai_lm.cli`` in a subprocess; its stdout and stderr
+  are read as they come."""
+
+  def __init__(self, *argv):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if cache:  # The test session's cache (tests/conftest.py), not ~/.cache.
+      env["PENZAI_LM_JAX_CACHE"] = cache
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "penzai_lm.cli", *argv], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    self.out, self.err = [], []
+    self._readers = [
+        threading.Thread(target=self._read, args=(f, into), daemon=True)
+        for f, into in ((self.proc.stdout, self.out),
+                        (self.proc.stderr, self.err))]
+    for t in self._readers:
+      t.start()
+
+  def _read(self, stream, into):
+    while piece := stream.read(1):
+      into.append(piece)
+
+  def wait_for(self, what: str, in_stdout=False, timeout=60.0):
+    seen = self.out if in_stdout else self.err
+    end = time.monotonic() + timeout
+    while what not in "".join(seen):
+      assert self.proc.poll() is None, "".join(self.err)
+      assert time.monotonic() < end, f"no {what!r}: {''.join(self.err)}"
+      time.sleep(0.02)
+
+  def interrupt(self):
+    self.proc.send_signal(signal.SIGINT)
+
+  def finish(self, timeout=60.0):
+    code = self.proc.wait(timeout)
+    for t in self._readers:
+      t.join(5)
+    return code, "".join(self.out), "".join(self.err)
+
+
+@pytest.fixture
+def session_cache(monkeypatch):
+  """The CLI's compilation cache: the test session's (tests/conftest.py)."""
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if cache:
+    monkeypatch.setenv("PENZAI_LM_JAX_CACHE", cache)
+
+
+def _sigint_after(monkeypatch, tokens: int):
+  """Sends this process a real SIGINT once ``tokens`` tokens were decoded."""
+  from penzai_lm.generation import text  # pylint: disable=g-import-not-at-top
+
+  real, seen = text.TextView.push, [0]
+
+  def push(self, row, new_tokens, finish_reason):
+    seen[0] += len(new_tokens)
+    if seen[0] >= tokens and seen[0] - len(new_tokens) < tokens:
+      os.kill(os.getpid(), signal.SIGINT)
+    return real(self, row, new_tokens, finish_reason)
+
+  monkeypatch.setattr(text.TextView, "push", push)
+
+
+@pytest.mark.parametrize("mode", ["stream", "--json", "--no-stream"])
+def test_ctrl_c_keeps_the_text(capsys, monkeypatch, tiny_dir, session_cache,
+                               mode):
+  _sigint_after(monkeypatch, 40)
+  extra = [] if mode == "stream" else [mode]
+  code, out, err = _run(capsys, "generate", "--model", str(tiny_dir), "a b",
+                        *extra, *LONG)
+  assert code == cli.EXIT_INTERRUPTED, err
+  assert err.count("[interrupted") == 1 and "Traceback" not in err
+  assert "finish: cancelled" in err
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  tok = Tokenizer.from_hf(tiny_dir)
+  if mode == "--json":
+    result = json.loads(out)
+    assert result["finish_reasons"] == ["cancelled"]
+    assert result["interrupted"] is True
+    tokens = result["tokens"][0]
+    assert 40 <= len(tokens) < 3000  # Stopped at the chunk after the 40th.
+    assert result["texts"][0] == tok.decode(tokens)
+  else:
+    text = out[len("a b"):] if mode == "stream" else out
+    assert out.startswith("a b") == (mode == "stream")
+    assert 40 <= len(text) < 3000 and text.endswith("\n")
+    assert set(text) <= set("abc <s></s>\n")
+
+
+def test_ctrl_c_in_a_real_process_prints_valid_json(tiny_dir):
+  """python -m penzai_lm.cli, interrupted by a real SIGINT once loaded."""
+  cli_run = _Cli("generate", "--model", str(tiny_dir), "a b", "--json", *LONG)
+  cli_run.wait_for("[loaded in", timeout=300)
+  time.sleep(0.5)  # Compiling or generating: Ctrl-C now cancels the run.
+  cli_run.interrupt()
+  code, out, err = cli_run.finish(timeout=300)
+  assert code == cli.EXIT_INTERRUPTED, err
+  assert "Traceback" not in err and "[interrupted" in err
+  result = json.loads(out)
+  assert result["finish_reasons"] == ["cancelled"]
+  tokens = result["tokens"][0]
+  assert len(tokens) < 3000
+  assert result["texts"][0] == Tokenizer.from_hf(tiny_dir).decode(tokens)
+
+
+def test_ctrl_c_while_loading_exits_130_without_a_traceback(
+    capsys, monkeypatch):
+  import penzai_lm  # pylint: disable=g-import-not-at-top
+
+  def interrupted_load(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(penzai_lm, "load", interrupted_load)
+  for mode in ([], ["--json"], ["--no-stream"]):
+    code, out, err = _run(capsys, "generate", PROMPT, *mode)
+    assert code == cli.EXIT_INTERRUPTED
+    assert out == "" and err.strip().endswith("[interrupted]")
+  code, out, err = _run(capsys, "chat")
+  assert code == cli.EXIT_INTERRUPTED and "[interrupted]" in err

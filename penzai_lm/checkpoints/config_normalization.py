@@ -125,6 +125,10 @@ def normalize_config(
       :func:`~penzai_lm.checkpoints.validation.check_config_values`).
   """
   spec = spec_for(architecture, specs)
+  if not isinstance(raw, Mapping):
+    raise TypeError(
+        f"the config{f' of {source}' if source else ''} must be a dict (a"
+        f" parsed config.json), got {type(raw).__name__}")
   raw = copy.deepcopy(dict(raw))
   for k in _DROP_KEYS:
     raw.pop(k, None)
