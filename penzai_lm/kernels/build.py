@@ -1,13 +1,25 @@
 """Compiles penzai_lm's CPU kernels on first use and registers them with XLA.
 
 The kernels (`matvec.cc`, `attention.cc`, sharing `common.h`, and
-`rows.cc`) are C++
-against the XLA FFI headers that ship with jaxlib, built into one library
-once per machine with the system C++ compiler
-(``-O3 -march=native``: the vector width and the F16C instructions matter)
-into ``$PENZAI_LM_KERNEL_CACHE`` (default ``~/.cache/penzai_lm/kernels``),
-keyed by the source, the compiler, the jaxlib version and the CPU, and
-loaded with ctypes. Building takes about 8 s the first time.
+`rows.cc`) are C++ against the XLA FFI headers that ship with jaxlib, built
+into one library once per machine with the system C++ compiler (``-O3
+-march=native``: the vector width and the F16C instructions matter) and
+loaded with ctypes. A cold build is one g++ process compiling the three
+sources one after the other: four cold builds (g++ 12.2) on this project's
+2-core development machine took 25-37 s of CPU time each, and 85-149 s of
+wall time, as other processes shared the cores (load average 11-15); an
+idle core needs about the CPU time.
+
+The library lives in ``$PENZAI_LM_KERNEL_CACHE`` if set, else
+``$PENZAI_LM_CACHE/kernels`` (`penzai_lm.fetch.cache_dir`), named by a
+sha256 of everything it is built from: the sources and headers, the
+compiler (its resolved path and ``--version`` output), the flags, the
+jaxlib version (its FFI headers) and the CPU's flags. A sidecar
+(``<library>.sha256``: size and sha256, written atomically after the
+build) is checked before the library is loaded: a truncated library
+crashed the process with SIGBUS when loaded, and a damaged one failed every
+run. A damaged library (or one without its sidecar) is rebuilt with a
+warning naming it.
 
 Where there is no compiler, or ``PENZAI_LM_CPU_KERNELS=0``, `cpu_kernels`
 returns None and callers use XLA's own dots (correct, slower for bf16 and
@@ -16,6 +28,7 @@ quantized weights on CPU).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -25,9 +38,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from typing import Callable
 import warnings
 
 import jax
+
+from penzai_lm import fetch
 
 TARGETS = (
     "pzlm_matvec_out_f32", "pzlm_matvec_out_bf16", "pzlm_matvec_out_f16",
@@ -44,8 +60,10 @@ _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
 
 
 def _cache_dir() -> pathlib.Path:
-  default = pathlib.Path.home() / ".cache" / "penzai_lm" / "kernels"
-  return pathlib.Path(os.environ.get("PENZAI_LM_KERNEL_CACHE", default))
+  env = os.environ.get("PENZAI_LM_KERNEL_CACHE")
+  if env:
+    return pathlib.Path(env).expanduser()
+  return fetch.cache_dir() / "kernels"
 
 
 def _cpu_fingerprint() -> str:
@@ -56,51 +74,177 @@ def _cpu_fingerprint() -> str:
     return platform.processor()
 
 
-def _compile(compiler: str, output: pathlib.Path) -> None:
-  output.parent.mkdir(parents=True, exist_ok=True)
-  # Build beside the target and rename: concurrent processes (test workers)
-  # never load a half-written library.
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=output.parent)
+def _compiler_identity(compiler: str) -> str:
+  """The compiler's resolved path and version (a new g++ behind the same
+  path is a new key)."""
+  try:
+    version = subprocess.run([compiler, "--version"], capture_output=True,
+                             text=True, timeout=60).stdout
+  except (OSError, subprocess.SubprocessError):
+    version = ""
+  found = shutil.which(compiler)
+  return f"{os.path.realpath(found) if found else compiler}|{version}"
+
+
+def library_key(compiler: str) -> str:
+  """sha256 of everything the library is built from (module docstring)."""
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  key = hashlib.sha256()
+  for path in _SOURCES + _HEADERS:
+    key.update(f"{path.name}\0".encode())
+    key.update(path.read_bytes())
+  for part in (_compiler_identity(compiler), " ".join(_FLAGS),
+               jaxlib.__version__, _cpu_fingerprint()):
+    key.update(b"\0" + part.encode())
+  return key.hexdigest()
+
+
+def library_path(compiler: str) -> pathlib.Path:
+  """Where the library built by ``compiler`` is kept (named by its key)."""
+  return _cache_dir() / f"kernels-{library_key(compiler)[:32]}.so"
+
+
+def _sha256(path: str | os.PathLike) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    while block := f.read(1 << 20):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _sidecar(library: pathlib.Path) -> pathlib.Path:
+  return library.with_name(library.name + ".sha256")
+
+
+def check_library(library: pathlib.Path) -> str | None:
+  """Why ``library`` may not be loaded (None: intact by its sidecar).
+
+  Reads and hashes the file (0.75 MB: milliseconds); never loads it.
+  """
+  try:
+    size, digest = _sidecar(library).read_text().split()
+    recorded = int(size)
+  except (OSError, ValueError):
+    return f"no valid record of its build ({_sidecar(library).name})"
+  try:
+    found = os.stat(library).st_size
+    if not os.path.isfile(library):
+      return "it is not a regular file"
+    if found != recorded:
+      return f"it is {found} bytes, {recorded} when it was built"
+    if _sha256(library) != digest:
+      return "its sha256 differs from the one recorded when it was built"
+  except OSError as e:
+    return f"it cannot be read ({e})"
+  return None
+
+
+@contextlib.contextmanager
+def _build_lock(library: pathlib.Path):
+  """One build at a time per library (test workers start together)."""
+  try:
+    import fcntl  # pylint: disable=g-import-not-at-top
+    f = open(library.with_name(f".{library.name}.lock"), "w")
+  except (ImportError, OSError):  # No fcntl, or a read-only directory.
+    yield
+    return
+  with f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    yield
+
+
+def _remove(path: pathlib.Path) -> None:
+  if path.is_dir() and not path.is_symlink():
+    shutil.rmtree(path)
+  elif os.path.lexists(path):
+    path.unlink()
+
+
+def cached_library(library: pathlib.Path,
+                   build: Callable[[pathlib.Path], None]) -> pathlib.Path:
+  """``library``, built with ``build(path)`` unless intact, ready to load.
+
+  The build writes a temporary file beside the library, which is renamed
+  into place; then the sidecar is written the same way. A library present
+  but damaged is rebuilt with a warning naming it.
+
+  Raises:
+    OSError, subprocess.CalledProcessError: If building fails.
+  """
+  if check_library(library) is None:
+    return library
+  library.parent.mkdir(parents=True, exist_ok=True)
+  with _build_lock(library):
+    why = check_library(library)  # Another process may have built it meanwhile.
+    if why is None:
+      return library
+    if os.path.lexists(library):
+      warnings.warn(f"penzai_lm: the cached CPU kernel library {library} is"
+                    f" damaged ({why}); rebuilding it.", stacklevel=3)
+      _remove(library)
+    with _temporary(library) as tmp:
+      build(tmp)
+      record = f"{os.path.getsize(tmp)} {_sha256(tmp)}\n"
+      os.replace(tmp, library)
+    with _temporary(library) as tmp:
+      tmp.write_text(record)
+      os.replace(tmp, _sidecar(library))
+  return library
+
+
+@contextlib.contextmanager
+def _temporary(beside: pathlib.Path):
+  """A new empty file's path in ``beside``'s directory, removed unless
+  renamed away."""
+  fd, tmp = tempfile.mkstemp(prefix=f".{beside.name}.", suffix=".tmp",
+                             dir=beside.parent)
   os.close(fd)
   try:
-    subprocess.run(
-        [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_DIR}",
-         *map(str, _SOURCES), "-o", tmp],
-        check=True, capture_output=True, text=True)
-    os.replace(tmp, output)
+    yield pathlib.Path(tmp)
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
 
 
+def _compile(compiler: str, output: pathlib.Path) -> None:
+  subprocess.run(
+      [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_DIR}",
+       *map(str, _SOURCES), "-o", str(output)],
+      check=True, capture_output=True, text=True)
+
+
+def find_compiler() -> str | None:
+  """``$CXX``, else the first of g++, c++ and clang++ on the PATH."""
+  return os.environ.get("CXX") or shutil.which("g++") or shutil.which(
+      "c++") or shutil.which("clang++")
+
+
 @functools.cache
 def cpu_kernels() -> ctypes.CDLL | None:
-  """The compiled kernel library, registered with XLA; None if unavailable."""
+  """The compiled kernel library, registered with XLA; None if unavailable.
+
+  Raises:
+    penzai_lm.fetch.CacheDirError: If the cache directory cannot be made.
+  """
   if os.environ.get("PENZAI_LM_CPU_KERNELS", "1") == "0":
     return None
-  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which(
-      "c++") or shutil.which("clang++")
+  compiler = find_compiler()
   if compiler is None:
     warnings.warn("penzai_lm: no C++ compiler found, so CPU decoding uses "
                   "XLA's dots (slower for bfloat16 and quantized weights). "
                   "Install g++ or set CXX.", stacklevel=2)
     return None
-  key = hashlib.sha256()
-  for part in (*(f.read_bytes() for f in _SOURCES + _HEADERS),
-               compiler.encode(), " ".join(_FLAGS).encode(),
-               jax.__version__.encode(), _cpu_fingerprint().encode()):
-    key.update(part)
-  library = _cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
-  if not library.exists():
-    try:
-      _compile(compiler, library)
-    except (OSError, subprocess.CalledProcessError) as e:
-      detail = getattr(e, "stderr", "") or str(e)
-      warnings.warn(f"penzai_lm: building the CPU kernels failed, so CPU "
-                    f"decoding uses XLA's dots: {detail[-2000:]}", stacklevel=2)
-      return None
-  lib = ctypes.cdll.LoadLibrary(str(library))
-  for name in TARGETS:
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
-                                platform="cpu")
+  library = library_path(compiler)
+  try:
+    cached_library(library, functools.partial(_compile, compiler))
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    capsules = [jax.ffi.pycapsule(getattr(lib, name)) for name in TARGETS]
+  except (OSError, AttributeError, subprocess.CalledProcessError) as e:
+    detail = getattr(e, "stderr", "") or str(e)
+    warnings.warn(f"penzai_lm: building or loading the CPU kernels ({library})"
+                  f" failed, so CPU decoding uses XLA's dots: {detail[-2000:]}",
+                  stacklevel=2)
+    return None
+  for name, capsule in zip(TARGETS, capsules):
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   return lib
