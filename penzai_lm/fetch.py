@@ -232,10 +232,11 @@ def _verify(target: pathlib.Path, spec: ModelSpec) -> bool:
 
   Always hashed, never trusted by its metadata: a file edited in place
   keeps its size, and its mtime can be set back. Hashing the 98 MB SmolLM2
-  file took 0.15-0.18 s (hashlib, 1 MiB reads, warm page cache, this
-  project's 2-core machine under load; about 0.4 s for Gemma's 253 MB),
-  against 5.8 s for a warm `penzai_lm.load` of it, which then reads the
-  file from the page cache the hash filled.
+  file took 0.15-0.18 s at a load average of 3 and 0.36-0.39 s at 15
+  (hashlib, 1 MiB reads, warm page cache, this project's 2-core machine;
+  Gemma's 253 MB: about 2.6 times that), against 5.8 s for a warm
+  `penzai_lm.load` of it at a load average of 3, which then reads the file
+  from the page cache the hash filled.
   """
   try:
     before = os.stat(target)
