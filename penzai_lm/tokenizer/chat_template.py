@@ -11,12 +11,20 @@ model was trained on. The environment here matches transformers'
 Files without a template get a documented fallback chosen from their
 vocabulary (see `fallback_template`).
 
-A template comes with a checkpoint, so it is untrusted code: it renders in
-a `template_limits.BoundedSandbox`, which also bounds its time, loop
-iterations and output (`DEFAULT_LIMITS`, scaled up with the size of the
-conversation); one over a limit raises `TemplateLimitError` (a
-``ValueError``) naming the template's source and the limit. The sandbox has
-no ``lipsum`` global (no chat template uses it).
+A template comes with a checkpoint, so it is untrusted code: it compiles
+and renders in a `template_limits.BoundedSandbox`, which also bounds its
+source size, time, loop iterations and the size of its values and output
+(`DEFAULT_LIMITS`, scaled up with the size of the conversation). The
+sandbox has no ``lipsum`` global (no chat template uses it), and its
+``tojson`` and ``pprint`` measure their output before building it.
+
+Every failure of a template, whatever went wrong inside it, raises
+`ChatTemplateError` (a ``ValueError``) whose message names the template's
+source (the file and field it came from, when the caller says), the
+template line when known, and what went wrong; one over a limit is the
+subclass `TemplateLimitError`. Errors in the caller's own arguments (an
+empty conversation, a message that is not a dict) stay plain ``TypeError``
+and ``ValueError``.
 """
 
 from __future__ import annotations
@@ -24,18 +32,20 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
 import jinja2.ext
 
+from penzai_lm.tokenizer import template_filters
 from penzai_lm.tokenizer import template_limits
+from penzai_lm.tokenizer.template_limits import ChatTemplateError
 from penzai_lm.tokenizer.template_limits import TemplateLimitError
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "ChatTemplateError",
     "DEFAULT_LIMITS",
     "GEMMA_TEMPLATE",
     "TemplateLimitError",
@@ -106,17 +116,23 @@ def fallback_template(vocab_has: Any) -> str | None:
   return None
 
 
-def _raise_exception(message: str):
-  raise jinja2.exceptions.TemplateError(message)
+class _Raised(jinja2.exceptions.TemplateError):
+  """What a template's ``raise_exception(message)`` raises."""
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None,
-            sort_keys=False):
-  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                    separators=separators, sort_keys=sort_keys)
+def _raise_exception(message: Any):
+  if not isinstance(message, str):
+    budget = template_limits.current_budget()
+    budget.check_size(budget.text_size(message),
+                      "the message of raise_exception()")
+    message = str(message)
+  raise _Raised(message)
 
 
 def _strftime_now(fmt: str) -> str:
+  if isinstance(fmt, str):  # Each directive prints at most a few dozen.
+    template_limits.current_budget().check_size(
+        len(fmt) + 64 * fmt.count("%"), "strftime_now()")
   return datetime.datetime.now().strftime(fmt)
 
 
@@ -125,15 +141,11 @@ def _environment() -> template_limits.BoundedSandbox:
   return template_limits.BoundedSandbox(
       trim_blocks=True, lstrip_blocks=True,
       extensions=[jinja2.ext.loopcontrols],
-      filters={"tojson": _tojson},
+      # transformers' tojson: json.dumps, HTML characters not escaped.
+      filters={"tojson": template_filters.tojson},
       globals_={"raise_exception": _raise_exception,
                 "strftime_now": _strftime_now},
   )
-
-
-@functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
-  return _environment().from_string(template)
 
 
 def _input_chars(value: Any, depth: int = 0) -> int:
@@ -181,6 +193,44 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
   return out
 
 
+def _short(text: str, most: int = 500) -> str:
+  return text if len(text) <= most else text[:most] + " [...]"
+
+
+def _template_line(error: BaseException) -> int | None:
+  """The template line an error was raised at (jinja rewrites tracebacks
+  to point into the template), or None."""
+  if isinstance(error, jinja2.exceptions.TemplateSyntaxError):
+    return error.lineno
+  line, tb = None, error.__traceback__
+  while tb is not None:
+    if tb.tb_frame.f_code.co_filename == "<template>":
+      line = tb.tb_lineno
+    tb = tb.tb_next
+  return line
+
+
+def _failure(error: Exception, source: str) -> ChatTemplateError:
+  """One `ChatTemplateError` for whatever a template raised."""
+  name = source[:1].upper() + source[1:]
+  fix = ("Fix the template, or set the tokenizer's chat_template to one"
+         " that works.")
+  if isinstance(error, SyntaxError):  # Python's, on jinja's generated code.
+    return ChatTemplateError(f"{name} could not be compiled:"
+                             f" {_short(str(error.msg))}. {fix}")
+  line = _template_line(error)
+  at = f" at line {line}" if line else ""
+  if isinstance(error, _Raised):
+    return ChatTemplateError(
+        f"{name} rejected these messages{at}: {_short(str(error.message))}")
+  if isinstance(error, jinja2.exceptions.TemplateSyntaxError):
+    return ChatTemplateError(f"{name} is not a valid Jinja2 template{at}:"
+                             f" {_short(str(error.message))}. {fix}")
+  return ChatTemplateError(
+      f"{name} failed{at} with these messages:"
+      f" {type(error).__name__}: {_short(str(error))}. {fix}")
+
+
 def render_chat_template(
     template: str,
     messages: Sequence[Mapping[str, Any]],
@@ -210,9 +260,12 @@ def render_chat_template(
     The rendered prompt text.
 
   Raises:
-    ValueError: If the template raises (e.g. roles that do not alternate) or
-      cannot be parsed. `TemplateLimitError` (a ``ValueError``) if it goes
-      over a limit: time, loop iterations, or output size.
+    ChatTemplateError: (a ``ValueError``) If the template fails in any way:
+      it raises (e.g. roles that do not alternate), cannot be compiled, or
+      fails while rendering; `TemplateLimitError`, its subclass, if it goes
+      over a limit: source size, time, loop iterations, value or output
+      size.
+    TypeError, ValueError: If ``messages`` is not a non-empty list of dicts.
   """
   messages = _check_messages(messages)
   variables = {"tools": None, "documents": None, **(special_tokens or {})}
@@ -221,10 +274,11 @@ def render_chat_template(
                    add_generation_prompt=add_generation_prompt)
   budget = template_limits.Budget(
       limits or limits_for(variables), source or "the chat template")
+  environment = _environment()
   try:
-    # Compiling folds constants (calling filters): it is charged too.
-    with template_limits.using_budget(budget):
-      compiled = _compile(template)
-    return _environment().render_bounded(compiled, variables, budget)
-  except jinja2.exceptions.TemplateError as e:
-    raise ValueError(f"The chat template rejected these messages: {e}") from e
+    compiled = environment.compile_bounded(template, budget)
+    return environment.render_bounded(compiled, variables, budget)
+  except ChatTemplateError:
+    raise
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise _failure(e, budget.source) from e

@@ -2,142 +2,71 @@
 
 Chat templates come with checkpoints, so they are untrusted code. Jinja's
 `ImmutableSandboxedEnvironment` stops them from reaching Python internals
-but not from working forever or building huge strings: ``{{ 'x' * 10**10
-}}``, nested loops of 10**5 iterations each, or a string doubled in a loop
-would run until ``MemoryError`` or the kernel kills the process.
+but not from working forever or building huge values: ``{{ 'x' * 10**10
+}}``, nested loops of 10**5 iterations each, a string doubled in a loop,
+or a list that holds another twice, forty times over, would run until
+``MemoryError`` or the kernel kills the process.
 
-`BoundedSandbox` charges every step a template takes to a per-render
-`Budget` (`Limits`), and refuses with `TemplateLimitError` (a
-``ValueError``) naming the template's source and the limit:
+`BoundedSandbox` charges every step a template takes, compiling included,
+to a per-render `Budget` (`Limits`, in `template_budget`), and refuses
+with `TemplateLimitError` (a `ChatTemplateError`, a ``ValueError``)
+naming the template's source and the limit:
 
-* time: a wall-clock deadline checked at every step below;
+* source: longer than ``max_template_chars`` is refused before compiling;
+* time: a wall-clock deadline checked for every token parsed, every node
+  compiled and every step below (only Python's own ``compile()`` of the
+  generated code, linear in the bounded source, is not interrupted);
 * loop iterations: every ``for`` loop's iterable is wrapped (by the code
   generator) in a counter, which also charges the loop body's literal text
   to the output budget;
 * output: every ``{{ ... }}`` value (in macros and ``set`` blocks too) and
-  every streamed chunk is counted;
-* single values: ``*``, ``+``, ``**`` and ``%`` are intercepted and refused
-  *before* they would build a value over the size limit (or an integer over
-  ``max_int_bits``), ``~`` (concatenation) likewise; calls and filters that
-  can amplify their input (``str.replace``, ``join``, ``center``,
-  ``indent``, ``format``, ...) are estimated before they run, and every
-  call's and filter's result is checked after;
+  every streamed chunk is counted, the value before it is printed;
+* single values, counted as trees over shared references
+  (`template_values`): every list, tuple and dict literal, and every
+  call's and filter's result; ``*``, ``+``, ``**`` and ``%`` are
+  intercepted and refused *before* they would build a value over the
+  size limit (or an integer over ``max_int_bits``), ``~`` (concatenation)
+  likewise; calls and filters that print or amplify their input
+  (``string``, ``join``, ``format``, ``str.replace``, ``center``, ...)
+  are estimated before they run, ``tojson`` and ``pprint`` are bounded
+  versions (`template_filters`), and a filter's generator is charged for
+  what it yields;
 * ``range()`` above jinja's ``MAX_RANGE`` is refused with the same error.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
+import collections
+from collections.abc import Iterator
 import functools
-import time
 from typing import Any, Callable
 
 import jinja2
 import jinja2.compiler
+import jinja2.lexer
 import jinja2.nodes
 import jinja2.runtime
 import jinja2.sandbox
 
+from penzai_lm.tokenizer import template_filters
 from penzai_lm.tokenizer import template_sizes
+from penzai_lm.tokenizer.template_budget import Budget
+from penzai_lm.tokenizer.template_budget import ChatTemplateError
+from penzai_lm.tokenizer.template_budget import current_budget
+from penzai_lm.tokenizer.template_budget import current_budget_or_none
+from penzai_lm.tokenizer.template_budget import Limits
+from penzai_lm.tokenizer.template_budget import TemplateLimitError
+from penzai_lm.tokenizer.template_budget import using_budget
 
-__all__ = ["BoundedSandbox", "Budget", "Limits", "TemplateLimitError",
-           "using_budget"]
+__all__ = ["BoundedSandbox", "Budget", "ChatTemplateError", "Limits",
+           "TemplateLimitError", "current_budget", "using_budget"]
 
-
-class TemplateLimitError(ValueError):
-  """A template went over a rendering limit (time, iterations, size)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-  """Bounds on one rendering.
-
-  Attributes:
-    max_chars: Most characters of the output, of all values output along
-      the way (macros, ``set`` blocks; 4x this), and of any single value.
-    max_iterations: Most loop iterations in all.
-    timeout_s: Wall-clock seconds.
-    max_int_bits: Largest integer an operator may build.
-  """
-
-  max_chars: int = 1 << 20
-  max_iterations: int = 1_000_000
-  timeout_s: float = 5.0
-  max_int_bits: int = 1 << 16
-
-
-class Budget:
-  """What one rendering has spent; raises once a limit is passed."""
-
-  def __init__(self, limits: Limits, source: str = "a chat template"):
-    self.limits = limits
-    self.source = source
-    self.start = time.monotonic()
-    self.deadline = self.start + limits.timeout_s
-    self.iterations = 0
-    self.output_chars = 0
-
-  def fail(self, what: str) -> TemplateLimitError:
-    return TemplateLimitError(
-        f"Rendering {self.source} went over a limit: {what}. It was stopped"
-        f" after {time.monotonic() - self.start:.2f} s; a chat template"
-        " renders a prompt in milliseconds, so this one is broken or"
-        " hostile.")
-
-  def tick(self) -> None:
-    if time.monotonic() > self.deadline:
-      raise self.fail(f"it ran longer than {self.limits.timeout_s:g} s")
-
-  def iteration(self, chars: int) -> None:
-    self.iterations += 1
-    if self.iterations > self.limits.max_iterations:
-      raise self.fail(
-          f"more than {self.limits.max_iterations:,} loop iterations")
-    self.output(chars)
-
-  def output(self, chars: int) -> None:
-    """Charges output written anywhere (macros and blocks included)."""
-    self.tick()
-    self.output_chars += chars
-    if self.output_chars > 4 * self.limits.max_chars:
-      raise self.fail(
-          f"more than {4 * self.limits.max_chars:,} characters output"
-          " (macros and blocks included)")
-
-  def check_size(self, n: int, what: str) -> None:
-    if n > self.limits.max_chars:
-      raise self.fail(f"{what} would build a value of {n:,} characters (or"
-                      f" items), more than the limit of"
-                      f" {self.limits.max_chars:,}")
-
-  def check_int(self, bits: int, what: str) -> None:
-    if bits > self.limits.max_int_bits:
-      raise self.fail(f"{what} would build an integer of about {bits:,}"
-                      f" bits, more than {self.limits.max_int_bits:,}")
-
-
-_BUDGET: contextvars.ContextVar[Budget | None] = contextvars.ContextVar(
-    "penzai_lm_template_budget", default=None)
-
-
-@contextlib.contextmanager
-def using_budget(budget: Budget):
-  """Charges what templates do in this block (compiling and rendering, in
-  this thread or task) to ``budget``."""
-  token = _BUDGET.set(budget)
-  try:
-    yield budget
-  finally:
-    _BUDGET.reset(token)
-
-
-def current_budget() -> Budget:
-  """The rendering's budget (a default one outside `BoundedSandbox.render`,
-  e.g. while jinja folds constants at compile time)."""
-  budget = _BUDGET.get()
-  return budget if budget is not None else Budget(Limits())
+# Jinja's builtin filters that print a non-string input with str().
+_TEXT_FILTERS = frozenset({
+    "string", "capitalize", "center", "e", "escape", "forceescape",
+    "indent", "lower", "upper", "title", "trim", "truncate", "wordcount",
+    "wordwrap", "striptags", "replace", "urlize", "urlencode", "safe",
+    "xmlattr"})
 
 
 class _LoopIterable:
@@ -158,9 +87,54 @@ class _LoopIterable:
       yield item
 
 
+class _ChargedIterator:
+  """A generator a filter returned (``map``, ``select``, ...), charged for
+  the size of everything it yields, which ``list`` or ``join`` collects."""
+
+  def __init__(self, iterator: Iterator[Any], what: str):
+    self._iterator = iterator
+    self._what = what
+    self._total = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    item = next(self._iterator)
+    budget = current_budget()
+    budget.tick()
+    self._total += budget.unrolled(item)
+    budget.check_size(self._total, self._what)
+    return item
+
+
+def _checked_result(budget: Budget, result: Any, what: str) -> Any:
+  if isinstance(result, Iterator):
+    return _ChargedIterator(result, what)
+  budget.check_value(result, what)
+  return result
+
+
+def _ticking(stream: Iterator[jinja2.lexer.Token]
+             ) -> Iterator[jinja2.lexer.Token]:
+  """Tokens, with the clock checked for each (parsing has no other hook)."""
+  budget = current_budget_or_none()
+  for token in stream:
+    if budget is not None:
+      budget.tick()
+    yield token
+
+
 class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
-  """Jinja's code generator, with every loop counted and every ``~``
-  checked (neither has a sandbox hook of its own)."""
+  """Jinja's code generator, with every loop counted, every literal
+  container and ``~`` checked (none has a sandbox hook of its own), and
+  the clock checked for every node."""
+
+  def visit(self, node, *args, **kwargs):
+    budget = current_budget_or_none()
+    if budget is not None:
+      budget.tick()
+    return super().visit(node, *args, **kwargs)
 
   def visit_For(self, node, frame):
     wrapped = (isinstance(node.iter, jinja2.nodes.Call) and isinstance(
@@ -189,6 +163,23 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
       self.write(", ")
     self.write("))")
 
+  def _checked_literal(self, visit, node, frame):
+    if getattr(node, "ctx", "load") != "load":  # An assignment's target.
+      visit(node, frame)
+      return
+    self.write("environment.checked_value(")
+    visit(node, frame)
+    self.write(")")
+
+  def visit_List(self, node, frame):
+    self._checked_literal(super().visit_List, node, frame)
+
+  def visit_Tuple(self, node, frame):
+    self._checked_literal(super().visit_Tuple, node, frame)
+
+  def visit_Dict(self, node, frame):
+    self._checked_literal(super().visit_Dict, node, frame)
+
 
 class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
   """An immutable sandbox whose templates render within `Limits`; see the
@@ -200,6 +191,8 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
   def __init__(self, *, filters: dict[str, Callable] | None = None,
                globals_: dict[str, Any] | None = None, **options: Any):
     super().__init__(finalize=_finalize, **options)
+    self.filters.update(tojson=template_filters.tojson,
+                        pprint=template_filters.pprint)
     self.filters.update(filters or {})
     self.filters = {name: _guarded_filter(name, f)
                     for name, f in self.filters.items()}
@@ -208,6 +201,30 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     # Its output (n paragraphs of up to `max` words) is not a template's
     # business, and chat templates never use it.
     self.globals.pop("lipsum", None)
+    self._compiled: collections.OrderedDict[str, jinja2.Template] = (
+        collections.OrderedDict())
+
+  def compile_bounded(self, source: str, budget: Budget) -> jinja2.Template:
+    """Compiles ``source`` within ``budget`` (the last 16 are kept)."""
+    budget.check_source(source)
+    template = self._compiled.get(source)
+    if template is None:
+      with using_budget(budget):
+        try:
+          template = self.from_string(source)
+        except RecursionError as e:
+          raise budget.fail("it is nested too deeply to compile") from e
+        except MemoryError as e:
+          raise budget.fail("it ran out of memory compiling") from e
+      budget.tick()  # Python's compile() of the generated code.
+      self._compiled[source] = template
+      if len(self._compiled) > 16:
+        self._compiled.popitem(last=False)
+    return template
+
+  def _tokenize(self, source, name, filename=None, state=None):
+    stream = super()._tokenize(source, name, filename, state)
+    return jinja2.lexer.TokenStream(_ticking(stream), name, filename)
 
   def render_bounded(self, template: jinja2.Template,
                      variables: dict[str, Any], budget: Budget) -> str:
@@ -257,9 +274,8 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         budget.check_size(
             template_sizes.STR_METHOD_SIZES[name](owner, *values), what)
     result = super().call(context_, obj_, *args, **kwargs)
-    budget.check_size(template_sizes.size(result),
-                      f"the result of {name or 'a call'}()")
-    return result
+    return _checked_result(budget, result,
+                           f"the result of {name or 'a call'}()")
 
   def loop_iterable(self, iterable: Any, chars: int) -> _LoopIterable:
     return _LoopIterable(iterable, chars)
@@ -267,17 +283,24 @@ class BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
   def checked_concat(self, parts: tuple) -> str:
     budget = current_budget()
     budget.tick()
-    strings = [str(p) for p in parts]
-    budget.check_size(sum(map(len, strings)), "the operator '~'")
-    return "".join(strings)
+    budget.check_size(sum(map(budget.text_size, parts)), "the operator '~'")
+    return "".join(map(str, parts))
+
+  def checked_value(self, value: Any) -> Any:
+    """A list, tuple or dict literal's value, if not too large as a tree."""
+    budget = current_budget()
+    budget.tick()
+    budget.check_value(value, "a literal")
+    return value
 
 
 def _finalize(value: Any) -> Any:
   """Charges every ``{{ value }}`` written (at top level or in a macro)."""
-  budget = _BUDGET.get()
+  budget = current_budget_or_none()
   if budget is not None:  # None while jinja folds constants.
-    budget.output(template_sizes.size(value)
-                  if template_sizes.is_sized(value) else 16)
+    chars = budget.text_size(value)
+    budget.check_size(chars, "the value output")
+    budget.output(chars)
   return value
 
 
@@ -305,9 +328,14 @@ def _guarded_filter(name: str, fn: Callable) -> Callable:
         a, (jinja2.runtime.Context, jinja2.Environment,
             jinja2.nodes.EvalContext))]
     what = f"the filter {name!r}"
+    if values and name in _TEXT_FILTERS and not isinstance(values[0], str):
+      budget.check_size(budget.text_size(values[0]), what + " (its input"
+                        " as text)")
     if name == "format" and values:
       template_sizes.check_format(budget, values[0], values[1:] or kwargs,
                                   what)
+    elif name == "join" and values:
+      template_sizes.check_join(budget, values[0], values[1:], kwargs, what)
     elif estimate is not None and values:
       try:
         n = estimate(*values, *kwargs.values())
@@ -315,8 +343,7 @@ def _guarded_filter(name: str, fn: Callable) -> Callable:
         n = 0  # Bad arguments: the filter itself reports them.
       budget.check_size(n, what)
     result = fn(*args, **kwargs)
-    budget.check_size(template_sizes.size(result),
-                      f"the result of the filter {name!r}")
-    return result
+    return _checked_result(budget, result,
+                           f"the result of the filter {name!r}")
 
   return guarded

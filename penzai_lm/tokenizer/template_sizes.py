@@ -1,9 +1,13 @@
 """Size estimates for `template_limits`: how large a value an operation
 would build, computed from its operands before it runs.
 
-Every estimate is cheap (linear in the operands' lengths at most) and
-raises through ``budget.check_size`` / ``budget.check_int`` (a
-`template_limits.Budget`) when the value would be over the limit.
+Every estimate is cheap (linear in the operands' lengths, or in the
+distinct objects of their graphs, at most) and raises through
+``budget.check_size`` / ``budget.check_int`` (a `template_budget.Budget`)
+when the value would be over the limit. Operands that are containers are
+measured as trees (``budget.unrolled``) or as the text they print
+(``budget.text_size``, `template_values.repr_size`), so shared references
+do not hide their size.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
+from penzai_lm.tokenizer import template_values
+
 __all__ = ["FILTER_SIZES", "STR_METHOD_SIZES", "check_binop", "check_format",
-           "is_sized", "size"]
+           "check_join", "is_sized", "size"]
 
 
 def size(value: Any) -> int:
@@ -41,17 +47,22 @@ _FORMAT_NUMBERS = re.compile(r"(?<![A-Za-z_])\d+")
 def check_format(budget: Any, fmt: Any, args: Any, what: str) -> None:
   """Widths and precisions in a format string stay under the size limit
   (``'%10000000000s' % x`` builds a 10 GB string), and so do arguments
-  when the format takes its widths from them (``%*s``, ``{:{}}``)."""
+  when the format takes its widths from them (``%*s``, ``{:{}}``), and
+  the text of the arguments, each printed by every field at most."""
   if not isinstance(fmt, str):
     return
   specs = _FORMAT_SPECS.findall(fmt)
   for spec in specs:
     for number in _FORMAT_NUMBERS.findall(spec):
       budget.check_size(int(number) if len(number) < 20 else 1 << 64, what)
+  values = list(args) if isinstance(args, (tuple, list)) else (
+      [args, *args.values()] if isinstance(args, dict) else [args])
+  if specs:
+    biggest = max((template_values.repr_size(v, budget.tick)
+                   for v in values), default=0)
+    budget.check_size(len(fmt) + len(specs) * biggest, what)
   if not any("*" in spec or spec.count("{") > 1 for spec in specs):
     return
-  values = args if isinstance(args, (tuple, list)) else (
-      list(args.values()) if isinstance(args, dict) else [args])
   for v in values:
     if _int(v):
       budget.check_size(abs(v), what)
@@ -63,12 +74,12 @@ def check_binop(budget: Any, op: str, left: Any, right: Any) -> None:
     if _int(left) and _int(right):
       budget.check_int(left.bit_length() + right.bit_length(), what)
     elif _int(right) and is_sized(left):
-      budget.check_size(max(right, 0) * max(size(left), 1), what)
+      budget.check_size(max(right, 0) * max(budget.unrolled(left), 1), what)
     elif _int(left) and is_sized(right):
-      budget.check_size(max(left, 0) * max(size(right), 1), what)
+      budget.check_size(max(left, 0) * max(budget.unrolled(right), 1), what)
   elif op == "+":
     if is_sized(left) and is_sized(right):
-      budget.check_size(size(left) + size(right), what)
+      budget.check_size(budget.unrolled(left) + budget.unrolled(right), what)
   elif op == "**":
     if _int(left) and _int(right) and abs(left) > 1 and right > 0:
       budget.check_int(right * left.bit_length(), what)
@@ -88,6 +99,16 @@ def _join_size(sep: Any, items: Any) -> int:
   if not isinstance(items, (list, tuple, str)):
     return 0
   return size(items) + len(items) * (len(sep) if is_sized(sep) else 0)
+
+
+def check_join(budget: Any, items: Any, args: list[Any],
+               kwargs: dict[str, Any], what: str) -> None:
+  """The ``join`` filter prints every item, and the separator between."""
+  if not isinstance(items, (list, tuple, dict, str)):
+    return  # A generator is charged for its items as it yields them.
+  sep = args[0] if args else kwargs.get("d", "")
+  budget.check_size(budget.text_size(items) + len(items) * budget.text_size(
+      sep), what)
 
 
 def _width(value: Any) -> int:
@@ -111,7 +132,6 @@ STR_METHOD_SIZES: dict[str, Callable[..., int]] = {
 }
 FILTER_SIZES: dict[str, Callable[..., int]] = {
     "replace": lambda s, old=None, new=None, *_: _replace_size(s, old, new),
-    "join": lambda items, sep="", *_: _join_size(sep, items),
     "center": lambda s, width=80, *_: size(s) + _width(width),
     "indent": lambda s, width=4, *_: size(s) + (
         s.count("\n") + 1 if isinstance(s, str) else 1) * _width(width),
@@ -121,5 +141,4 @@ FILTER_SIZES: dict[str, Callable[..., int]] = {
     "slice": lambda items, count=1, *_: size(items) + _width(count),
     "sum": lambda items, *_: sum(size(v) for v in items) if isinstance(
         items, (list, tuple)) else 0,
-    "tojson": lambda v, indent=None, *_: size(v) * (1 + _width(indent or 0)),
 }
