@@ -24,7 +24,6 @@ torch = pytest.importorskip("torch")
 from circuit_tracer.transcoder import cross_layer_transcoder as ct_clt
 from circuit_tracer.transcoder import single_layer_transcoder as ct_plt
 from circuit_tracer.transcoder.activation_functions import JumpReLU
-from circuit_tracer.utils.hf_utils import load_transcoders as ct_load
 
 from penzai_lm import sae as sae_lib
 from penzai_lm.sae.formats.tensor_files import write_safetensors
@@ -119,8 +118,13 @@ def test_transcoder_set_written_by_circuit_tracer(tmp_path, jumprelu):
                        ).to_safetensors(str(tmp_path))
   files = [tmp_path / f"layer_{i}.safetensors" for i in range(LAYERS)]
   config = _config(tmp_path, "transcoder_set", files)
-  theirs = ct_load(config, device=CPU, dtype=torch.float32,
-                   lazy_decoder=False)
+  # circuit-tracer's own set loader (its hf_utils.load_transcoders wraps
+  # it, but imports a huggingface_hub constant that newer hubs dropped).
+  theirs = ct_plt.load_transcoder_set(
+      dict(enumerate(config["transcoders"])), scan=config["scan"],
+      feature_input_hook=config["feature_input_hook"],
+      feature_output_hook=config["feature_output_hook"], device=CPU,
+      dtype=torch.float32, lazy_decoder=False)
   ours = sae_lib.load_transcoders(tmp_path)
   assert isinstance(ours, sae_lib.TranscoderSet) and len(ours) == LAYERS
   x = _inputs((LAYERS, 7, D))

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from penzai import pz
 
-sae_lens = pytest.importorskip("sae_lens")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import sae_lens  # The test extra has it.  pylint: disable=g-bad-import-order
+import torch
+import transformers
 
 from penzai_lm import interp  # pylint: disable=g-import-not-at-top
 from penzai_lm import sae as sae_lib  # pylint: disable=g-import-not-at-top
