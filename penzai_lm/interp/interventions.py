@@ -7,6 +7,11 @@ Insert them with `penzai_lm.interp.insert_at`::
     ablated = insert_at(model, "blocks.3.attn.head_out",
                         Ablate.heads(model.config, heads=[0, 5]))
 
+`insert_at` checks their arrays against the point before the model runs
+(`penzai_lm.interp.points.check_fits`): a vector of the wrong size, or one
+over axes the point's value lacks, is an error naming the point and the
+expected size.
+
 Interventions are data, not graph: their values (vectors, strengths, masks,
 patched activations, which tokens) are arrays, i.e. arguments of the
 compiled programs, so changing them does not recompile.
