@@ -54,10 +54,12 @@ def _heavy(item) -> bool:
 # Files that load the real models and transformers' twins (9.3 GB and 6.9
 # GB peak alone): run by one worker, one after the other, sharing the
 # models (`tests/real_models.py`). On two workers at once the machine's
-# 24 GB ran out (a worker was OOM-killed).
+# 24 GB ran out (a worker was OOM-killed). tests/test_readme.py loads the
+# default model in processes of its own: one at a time with the others too.
 _REAL_MODEL_FILES = ("tests/loading/test_real_models.py",
                      "tests/interp/test_hf_parity.py",
-                     "tests/interp/test_patching.py")
+                     "tests/interp/test_patching.py",
+                     "tests/test_readme.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups.
