@@ -29,8 +29,7 @@ forward pass). ``--formats int8`` adds penzai_lm with int8 weight-only quantizat
 Extra XLA flags for the penzai_lm processes (``--xla-flags``) make sweeps of
 XLA:GPU options one command.
 
-Run on the device machine (``../shared/notes/gpu.md`` says which wheels
-travel):
+Run on a GPU machine (``docs/gpu.md`` says how to set one up):
 
     python benchmarks/gpu_decode.py --shapes smollm2,llama1b \
         --json $OUT/small.json
