@@ -14,6 +14,11 @@
 * `feature_attribution(model, tokens, point, metric)`: activations,
   gradients and ``activation * gradient`` of every feature at every token,
   one compiled forward and backward pass.
+* `train_sae(model, point, tokens, TrainConfig(...))`
+  (`penzai_lm.sae.training`): trains a ReLU, TopK or JumpReLU SAE on
+  activations streamed from the model, in compiled steps; returns it with a
+  `TrainingReport`. `evaluate_sae` gives any SAE's `SAEMetrics` (L0,
+  explained variance, CE loss recovered when spliced) on held-out tokens.
 * `load_sae(path)` / `save_sae(sae, directory)` (`penzai_lm.sae.formats`):
   SAELens directories, Gemma Scope 1 and 2 files, circuit-tracer layer
   files; `load_transcoders(path)` for circuit-tracer ``config.yaml`` sets
@@ -25,6 +30,8 @@ from penzai_lm.sae.attribution import feature_attribution
 from penzai_lm.sae.autoencoder import SAEConfig
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.edits import FeatureEdit
+from penzai_lm.sae.evaluation import SAEMetrics
+from penzai_lm.sae.evaluation import evaluate_sae
 from penzai_lm.sae.formats import CrossLayerTranscoder
 from penzai_lm.sae.formats import SAEFormatError
 from penzai_lm.sae.formats import TranscoderSet
@@ -34,20 +41,32 @@ from penzai_lm.sae.formats import save_sae
 from penzai_lm.sae.splice import FeaturePoint
 from penzai_lm.sae.splice import Splice
 from penzai_lm.sae.splice import splice
+from penzai_lm.sae.train_config import TrainConfig
+from penzai_lm.sae.training import LogEntry
+from penzai_lm.sae.training import TrainingReport
+from penzai_lm.sae.training import train_sae
+from penzai_lm.sae.training import train_sae_on_activations
 
 __all__ = [
     "CrossLayerTranscoder",
     "FeatureAttribution",
     "FeatureEdit",
     "FeaturePoint",
+    "LogEntry",
     "SAEConfig",
     "SAEFormatError",
+    "SAEMetrics",
     "Splice",
     "SparseAutoencoder",
+    "TrainConfig",
+    "TrainingReport",
     "TranscoderSet",
+    "evaluate_sae",
     "feature_attribution",
     "load_sae",
     "load_transcoders",
     "save_sae",
     "splice",
+    "train_sae",
+    "train_sae_on_activations",
 ]

@@ -1,0 +1,214 @@
+"""Activations for training autoencoders: token windows in, shuffled batches
+out.
+
+* `token_windows` turns what the user gives into fixed-length windows of
+  ids: a token stream (1-D: cut into windows, cycled with a new order each
+  pass), windows (2-D: cycled likewise), or an iterable of 2-D batches
+  (consumed once).
+* `PointActivations` runs the model on ``rows`` windows at a time, in one
+  compiled program (`run_with_cache`'s captures, called statelessly under
+  ``jax.jit``: XLA drops the unembedding and, on per-block layers, the
+  blocks after the point, since only the point's value is returned), and
+  gives the value flattened to
+  ``[tokens, d_in]`` in the order of the point's axes, without each
+  window's first ``skip_positions`` tokens (the first position carries the
+  attention sink's huge activations, which no autoencoder should spend
+  features on).
+* `ShuffleBuffer` mixes activations across windows in bounded memory, as
+  SAELens's mixing buffer: fill to capacity, shuffle, hand out half, refill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from penzai import pz
+
+from penzai_lm.interp import cache as cache_lib
+from penzai_lm.interp import points as points_lib
+
+
+def token_windows(tokens, length: int, seed: int, *, cycle: bool = True
+                  ) -> Iterator[np.ndarray]:
+  """Windows of ``length`` ids, one ``[length]`` array at a time.
+
+  Args:
+    tokens: A 1-D stream of ids (cut into windows, the tail dropped), a 2-D
+      array of windows, or an iterable of 2-D batches of windows.
+    length: Window length.
+    seed: Orders the windows of an array source (a new order each pass).
+    cycle: Pass over an array source again when it ends (iterables end).
+
+  Raises:
+    ValueError: for windows of another length, or a stream shorter than
+      one window.
+  """
+  array = _as_array(tokens)
+  if array is None:
+    for batch in tokens:
+      batch = np.asarray(batch)
+      if batch.ndim != 2 or batch.shape[1] != length:
+        raise ValueError(
+            f"token batches must be [rows, {length}] (context_length), got"
+            f" shape {batch.shape}.")
+      yield from batch.astype(np.int32)
+    return
+  if array.ndim == 1:
+    count = array.shape[0] // length
+    if not count:
+      raise ValueError(f"the token stream has {array.shape[0]} ids, fewer"
+                       f" than one window of context_length={length}.")
+    array = array[:count * length].reshape(count, length)
+  if array.ndim != 2 or array.shape[1] != length or not array.shape[0]:
+    raise ValueError(f"token windows must be [rows, {length}]"
+                     f" (context_length), got shape {array.shape}.")
+  rng = np.random.default_rng(seed)
+  while True:
+    yield from array[rng.permutation(array.shape[0])]
+    if not cycle:
+      return
+
+
+def _as_array(tokens) -> np.ndarray | None:
+  """An integer array from an array-like source, None for an iterable."""
+  if isinstance(tokens, (np.ndarray, jax.Array)):
+    array = np.asarray(tokens)
+  elif isinstance(tokens, (list, tuple)) and (
+      not tokens or isinstance(tokens[0], (int, np.integer, list, tuple,
+                                           np.ndarray))):
+    try:
+      array = np.asarray(tokens)
+    except ValueError as e:
+      raise ValueError("token windows must all have the same length.") from e
+  else:
+    return None
+  if not np.issubdtype(array.dtype, np.integer):
+    raise ValueError(f"tokens must be integer ids, got dtype {array.dtype}.")
+  return array.astype(np.int32)
+
+
+def split_held_out(tokens, length: int, windows: int):
+  """``(training source, held-out [windows, length] array or None)``: the
+  last windows of an array source, the first ones of an iterable."""
+  if not windows:
+    return tokens, None
+  array = _as_array(tokens)
+  if array is None:
+    iterator = token_windows(tokens, length, 0, cycle=False)
+    held = [w for _, w in zip(range(windows), iterator)]
+    return iterator, np.stack(held) if held else None
+  rows = array
+  if array.ndim == 1:
+    rows = array[:array.shape[0] // length * length].reshape(-1, length)
+  if rows.shape[0] <= windows:
+    raise ValueError(
+        f"the tokens hold {rows.shape[0]} windows of {length}; holding out"
+        f" eval_windows={windows} for evaluation leaves none to train on."
+        " Pass more tokens, eval_windows=0, or eval_tokens=...")
+  return rows[:-windows], rows[-windows:]
+
+
+class PointActivations:
+  """The value at a point, ``[tokens, d_in]``, for batches of windows.
+
+  Attributes:
+    point: The point, e.g. ``"blocks.15.resid_post"``.
+    input_axes: Its value's axes besides ``batch`` and ``seq``, in the order
+      they are flattened (``((name, size), ...)``).
+  """
+
+  def __init__(self, model, point: str, skip_positions: int = 0):
+    parsed = points_lib.parse_point(model, point)
+    if parsed.point == "attn.pattern":
+      raise ValueError("attn.pattern grows with the tokens: train on a point"
+                       " of fixed width (resid_post, mlp_out, attn.head_out,"
+                       " mlp.neurons, ...).")
+    self.model = model
+    self.point = point
+    self.skip_positions = skip_positions
+    self._programs = {}
+    self.input_axes = tuple(
+        cache_lib._value_axes(model.config, parsed.point, 0).items())  # pylint: disable=protected-access
+
+  @property
+  def d_in(self) -> int:
+    return math.prod(n for _, n in self.input_axes)
+
+  def __call__(self, windows: np.ndarray) -> jax.Array:
+    """Activations of ``[rows, length]`` windows as ``[rows * (length -
+    skip_positions), d_in]`` float32 (a device array)."""
+    windows = np.asarray(windows, np.int32)
+    if windows.shape not in self._programs:
+      # Capture buffers are allocated for one token shape; the block index
+      # of a per-block point must be concrete, so captures are inserted
+      # here, outside the compiled function.
+      rows, length = windows.shape
+      patched, captures = cache_lib.insert_captures(
+          self.model, [self.point], {"batch": rows, "seq": length})
+      stateless, variables = pz.unbind_state_vars(patched, freeze=True)
+      self._programs[windows.shape] = (stateless, variables,
+                                       captures[self.point][1])
+    stateless, variables, spec = self._programs[windows.shape]
+    ids = pz.nx.wrap(jnp.asarray(windows)).tag("batch", "seq")
+    return _values_at(stateless, variables, ids, spec=spec,
+                      axes=tuple(a for a, _ in self.input_axes),
+                      skip=self.skip_positions)
+
+  def stream(self, windows: Iterator[np.ndarray], rows: int
+             ) -> Iterator[jax.Array]:
+    """Activations of ``rows`` windows at a time (a last partial group is
+    dropped: one shape, one compiled program)."""
+    while True:
+      group = [w for _, w in zip(range(rows), windows)]
+      if len(group) < rows:
+        return
+      yield self(np.stack(group))
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "axes", "skip"))
+def _values_at(stateless, variables, ids, *, spec, axes, skip):
+  # Only the captured value is returned: XLA drops the unembedding (and,
+  # on per-block layers, the blocks after the point).
+  _, new = stateless.stateless_call(variables, ids)
+  (value,) = [spec.take(v.value) for v in new if v.label == spec.label]
+  flat = value.unwrap("batch", "seq", *axes)[:, skip:]
+  return flat.reshape(-1, math.prod(flat.shape[2:])).astype(jnp.float32)
+
+
+class ShuffleBuffer:
+  """Batches of activations mixed across windows, in bounded memory.
+
+  Holds up to ``capacity`` tokens; once full, shuffles them and hands out
+  the first half in batches, keeping the rest to mix with the next chunks
+  (SAELens's mixing buffer). When the source ends, what is left is shuffled
+  and handed out in whole batches.
+  """
+
+  def __init__(self, capacity: int, batch: int, seed: int):
+    self.capacity = max(capacity, 2 * batch)
+    self.batch = batch
+    self.rng = np.random.default_rng(seed)
+
+  def batches(self, chunks: Iterable) -> Iterator[np.ndarray]:
+    pending, size = [], 0
+    for chunk in chunks:
+      pending.append(np.asarray(chunk, np.float32))
+      size += pending[-1].shape[0]
+      if size < self.capacity:
+        continue
+      mixed = np.concatenate(pending)
+      mixed = mixed[self.rng.permutation(size)]
+      out = (size // 2) // self.batch * self.batch
+      for start in range(0, out, self.batch):
+        yield mixed[start:start + self.batch]
+      pending, size = [mixed[out:]], size - out
+    if size >= self.batch:
+      rest = np.concatenate(pending)
+      rest = rest[self.rng.permutation(size)]
+      for start in range(0, size - self.batch + 1, self.batch):
+        yield rest[start:start + self.batch]

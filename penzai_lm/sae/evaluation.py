@@ -1,0 +1,184 @@
+"""How good an autoencoder is, on held-out tokens: `evaluate_sae`.
+
+The standard figures (SAELens's evals, Gemma Scope's tables):
+
+* ``l0``: features active per token, on average;
+* ``explained_variance``: ``1 - sum |x - x_hat|^2 / sum |x - mean x|^2``
+  over the tokens;
+* ``mse``: ``|x - x_hat|^2`` per token (summed over the value's units);
+* ``dead_fraction``: features that fire on none of the tokens;
+* cross-entropy of the next token three ways: the clean model, the model
+  with the reconstruction in place of the value (``ce_spliced``: the
+  splice's "replace" mode, `penzai_lm.sae.splice`), and with the value
+  zeroed (``ce_zero_ablated``); ``ce_recovered`` is ``(zero - spliced) /
+  (zero - clean)``: 1 when splicing costs nothing, 0 when it is as bad as
+  deleting the value.
+
+The first ``skip_positions`` tokens of each window are left alone (neither
+replaced nor zeroed, nor counted), as in training (`penzai_lm.sae.training`:
+the attention sink's activations at position 0 are not what an autoencoder
+is trained on); cross-entropies count the predictions made at the other
+positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from penzai import pz
+
+from penzai_lm.interp import points as points_lib
+from penzai_lm.interp.interventions import Ablate
+from penzai_lm.interp.token_rules import TokenRule
+from penzai_lm.sae.activations import PointActivations
+from penzai_lm.sae.autoencoder import FEATURES
+from penzai_lm.sae.autoencoder import SparseAutoencoder
+
+_FAR = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class SAEMetrics:
+  """An autoencoder's figures on held-out tokens (module docstring)."""
+
+  tokens: int
+  l0: float
+  explained_variance: float
+  mse: float
+  dead_fraction: float
+  ce_clean: float
+  ce_spliced: float
+  ce_zero_ablated: float
+
+  @property
+  def ce_recovered(self) -> float:
+    gap = self.ce_zero_ablated - self.ce_clean
+    return float("nan") if gap == 0 else (
+        (self.ce_zero_ablated - self.ce_spliced) / gap)
+
+  @property
+  def ce_increase(self) -> float:
+    """``ce_spliced - ce_clean`` (nats per token)."""
+    return self.ce_spliced - self.ce_clean
+
+  def summary(self) -> str:
+    return (f"L0 {self.l0:.1f}, explained variance"
+            f" {self.explained_variance:.3f}, MSE {self.mse:.4g}, dead"
+            f" {self.dead_fraction:.1%}; CE clean {self.ce_clean:.3f},"
+            f" spliced {self.ce_spliced:.3f}, zero-ablated"
+            f" {self.ce_zero_ablated:.3f} -> {self.ce_recovered:.1%}"
+            f" recovered ({self.tokens} tokens)")
+
+
+@pz.pytree_dataclass
+class Reconstruct(pz.nn.Layer):
+  """Replaces the value by the autoencoder's reconstruction at the tokens
+  ``where`` selects (what a "replace" splice does at every token)."""
+
+  sae: SparseAutoencoder
+  where: TokenRule
+
+  def __call__(self, x, /, **side_inputs):
+    out = self.sae.forward(x).astype(x.dtype)
+    mask = self.where.mask(side_inputs)
+    return pz.nx.order_like(pz.nx.nmap(jnp.where)(mask, out, x), x)
+
+
+def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
+                 point: str | None = None, skip_positions: int = 1,
+                 rows: int = 8) -> SAEMetrics:
+  """The figures of the module docstring for ``sae`` at ``point``.
+
+  Args:
+    model: The uncached `TransformerLM` the autoencoder reads.
+    sae: An SAE (reads and writes one point).
+    tokens: ``[windows, length]`` ids (the windows are run ``rows`` at a
+      time; a last partial group is run on its own).
+    point: Where it reads (default: its config's ``hook_point``).
+    skip_positions: Leading tokens of each window left alone.
+    rows: Windows per forward pass.
+
+  Raises:
+    ValueError: for a transcoder, a missing point, or too short windows.
+  """
+  if sae.config.is_transcoder:
+    raise ValueError("evaluate_sae measures SAEs (one point read and"
+                     " written); this autoencoder is a transcoder.")
+  point = point or sae.config.hook_point
+  if point is None:
+    raise ValueError("the autoencoder's config names no point: pass"
+                     " point='blocks.{i}.resid_post' (or another).")
+  windows = np.asarray(tokens, np.int32)
+  if windows.ndim != 2 or windows.shape[1] <= skip_positions + 1:
+    raise ValueError(f"tokens must be [windows, length] with length >"
+                     f" skip_positions + 1, got shape {windows.shape}.")
+  reader = PointActivations(model, point, skip_positions)
+  if dict(reader.input_axes) != dict(sae.config.input_axes):
+    raise ValueError(f"the autoencoder reads axes {dict(sae.config.input_axes)}"
+                     f" but {point!r} has {dict(reader.input_axes)}.")
+  if pz.select(model).at_instances_of(pz.nn.LayerStack).count():
+    # Per-block layers (as `splice` makes): the reconstruction runs in its
+    # block only, not masked in every block of the stack's scan.
+    # pylint: disable-next=g-import-not-at-top
+    from penzai_lm.generation.prepare import unstack_layers
+    model = unstack_layers(model)
+  rule = TokenRule.positions(skip_positions, _FAR)
+  axes = dict(reader.input_axes)
+  zero = Ablate(mask=pz.nx.wrap(jnp.ones(tuple(axes.values()), bool)).tag(
+      *axes), value=pz.nx.wrap(jnp.zeros((), jnp.float32)), where=rule)
+  models = {
+      "clean": model,
+      "spliced": points_lib.insert_at(model, point, Reconstruct(sae, rule)),
+      "zero": points_lib.insert_at(model, point, zero),
+  }
+  totals = dict.fromkeys(("clean", "spliced", "zero", "error", "spread",
+                          "l0", "count"), 0.0)
+  sums, squares, fired = 0.0, 0.0, np.zeros(sae.config.num_features, bool)
+  for start in range(0, windows.shape[0], rows):
+    group = windows[start:start + rows]
+    ids = pz.nx.wrap(jnp.asarray(group)).tag("batch", "seq")
+    for name, m in models.items():
+      totals[name] += float(_ce_sum(m, ids, skip=skip_positions))
+    x = reader(group)
+    stats = _sae_stats(sae, x, axes=tuple(axes.items()))
+    totals["error"] += float(stats["error"])
+    totals["l0"] += float(stats["l0"])
+    totals["count"] += x.shape[0]
+    sums = sums + np.asarray(x.sum(0), np.float64)
+    squares += float(jnp.square(x).sum())
+    fired |= np.asarray(stats["fired"])
+  n = totals["count"]
+  predictions = windows.shape[0] * (windows.shape[1] - 1 - skip_positions)
+  spread = squares - float(np.square(sums).sum()) / n
+  return SAEMetrics(
+      tokens=int(n), l0=totals["l0"] / n,
+      explained_variance=1.0 - totals["error"] / max(spread, 1e-12),
+      mse=totals["error"] / n, dead_fraction=float(1.0 - fired.mean()),
+      ce_clean=totals["clean"] / predictions,
+      ce_spliced=totals["spliced"] / predictions,
+      ce_zero_ablated=totals["zero"] / predictions)
+
+
+@functools.partial(jax.jit, static_argnames=("skip",))
+def _ce_sum(model, ids, *, skip):
+  """Summed next-token cross-entropy of the predictions made at positions
+  ``skip .. length - 2``."""
+  logits = model(ids).unwrap("batch", "seq", "vocabulary").astype(jnp.float32)
+  tokens = ids.unwrap("batch", "seq")
+  logp = jax.nn.log_softmax(logits[:, skip:-1], axis=-1)
+  return -jnp.take_along_axis(logp, tokens[:, skip + 1:, None], -1).sum()
+
+
+@functools.partial(jax.jit, static_argnames=("axes",))
+def _sae_stats(sae, x, *, axes):
+  named = pz.nx.wrap(x.reshape(x.shape[0], *(n for _, n in axes))).tag(
+      "tokens", *(a for a, _ in axes))
+  features = sae.encode(named)
+  recon = sae.forward(named).unwrap("tokens", *(a for a, _ in axes))
+  active = features.unwrap("tokens", FEATURES) > 0
+  return {"error": jnp.square(recon.reshape(x.shape) - x).sum(),
+          "l0": active.sum(), "fired": active.any(0)}
