@@ -142,7 +142,7 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
     group = windows[start:start + rows]
     ids = pz.nx.wrap(jnp.asarray(group)).tag("batch", "seq")
     for name, m in models.items():
-      totals[name] += float(_ce_sum(m, ids, skip=skip_positions))
+      totals[name] += float(_ce_sum(m, ids, skip_positions))
     x = reader(group)
     stats = _sae_stats(sae, x, axes=tuple(axes.items()))
     totals["error"] += float(stats["error"])
@@ -163,14 +163,16 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
       ce_zero_ablated=totals["zero"] / predictions)
 
 
-@functools.partial(jax.jit, static_argnames=("skip",))
-def _ce_sum(model, ids, *, skip):
+@jax.jit
+def _ce_sum(model, ids, skip):
   """Summed next-token cross-entropy of the predictions made at positions
-  ``skip .. length - 2``."""
+  ``skip .. length - 2`` (``skip`` traced: one program for any)."""
   logits = model(ids).unwrap("batch", "seq", "vocabulary").astype(jnp.float32)
   tokens = ids.unwrap("batch", "seq")
-  logp = jax.nn.log_softmax(logits[:, skip:-1], axis=-1)
-  return -jnp.take_along_axis(logp, tokens[:, skip + 1:, None], -1).sum()
+  logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+  nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+  counted = jnp.arange(nll.shape[1]) >= skip
+  return jnp.where(counted, nll, 0.0).sum()
 
 
 @functools.partial(jax.jit, static_argnames=("axes",))

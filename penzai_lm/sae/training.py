@@ -135,6 +135,7 @@ def train_sae(model, point: str, tokens, config: TrainConfig, *,
     raise TypeError(f"config must be a TrainConfig, got"
                     f" {type(config).__name__}.")
   reader = acts_lib.PointActivations(model, point, config.skip_positions)
+  config.features(reader.d_in)  # Checks k before any forward pass.
   if eval_tokens is None:
     tokens, eval_tokens = acts_lib.split_held_out(
         tokens, config.context_length, config.eval_windows)
