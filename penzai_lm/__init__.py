@@ -27,6 +27,7 @@ from penzai_lm.model import RopeScaling
 from penzai_lm.model import TransformerConfig
 from penzai_lm.model import TransformerLM
 from penzai_lm.model import build_transformer
+from penzai_lm.model import eager
 from penzai_lm.model import leading_padding
 from penzai_lm.model import positions_from_padding
 from penzai_lm.quantization import quantize

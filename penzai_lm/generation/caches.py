@@ -9,10 +9,12 @@
   (`ProgramCache.compile_ahead`: a request's decode program compiles while
   its prefill does).
 * `IdentityCache`: values derived from a model (its unstacked or prepared
-  form) keyed on the model's structure and the identity of its arrays, so a
-  re-bound parameter is a new key. Entries hold weak references to the
-  model's leaves: an entry whose model is gone is dropped, so the cache
-  never keeps an old model (or its weights) alive.
+  form) keyed on the model's structure and the identity of its weights, so
+  a re-bound parameter is a new key, while a patched variant of a cached
+  model (other steering values, same weights) reuses its value with the
+  patch's arrays replaced (`penzai_lm.generation.variants`). Entries hold
+  weak references to the model's leaves: an entry whose weights are gone
+  is dropped, so the cache never keeps an old model alive.
 
 Both are thread-safe (an `Engine`, the default one included, is shared by
 every thread that generates): a lock guards each LRU, and concurrent misses
@@ -36,6 +38,8 @@ from penzai import pz
 
 from penzai_lm.generation.program_store import aval_key
 from penzai_lm.generation.program_store import ProgramStore
+from penzai_lm.generation.variants import Derivable
+from penzai_lm.generation.variants import variant_key
 
 
 class _InFlight:
@@ -262,42 +266,94 @@ def model_key(model) -> tuple[Any, list]:
   return (treedef, ids), leaves
 
 
+class _Entry:
+  """A cached `Derivable` and, weakly, the model leaves it was made (or
+  last derived) for; ``values`` index the non-weight arrays among them."""
+
+  def __init__(self, made: Derivable, leaves, values):
+    self.made, self.refs, self.values = made, _refs(leaves), frozenset(values)
+
+  def alive(self, leaves=None) -> bool:
+    """Whether its weights (every leaf but the values) are alive (and,
+    given ``leaves``, those very objects)."""
+    for i, ref in enumerate(self.refs):
+      if i not in self.values and (
+          ref() is None if leaves is None else ref() is not leaves[i]):
+        return False
+    return True
+
+  def changed(self, leaves) -> dict[int, Any]:
+    """The values of ``leaves`` that are not those of the entry."""
+    return {i: leaves[i] for i in self.values
+            if self.refs[i]() is not leaves[i]}
+
+
 class IdentityCache:
-  """Values derived from models, LRU-bounded, keyed by `model_key`."""
+  """Values derived from models, LRU-bounded, keyed by
+  `variants.variant_key`: a model's structure and the identity of its
+  weights. A model that differs from a cached one in other arrays only (a
+  patched variant: another steering vector or strength) gets the cached
+  value with those arrays' parts recomputed, where the value was made as a
+  `variants.Derivable` with recipes; otherwise it is made anew."""
 
   def __init__(self, size: int):
     self.size = size
     self._entries: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
     self._making = _InFlight()
+    self.made = 0  # Values made (not found or derived): tests count these.
+    self.derived = 0  # Values derived for a variant.
 
   def get_or_make(self, model, extra: Any, make: Callable[[], Any]) -> Any:
     """The cached value for ``(model, extra)``, made with ``make()`` on a
-    miss."""
-    key, leaves = model_key(model)
+    miss (which may return a `variants.Derivable`)."""
+    return self.get(model, extra, make).value
+
+  def get(self, model, extra: Any, make: Callable[[], Any]) -> Derivable:
+    """Like `get_or_make`, but returns the `variants.Derivable`."""
+    key, leaves, values = variant_key(model)
     key = (key, extra)
     while True:
       with self._lock:
         entry = self._entries.get(key)
-        if entry is not None and _alive(entry[0], leaves):
+        if entry is not None and entry.alive(leaves):
           self._entries.move_to_end(key)
-          return entry[1]
+          changed = entry.changed(leaves)
+          if not changed:
+            return entry.made
+          if entry.made.recipes is not None:
+            break  # Derived below, outside the lock.
         event = self._making.claim(key)
+        entry = None
       if event is None:
         break  # This thread makes it.
       event.wait()
-    try:
-      value = make()
+    if entry is not None:
+      made = entry.made.derive(changed)
       with self._lock:
-        for k in [k for k, e in self._entries.items() if not _alive(e[0])]:
-          del self._entries[k]
-        self._entries[key] = (_refs(leaves), value)
-        while len(self._entries) > self.size:
-          self._entries.popitem(last=False)
+        self.derived += 1
+        self._store(key, _Entry(made, leaves, values))
+      return made
+    try:
+      made = make()
+      if not isinstance(made, Derivable):
+        made = Derivable(made)
+      with self._lock:
+        self.made += 1
+        self._store(key, _Entry(made, leaves, values))
     finally:
       with self._lock:
         self._making.release(key)
-    return value
+    return made
+
+  def _store(self, key, entry: _Entry) -> None:
+    """Under the lock."""
+    for k in [k for k, e in self._entries.items() if not e.alive()]:
+      del self._entries[k]
+    self._entries[key] = entry
+    self._entries.move_to_end(key)
+    while len(self._entries) > self.size:
+      self._entries.popitem(last=False)
 
   def __len__(self) -> int:
     with self._lock:
@@ -317,8 +373,3 @@ def _refs(leaves):
       refs.append(lambda x=x: x)
   return refs
 
-
-def _alive(refs, leaves=None) -> bool:
-  if leaves is None:
-    return all(r() is not None for r in refs)
-  return all(r() is x for r, x in zip(refs, leaves))

@@ -29,8 +29,10 @@ programs apart::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import time
 from typing import Any, Callable
 
 import jax
@@ -44,6 +46,13 @@ from penzai_lm.generation.program_store import auto_directory
 from penzai_lm.generation.program_store import ProgramStore
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.run import Run
+from penzai_lm.generation.variants import Derivable
+from penzai_lm.generation.variants import derivable_tree
+from penzai_lm.generation.variants import Lineage
+from penzai_lm.generation.variants import variant_key
+from penzai_lm.model.transformer import check_tokens
+from penzai_lm.model.transformer import compiles
+from penzai_lm.model.transformer import positions_from_padding
 
 CompilerOptions = Callable[[str, Any], dict[str, Any]]
 
@@ -62,12 +71,20 @@ def default_compiler_options(program: str, shape) -> dict[str, Any]:
   return {}
 
 
+def _derivable_unstack(model, leaves, values) -> Derivable:
+  lineage = Lineage()
+  return derivable_tree(prepare_lib.unstack_layers(model, lineage), leaves,
+                        values, lineage)
+
+
 class Engine:
   """Compiles, caches and runs generation programs.
 
   Attributes:
     programs: The `ProgramCache` (``programs.compilations`` counts
-      compilations).
+      compilations): "prefill" and "decode" programs of `generate`, and
+      "forward" programs of top-level model calls and `run_with_cache`
+      (`forward`).
     unstack_layer_stacks: Decode layer stacks as per-layer blocks (see
       `penzai_lm.generation.prepare`); False decodes the stacks as they are
       (slow on CPU; for comparisons).
@@ -92,7 +109,8 @@ class Engine:
         in decode layout, per batch and cache bucket).
       compiler_options: ``fn(program_name, shape) -> dict`` of XLA options
         for programs compiled on CPU ("prefill" with a `PrefillShape`,
-        "decode" with a `DecodeShape`), asked once per compilation; default
+        "decode" with a `DecodeShape`, "forward" with the tokens' named
+        shape), asked once per compilation; default
         `default_compiler_options`.
       unstack_layer_stacks: See the class attribute.
       program_store: Where compiled programs' exported forms are kept, so
@@ -174,10 +192,13 @@ class Engine:
       raise TypeError(
           "tool must provide pause_token_id and respond(tokens) (e.g."
           " penzai_lm.generation.CalculatorTool).")
+    started = time.perf_counter()
     request = request_lib.build_request(model, prompts,
                                         continuation=continuation, **options)
-    return Run(self, self.prepare(model, request), request, tool=tool,
-               continuation=continuation)
+    run = Run(self, self.prepare(model, request), request, tool=tool,
+              continuation=continuation, started=started)
+    run.timings.prepare_s = time.perf_counter() - started
+    return run
 
   def generate(self, model, prompts: Any, *,
                cancel: threading.Event | None = None, chunk_size: int = 8,
@@ -193,32 +214,73 @@ class Engine:
     return GenerationStream(self.start(model, prompts, **options),
                             chunk_size=chunk_size, cancel=cancel)
 
+  def forward(self, model, tokens, *, token_positions=None, padding=None,
+              **side_inputs):
+    """``model(tokens, ...)`` as a compiled program of this engine (a
+    top-level model call uses the default engine's;
+    `penzai_lm.generation.forward`).
+
+    Args:
+      model: An uncached `TransformerLM` on concrete arrays.
+      tokens: Named token ids with a ``seq`` axis.
+      token_positions: As in `TransformerLM.__call__`.
+      padding: A named mask of padding tokens (True), from which the
+        positions are computed inside the program when ``token_positions``
+        is None.
+      **side_inputs: Forwarded to the model.
+    """
+    from penzai_lm.generation.forward import compiled_forward  # pylint: disable=g-import-not-at-top
+    check_tokens(tokens, model.config.vocab_size)
+    if compiles(tokens, token_positions, side_inputs):
+      logits = compiled_forward(model, tokens, engine=self,
+                                token_positions=token_positions,
+                                padding=padding, **side_inputs)
+      if logits is not NotImplemented:
+        return logits
+    # Traced, eager, or an unhashable non-array side input: the plain call.
+    if token_positions is None and padding is not None:
+      token_positions = positions_from_padding(padding)
+    return model(tokens, token_positions=token_positions, **side_inputs)
+
   def prepare(self, model, request) -> prepare_lib.PreparedModel:
-    """The model ready for ``request``'s programs (cached)."""
+    """The model ready for ``request``'s programs (cached).
+
+    Cached per model structure, weights and shape: a patched variant of a
+    prepared model (same weights, other patch values) gets the prepared
+    model with only its patch's arrays replaced
+    (`penzai_lm.generation.variants`); nothing is unstacked again.
+    """
     cached = request_lib.is_cached_model(model)
     shape = request.decode
-
-    def unstacked():
-      return self._unstacked.get_or_make(
-          model, None, lambda: prepare_lib.unstack_layers(model))
-
     index = prepare_lib.row_index(
         prepare_lib.per_row_size(model, shape.batch_axis),
         num_prompts=request.num_prompts, num_samples=request.num_samples,
         batch=shape.batch)
 
     def make():
+      _, leaves, values = variant_key(model)
+      lineage = Lineage()
       decoded = None
       if self.unstack_layer_stacks and shape.use_cache:
-        decoded = unstacked()
+        unstacked = self._unstacked.get(
+            model, None, lambda: _derivable_unstack(model, leaves, values))
+        if unstacked.recipes is not None:
+          lineage.seed(jax.tree_util.tree_leaves(unstacked.value), leaves,
+                       unstacked.recipes)
+        decoded = unstacked.value
       if index is not None:
         decoded = prepare_lib.rows_to_batch(
-            model if decoded is None else decoded, shape.batch_axis, index)
-      return prepare_lib.prepare_model(
+            model if decoded is None else decoded, shape.batch_axis, index,
+            lineage)
+      prepared = prepare_lib.prepare_model(
           model, cached_model=cached, use_cache=shape.use_cache,
           batch_axis=shape.batch_axis, batch=shape.batch,
           cache_len=shape.cache_len, decoded=decoded,
           capture=request.capture, prompt_attention=self.prompt_attention)
+      return Derivable(
+          prepared, lineage.recipes(prepared.model_leaves, leaves, values),
+          leaves=lambda p: p.model_leaves,
+          rebuild=lambda p, new: dataclasses.replace(p, model_leaves=new))
 
     return self._prepared.get_or_make(
         model, (cached, shape.use_cache, shape.batch_axis, shape.batch,

@@ -4,16 +4,9 @@
 stacks unstacked (see below), converted to cached mode for the request's
 batch and cache size (an uncached `TransformerLM`), frozen, split into
 stateless layers and state, and flattened. The `Engine` caches the results
-per model identity and shape (`penzai_lm.generation.caches`).
+per model structure, weights and shape (`penzai_lm.generation.caches`).
 
-Layer stacks are unstacked for decoding. A scanned LayerStack slices every
-stacked weight inside its loop body, and XLA on CPU materializes each slice:
-every decode step copies all the weights once more (SmolLM2-sized, batch 1:
-8 tok/s stacked against 34 unstacked), and the per-layer caches are sliced
-and re-stacked too. Decoding therefore runs on an equivalent model whose
-stacks are replaced by a Sequential of per-layer blocks (per-layer state
-variables get one variable per layer). On CPU those blocks' weights alias
-the stacked buffers (`_take`), so decoding holds one copy of the weights.
+Layer stacks are unstacked for decoding (`penzai_lm.generation.unstack`).
 """
 
 from __future__ import annotations
@@ -32,6 +25,9 @@ from penzai_lm.generation.shared_traces import share_block_traces
 from penzai_lm.generation.state import CacheLabels
 from penzai_lm.generation.state import LeafSpec
 from penzai_lm.generation.state import StateLayout
+from penzai_lm.generation.unstack import host_view
+from penzai_lm.generation.unstack import unstack_layers  # pylint: disable=unused-import
+from penzai_lm.generation.variants import Lineage
 from penzai_lm.interp.cache import CaptureSpec
 from penzai_lm.interp.cache import insert_captures
 from penzai_lm.kernels import on_one_cpu
@@ -40,85 +36,6 @@ from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model.prompt_attention import on_gpus
 from penzai_lm.model.prompt_attention import on_one_gpu
 from penzai_lm.model.prompt_attention import with_fused_prompt_attention
-
-
-def _host_view(data) -> np.ndarray | None:
-  """A zero-copy numpy view of a concrete array held on one CPU device."""
-  if isinstance(data, jax.core.Tracer) or not isinstance(data, jax.Array):
-    return None
-  devices = data.sharding.device_set
-  if len(devices) != 1 or next(iter(devices)).platform != "cpu":
-    return None
-  view = np.asarray(data)
-  return view if view.ctypes.data == data.unsafe_buffer_pointer() else None
-
-
-def _take(x: pz.nx.NamedArrayBase, axis: str, index: int):
-  """``x[{axis: index}]``, without a copy where the layout allows.
-
-  On CPU a block of a stacked weight whose ``blocks`` axis is the major
-  one (as loaders lay it out) is a contiguous run of the stacked buffer, and
-  ``jax.device_put`` of a numpy view of a JAX-owned CPU buffer aliases it
-  (the view keeps the buffer alive). So the per-layer decode weights share
-  memory with the user's stacked model instead of being a second copy of
-  every weight (SmolLM2 fp32: 0.54 GB less during generate).
-  """
-  if (isinstance(x, pz.nx.NamedArray) and not x.positional_shape
-      and next(iter(x.named_axes)) == axis):
-    view = _host_view(x.data_array)
-    if view is not None:
-      rest = collections.OrderedDict(list(x.named_axes.items())[1:])
-      return pz.nx.NamedArray(named_axes=rest,
-                              data_array=jax.device_put(view[index]))
-  return x[{axis: index}]
-
-
-def _slice_axis(tree, axis: str, index: int):
-  return (pz.select(tree).at_instances_of(pz.nx.NamedArrayBase)
-          .where(lambda x: axis in x.named_shape)
-          .apply(lambda x: _take(x, axis, index)))
-
-
-def _unstack(stack: pz.nn.LayerStack) -> pz.nn.Sequential:
-  """An equivalent Sequential of the blocks of a LayerStack."""
-  axis, n = stack.stack_axis, stack.stack_axis_size
-  pure, variables = pz.unbind_state_vars(pz.freeze_params(
-      stack.stacked_sublayers))
-  per_layer = {}
-  for var in variables:
-    behavior = var.metadata.get("layerstack_axes", {}).get(axis)
-    if behavior == pz.nn.LayerStackVarBehavior.PER_LAYER:
-      metadata = dict(var.metadata)
-      axes = dict(metadata["layerstack_axes"])
-      del axes[axis]
-      if axes:
-        metadata["layerstack_axes"] = axes
-      else:
-        del metadata["layerstack_axes"]
-      per_layer[var.label] = [
-          pz.StateVariable(
-              value=_slice_axis(var.value, axis, i),
-              label=f"{var.label}/{axis}_{i}", metadata=metadata)
-          for i in range(n)
-      ]
-  blocks = []
-  for i in range(n):
-    block = _slice_axis(pure, axis, i)
-    block = (pz.select(block).at_instances_of(pz.StateVariableSlot)
-             .where(lambda slot: slot.label in per_layer)
-             .apply(lambda slot: pz.StateVariableSlot(
-                 label=f"{slot.label}/{axis}_{i}")))  # noqa: B023
-    block_vars = [per_layer[v.label][i] if v.label in per_layer else v
-                  for v in variables]
-    blocks.append(pz.bind_variables(block, block_vars))
-  return pz.nn.Sequential(blocks)
-
-
-def unstack_layers(model):
-  """Replaces every `pz.nn.LayerStack` of a model by a Sequential of its
-  blocks (the same computation; parameters are frozen)."""
-  selection = pz.select(model).at_instances_of(pz.nn.LayerStack)
-  return selection.apply(_unstack) if selection.count() else model
 
 
 def per_row_size(model, batch_axis: str) -> int | None:
@@ -168,10 +85,12 @@ def row_index(size: int | None, *, num_prompts: int, num_samples: int,
   return tuple(index + [0] * (batch - rows))
 
 
-def rows_to_batch(model, batch_axis: str, index):
+def rows_to_batch(model, batch_axis: str, index,
+                  lineage: Lineage | None = None):
   """The model with every array over ``batch_axis`` gathered to the decode
   rows (``index``: entry of each row), so the compiled programs see the
-  same shapes for every request of one batch bucket."""
+  same shapes for every request of one batch bucket. The gathers are
+  recorded in ``lineage``."""
   index = np.asarray(index, np.int32)
 
   def gather(x):
@@ -183,8 +102,15 @@ def rows_to_batch(model, batch_axis: str, index):
         data_array=jnp.take(ordered.data_array, index,
                             axis=len(ordered.positional_shape)))
 
+  def gather_recorded(x):
+    out = gather(x)
+    if lineage is not None:
+      lineage.record_named(out, x, gather)
+    return out
+
   return (pz.select(model).at_instances_of(pz.nx.NamedArrayBase)
-          .where(lambda x: batch_axis in x.named_shape).apply(gather))
+          .where(lambda x: batch_axis in x.named_shape)
+          .apply(gather_recorded))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +139,7 @@ def _constant_fill(x):
   compiles two small programs per shape (0.3 s for SmolLM2's 63 state
   leaves).
   """
-  view = _host_view(x)
+  view = host_view(x)
   xp, x = (np, view) if view is not None else (jnp, jnp.asarray(x))
   if x.size == 0:
     return None

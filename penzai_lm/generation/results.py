@@ -26,7 +26,12 @@ class Timings:
       token of every row was on the host, excluding compilation.
     decode_s: Time spent in the decode loop after the first token (excluding
       compilation and the host work between streamed chunks).
-    total_s: Wall time of the whole request, compilation included.
+    prepare_s: Host time spent before any program ran: validating the
+      request and making the model ready (`Engine.prepare`: unstacking,
+      cached mode, flattening); near 0 when the engine had the model, or a
+      patched variant of it with the same weights, prepared already.
+    total_s: Wall time of the whole request, preparation and compilation
+      included.
     prompt_tokens: Real (unpadded) prompt tokens prefilled (num_samples rows
       of one prompt count once).
     generated_tokens: Tokens generated over all rows (forced ones included).
@@ -42,6 +47,7 @@ class Timings:
   prefill_s: float = 0.0
   time_to_first_token_s: float = 0.0
   decode_s: float = 0.0
+  prepare_s: float = 0.0
   total_s: float = 0.0
   prompt_tokens: int = 0
   generated_tokens: int = 0

@@ -88,8 +88,11 @@ class Run:
   """
 
   def __init__(self, engine, prepared: PreparedModel, request: Request, *,
-               tool=None, continuation: Continuation | None = None):
-    self._start = time.perf_counter()
+               tool=None, continuation: Continuation | None = None,
+               started: float | None = None):
+    # ``started``: when the engine began the request (its host preparation
+    # counts in ``total_s``).
+    self._start = time.perf_counter() if started is None else started
     self._engine = engine
     self._prepared = prepared
     self.request = request

@@ -10,10 +10,14 @@ requested points are kept: ask for a few names to keep memory bounded.
 Prompts may be ragged: they are left-padded, the padding gets position -1
 (no token attends to it), and `ActivationCache.row` returns one row's values
 without it.
+
+`run_with_cache` runs as a compiled program of an engine (see
+`penzai_lm.generation.forward`; ``eager=True`` runs it op by op).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -24,6 +28,8 @@ from penzai import pz
 from penzai_lm.interp import points as points_lib
 from penzai_lm.model import TransformerLM
 from penzai_lm.model import positions_from_padding
+from penzai_lm.model.transformer import compiles
+from penzai_lm.model.transformer import eager as eager_calls
 from penzai_lm.model.build import head_axes
 from penzai_lm.model.cache_attention import write_at
 
@@ -159,9 +165,11 @@ class ActivationCache:
 
 
 def _token_batch(model, tokens) -> tuple[Any, Any, list[int]]:
-  """(tokens NamedArray, positions or None, real lengths) from any of:
+  """(tokens NamedArray, padding mask or None, real lengths) from any of:
   a NamedArray with ``seq``, one list of ids, or a (ragged) list of
-  lists."""
+  lists. Lists are left-padded to the longest; the mask is returned for
+  every list input (ragged or not), so that one compiled program serves
+  every batch of the same padded shape."""
   if isinstance(tokens, pz.nx.NamedArrayBase):
     seq = tokens.named_shape["seq"] if "seq" in tokens.named_shape else 0
     rows = int(np.prod([n for a, n in tokens.named_shape.items()
@@ -176,11 +184,8 @@ def _token_batch(model, tokens) -> tuple[Any, Any, list[int]]:
     ids[i, longest - len(row):] = row
     padding[i, longest - len(row):] = False
   named = pz.nx.wrap(jnp.asarray(ids)).tag("batch", "seq")
-  positions = None
-  if padding.any():
-    positions = positions_from_padding(
-        pz.nx.wrap(jnp.asarray(padding)).tag("batch", "seq"))
-  return named, positions, [len(r) for r in rows]
+  mask = pz.nx.wrap(jnp.asarray(padding)).tag("batch", "seq")
+  return named, mask, [len(r) for r in rows]
 
 
 def _hook_of(model, point: points_lib.Point):
@@ -205,9 +210,15 @@ def _buffer(config, point, token_shape, stacked_blocks, hook_point=None):
   return pz.nx.zeros(axes, dtype)
 
 
-def run_with_cache(model, tokens, names=None, **side_inputs
-                   ) -> ActivationCache:
+def run_with_cache(model, tokens, names=None, *, eager: bool = False,
+                   engine=None, **side_inputs) -> ActivationCache:
   """Runs ``model`` once and returns its logits and activations.
+
+  Compiled like a top-level model call (`penzai_lm.generation.forward`):
+  one program per model structure, captured names and padded shape, kept
+  by ``engine``'s program cache; ragged prompts of one padded shape, new
+  token ids and new patch values reuse it (the padding mask is an
+  argument and positions are computed from it inside the program).
 
   Args:
     model: An uncached `TransformerLM` (patched or not).
@@ -216,6 +227,11 @@ def run_with_cache(model, tokens, names=None, **side_inputs
     names: Point names to capture (`penzai_lm.model.hooks`); None captures
       every point (memory grows with layers x tokens x width: prefer a
       list).
+    eager: Run op by op instead (as inside ``penzai_lm.eager()``), e.g.
+      to debug a patch. Inside a JAX trace (``jax.jit``, ``jax.grad``) the
+      model is traced as part of it either way.
+    engine: The `penzai_lm.Engine` whose program cache is used (default:
+      the default engine).
     **side_inputs: Forwarded to the model (e.g. ``token_positions``).
 
   Returns:
@@ -230,11 +246,18 @@ def run_with_cache(model, tokens, names=None, **side_inputs
         f" state would change); got {type(model).__name__}.")
   names = points_lib.point_names(model) if names is None else (
       [names] if isinstance(names, str) else list(names))
-  ids, positions, lengths = _token_batch(model, tokens)
-  if positions is not None:
-    side_inputs.setdefault("token_positions", positions)
+  ids, padding, lengths = _token_batch(model, tokens)
   patched, captures = insert_captures(model, names, dict(ids.named_shape))
-  logits = patched(ids, **side_inputs)
+  if not eager and compiles(ids, side_inputs.get("token_positions"),
+                            side_inputs):
+    from penzai_lm.generation.engine import resolve_engine  # pylint: disable=g-import-not-at-top
+    logits = resolve_engine(engine).forward(patched, ids, padding=padding,
+                                            **side_inputs)
+  else:
+    if padding is not None and "token_positions" not in side_inputs:
+      side_inputs["token_positions"] = positions_from_padding(padding)
+    with eager_calls() if eager else contextlib.nullcontext():
+      logits = patched(ids, **side_inputs)
   values = {name: spec.take(var.value)
             for name, (var, spec) in captures.items()}
   return ActivationCache(logits=logits, values=values, lengths=lengths)

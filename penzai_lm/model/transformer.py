@@ -24,6 +24,8 @@ slots) and ``cache_end_index``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -115,6 +117,13 @@ class TransformerLM(pz.nn.Layer):
   ) -> pz.nx.NamedArray:
     """Computes logits for every token.
 
+    A call on concrete arrays outside any JAX trace runs as one compiled
+    program, cached by the default `penzai_lm.Engine` per model structure
+    and shapes (new token or patch values reuse it); inside
+    ``penzai_lm.eager()`` it runs op by op, and inside ``jax.jit``,
+    ``jax.grad`` and the like it is traced as part of the caller's
+    program. See `penzai_lm.generation.forward`.
+
     Args:
       tokens: Integer named array with a ``seq`` axis and any batch axes.
       token_positions: Position of each token, same axes as ``tokens``; -1
@@ -133,11 +142,60 @@ class TransformerLM(pz.nn.Layer):
           f"The sequence has {seq_len} tokens but this model has only"
           f" {limit} learned positions (config.max_cache_len)."
       )
+    if compiles(tokens, token_positions, side_inputs):
+      from penzai_lm.generation.forward import compiled_forward  # pylint: disable=g-import-not-at-top
+      logits = compiled_forward(self, tokens, token_positions=token_positions,
+                                **side_inputs)
+      if logits is not NotImplemented:
+        return logits
     if token_positions is None:
       token_positions = pz.nx.arange("seq", seq_len)
     with jax.default_matmul_precision(self.config.matmul_precision):
       return self.body(tokens, token_positions=token_positions,
                        **side_inputs)
+
+
+_EAGER = contextvars.ContextVar("penzai_lm_eager", default=False)
+
+try:
+  # Whether no JAX transformation is tracing (a model call inside
+  # ``jax.jit`` may have only concrete inputs, e.g. closed-over ones).
+  from jax._src.core import trace_state_clean as _trace_state_clean  # pylint: disable=g-import-not-at-top
+except ImportError:  # A JAX without it: only the inputs are looked at.
+  def _trace_state_clean() -> bool:
+    return True
+
+
+@contextlib.contextmanager
+def eager(enabled: bool = True):
+  """Runs `TransformerLM` calls op by op (no compiled program) inside.
+
+  Top-level calls of a model (and `penzai_lm.interp.run_with_cache`) are
+  compiled by default (`penzai_lm.generation.forward`); use this to debug a
+  layer (breakpoints, prints on every call) or to compare::
+
+      with penzai_lm.eager():
+        logits = model(tokens)
+
+  Also a decorator (``@penzai_lm.eager()``). Per thread (a context
+  variable); ``eager(False)`` turns compilation back on inside.
+  """
+  token = _EAGER.set(bool(enabled))
+  try:
+    yield
+  finally:
+    _EAGER.reset(token)
+
+
+def compiles(tokens, token_positions, side_inputs) -> bool:
+  """Whether a model call with these inputs runs as a compiled program: at
+  the top level (no JAX trace is active, jit is enabled, no input is a
+  tracer) and outside `eager`."""
+  if _EAGER.get() or jax.config.jax_disable_jit or not _trace_state_clean():
+    return False
+  return not any(isinstance(x, jax.core.Tracer) for x in
+                 jax.tree_util.tree_leaves((tokens, token_positions,
+                                            side_inputs)))
 
 
 def leading_padding(tokens: pz.nx.NamedArray, pad_id: int) -> pz.nx.NamedArray:

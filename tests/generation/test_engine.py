@@ -6,9 +6,11 @@ import gc
 import pathlib
 
 import jax
+import numpy as np
 import pytest
 
 import penzai_lm
+from penzai_lm import interp
 from penzai_lm.generation import Engine
 from penzai_lm.generation import default_engine
 from penzai_lm.generation import generate
@@ -99,3 +101,77 @@ def test_no_module_level_mutable_state_but_the_default_engine():
   found = [name for path in sorted(package.glob("*.py"))
            for name in _module_level_mutables(path)]
   assert found == ["engine.py:_DEFAULT_ENGINE"]
+
+
+# --- Patched variants reuse the prepared model (issue 28) ------------------
+
+
+def _steered(model, strength, per_row=False):
+  vector = np.linspace(-1.0, 1.0, model.config.hidden_size, dtype=np.float32)
+  strengths = [0.0, strength] if per_row else strength
+  return interp.insert_at(model, "blocks.1.resid_post",
+                          interp.AddVector.build(vector, strengths))
+
+
+def _weights(engine, model, rows):
+  """The prepared model's arrays (a run's, before it starts)."""
+  return engine.start(model, rows, **GREEDY)._prepared.model_leaves  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_patched_variants_reuse_the_prepared_model(stacked, per_row):
+  """A new patched model object with other values and the same weights is
+  not prepared (unstacked, converted) again: the prepared model of the
+  first is reused with the patch's arrays replaced, and it generates what
+  a fresh engine does."""
+  model = conftest.tiny_model("llama_gqa", stacked)
+  rows = prompts([4, 6], seed=41)
+  engine = Engine()
+  results = [engine.generate(_steered(model, s, per_row), rows, **GREEDY)
+             for s in (2.0, 8.0, -8.0)]
+  assert engine._prepared.made == 1  # pylint: disable=protected-access
+  assert engine._prepared.derived == 2  # pylint: disable=protected-access
+  assert engine.compilations == 2
+  for s, result in zip((2.0, 8.0, -8.0), results):
+    fresh = Engine().generate(_steered(model, s, per_row), rows, **GREEDY)
+    assert result.tokens == fresh.tokens
+  assert len({str(r.tokens) for r in results}) > 1  # The values matter.
+  first = _weights(engine, _steered(model, 3.0, per_row), rows)
+  second = _weights(engine, _steered(model, 5.0, per_row), rows)
+  assert engine._prepared.made == 1  # pylint: disable=protected-access
+  # Weights (every array larger than a steering vector) are the same
+  # buffers; the steering values are new arrays.
+  width = model.config.hidden_size
+  assert all(a is b for a, b in zip(first, second) if a.size > width)
+  assert not all(a is b for a, b in zip(first, second))
+
+
+def test_variants_in_a_new_bucket_reuse_the_unstacked_weights():
+  model = conftest.tiny_model("llama_gqa", True)
+  engine = Engine()
+  engine.generate(_steered(model, 2.0), prompts([4]), **GREEDY)
+  engine.generate(_steered(model, 4.0), prompts([4, 4]), **GREEDY)
+  assert engine._prepared.made == 2  # pylint: disable=protected-access
+  assert engine._unstacked.made == 1  # pylint: disable=protected-access
+  assert engine._unstacked.derived == 1  # pylint: disable=protected-access
+
+
+def test_new_weights_or_structure_are_prepared_anew():
+  model = conftest.tiny_model("llama_gqa", True)
+  rows = prompts([4])
+  engine = Engine()
+  engine.generate(_steered(model, 2.0), rows, **GREEDY)
+  other = penzai_lm.build_transformer(model.config, seed=12)
+  engine.generate(_steered(other, 2.0), rows, **GREEDY)  # Other weights.
+  engine.generate(model, rows, **GREEDY)  # Another structure.
+  assert engine._prepared.made == 3  # pylint: disable=protected-access
+  assert engine._prepared.derived == 0  # pylint: disable=protected-access
+
+
+def test_prepare_time_is_reported():
+  model = conftest.tiny_model("llama_gqa", True)
+  engine = Engine()
+  first = engine.generate(_steered(model, 2.0), prompts([4]), **GREEDY)
+  t = first.timings
+  assert 0 < t.prepare_s < t.total_s

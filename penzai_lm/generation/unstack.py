@@ -1,0 +1,110 @@
+"""Layer stacks unstacked into per-layer blocks, for decoding.
+
+A scanned LayerStack slices every stacked weight inside its loop body, and
+XLA on CPU materializes each slice: every decode step copies all the weights
+once more (SmolLM2-sized, batch 1: 8 tok/s stacked against 34 unstacked),
+and the per-layer caches are sliced and re-stacked too. Decoding therefore
+runs on an equivalent model whose stacks are replaced by a Sequential of
+per-layer blocks (per-layer state variables get one variable per layer). On
+CPU those blocks' weights alias the stacked buffers (`_take`), so decoding
+holds one copy of the weights.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+from penzai import pz
+
+from penzai_lm.generation.variants import Lineage
+
+
+def host_view(data) -> np.ndarray | None:
+  """A zero-copy numpy view of a concrete array held on one CPU device."""
+  if isinstance(data, jax.core.Tracer) or not isinstance(data, jax.Array):
+    return None
+  devices = data.sharding.device_set
+  if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+    return None
+  view = np.asarray(data)
+  return view if view.ctypes.data == data.unsafe_buffer_pointer() else None
+
+
+def _take(x: pz.nx.NamedArrayBase, axis: str, index: int,
+          lineage: Lineage | None = None):
+  """``x[{axis: index}]``, without a copy where the layout allows.
+
+  On CPU a block of a stacked weight whose ``blocks`` axis is the major
+  one (as loaders lay it out) is a contiguous run of the stacked buffer, and
+  ``jax.device_put`` of a numpy view of a JAX-owned CPU buffer aliases it
+  (the view keeps the buffer alive). So the per-layer decode weights share
+  memory with the user's stacked model instead of being a second copy of
+  every weight (SmolLM2 fp32: 0.54 GB less during generate). Recorded in
+  ``lineage`` (`penzai_lm.generation.variants`).
+  """
+  if lineage is not None:
+    out = _take(x, axis, index)
+    lineage.record_named(out, x, lambda y: _take(y, axis, index))
+    return out
+  if (isinstance(x, pz.nx.NamedArray) and not x.positional_shape
+      and next(iter(x.named_axes)) == axis):
+    view = host_view(x.data_array)
+    if view is not None:
+      rest = collections.OrderedDict(list(x.named_axes.items())[1:])
+      return pz.nx.NamedArray(named_axes=rest,
+                              data_array=jax.device_put(view[index]))
+  return x[{axis: index}]
+
+
+def _slice_axis(tree, axis: str, index: int, lineage: Lineage | None):
+  return (pz.select(tree).at_instances_of(pz.nx.NamedArrayBase)
+          .where(lambda x: axis in x.named_shape)
+          .apply(lambda x: _take(x, axis, index, lineage)))
+
+
+def _unstack(stack: pz.nn.LayerStack,
+             lineage: Lineage | None = None) -> pz.nn.Sequential:
+  """An equivalent Sequential of the blocks of a LayerStack."""
+  axis, n = stack.stack_axis, stack.stack_axis_size
+  pure, variables = pz.unbind_state_vars(pz.freeze_params(
+      stack.stacked_sublayers))
+  per_layer = {}
+  for var in variables:
+    behavior = var.metadata.get("layerstack_axes", {}).get(axis)
+    if behavior == pz.nn.LayerStackVarBehavior.PER_LAYER:
+      metadata = dict(var.metadata)
+      axes = dict(metadata["layerstack_axes"])
+      del axes[axis]
+      if axes:
+        metadata["layerstack_axes"] = axes
+      else:
+        del metadata["layerstack_axes"]
+      per_layer[var.label] = [
+          pz.StateVariable(
+              value=_slice_axis(var.value, axis, i, lineage),
+              label=f"{var.label}/{axis}_{i}", metadata=metadata)
+          for i in range(n)
+      ]
+  blocks = []
+  for i in range(n):
+    block = _slice_axis(pure, axis, i, lineage)
+    block = (pz.select(block).at_instances_of(pz.StateVariableSlot)
+             .where(lambda slot: slot.label in per_layer)
+             .apply(lambda slot: pz.StateVariableSlot(
+                 label=f"{slot.label}/{axis}_{i}")))  # noqa: B023
+    block_vars = [per_layer[v.label][i] if v.label in per_layer else v
+                  for v in variables]
+    blocks.append(pz.bind_variables(block, block_vars))
+  return pz.nn.Sequential(blocks)
+
+
+def unstack_layers(model, lineage: Lineage | None = None):
+  """Replaces every `pz.nn.LayerStack` of a model by a Sequential of its
+  blocks (the same computation; parameters are frozen). The slices are
+  recorded in ``lineage``."""
+  selection = pz.select(model).at_instances_of(pz.nn.LayerStack)
+  if not selection.count():
+    return model
+  return selection.apply(lambda stack: _unstack(stack, lineage))
