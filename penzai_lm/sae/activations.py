@@ -7,13 +7,15 @@ out.
   (consumed once).
 * `PointActivations` runs the model on ``rows`` windows at a time, in one
   compiled program (`run_with_cache`'s captures, called statelessly under
-  ``jax.jit``: XLA drops the unembedding and, on per-block layers, the
-  blocks after the point, since only the point's value is returned), and
+  ``jax.jit``, on per-block layers: XLA drops the blocks after the point
+  and the unembedding, since only the point's value is returned), and
   gives the value flattened to
   ``[tokens, d_in]`` in the order of the point's axes, without each
   window's first ``skip_positions`` tokens (the first position carries the
   attention sink's huge activations, which no autoencoder should spend
   features on).
+* `NormFilter` drops activations far longer than the median (attention
+  sinks besides position 0).
 * `ShuffleBuffer` mixes activations across windows in bounded memory, as
   SAELens's mixing buffer: fill to capacity, shuffle, hand out half, refill.
 """
@@ -128,6 +130,13 @@ class PointActivations:
       raise ValueError("attn.pattern grows with the tokens: train on a point"
                        " of fixed width (resid_post, mlp_out, attn.head_out,"
                        " mlp.neurons, ...).")
+    if pz.select(model).at_instances_of(pz.nn.LayerStack).count():
+      # Per-block layers, so that XLA can drop the blocks after the point
+      # (a layer stack's scan runs them all): twice as fast mid-model. On
+      # CPU the blocks alias the stacked weights.
+      # pylint: disable-next=g-import-not-at-top
+      from penzai_lm.generation.prepare import unstack_layers
+      model = unstack_layers(model)
     self.model = model
     self.point = point
     self.skip_positions = skip_positions
@@ -178,6 +187,34 @@ def _values_at(stateless, variables, ids, *, spec, axes, skip):
   (value,) = [spec.take(v.value) for v in new if v.label == spec.label]
   flat = value.unwrap("batch", "seq", *axes)[:, skip:]
   return flat.reshape(-1, math.prod(flat.shape[2:])).astype(jnp.float32)
+
+
+class NormFilter:
+  """Drops activations longer than ``ratio`` times the median norm of the
+  first chunk it sees.
+
+  Attributes:
+    limit: The norm limit (None before the first chunk).
+    dropped: Activations dropped so far.
+  """
+
+  def __init__(self, ratio: float | None):
+    self.ratio = ratio
+    self.limit: float | None = None
+    self.dropped = 0
+
+  def __call__(self, chunks: Iterable) -> Iterator[np.ndarray]:
+    for chunk in chunks:
+      chunk = np.asarray(chunk, np.float32)
+      if self.ratio is None:
+        yield chunk
+        continue
+      norms = np.linalg.norm(chunk, axis=-1)
+      if self.limit is None:
+        self.limit = self.ratio * float(np.median(norms))
+      kept = norms <= self.limit
+      self.dropped += int((~kept).sum())
+      yield chunk if kept.all() else chunk[kept]
 
 
 class ShuffleBuffer:

@@ -14,11 +14,13 @@ The standard figures (SAELens's evals, Gemma Scope's tables):
   (zero - clean)``: 1 when splicing costs nothing, 0 when it is as bad as
   deleting the value.
 
-The first ``skip_positions`` tokens of each window are left alone (neither
-replaced nor zeroed, nor counted), as in training (`penzai_lm.sae.training`:
-the attention sink's activations at position 0 are not what an autoencoder
-is trained on); cross-entropies count the predictions made at the other
-positions.
+Tokens an autoencoder is not trained on are left alone (neither replaced
+nor zeroed, nor counted in the SAE figures), as in training
+(`penzai_lm.sae.training`): the first ``skip_positions`` of each window
+(the attention sink at position 0) and, given ``max_norm``, tokens whose
+value is longer than it (other attention sinks, with norms ~100x the
+rest). Cross-entropies count the predictions made at positions from
+``skip_positions`` on.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.interp import points as points_lib
-from penzai_lm.interp.interventions import Ablate
 from penzai_lm.interp.token_rules import TokenRule
 from penzai_lm.sae.activations import PointActivations
 from penzai_lm.sae.autoencoder import FEATURES
@@ -75,22 +76,40 @@ class SAEMetrics:
 
 
 @pz.pytree_dataclass
-class Reconstruct(pz.nn.Layer):
-  """Replaces the value by the autoencoder's reconstruction at the tokens
-  ``where`` selects (what a "replace" splice does at every token)."""
+class Replace(pz.nn.Layer):
+  """Replaces the value by an autoencoder's reconstruction (or by zeros,
+  with ``sae=None``) at the tokens ``where`` selects whose value's norm is
+  at most ``max_norm`` (at every token, with no limit: what a "replace"
+  splice does)."""
 
-  sae: SparseAutoencoder
+  sae: SparseAutoencoder | None
   where: TokenRule
+  max_norm: pz.nx.NamedArray
 
   def __call__(self, x, /, **side_inputs):
-    out = self.sae.forward(x).astype(x.dtype)
-    mask = self.where.mask(side_inputs)
+    if self.sae is None:
+      out = pz.nx.zeros(x.named_shape, x.dtype)
+    else:
+      out = self.sae.forward(x).astype(x.dtype)
+    mask = self.where.mask(side_inputs) & (
+        _norm(x, self.sae_axes(x)) <= self.max_norm)
     return pz.nx.order_like(pz.nx.nmap(jnp.where)(mask, out, x), x)
+
+  def sae_axes(self, x) -> tuple[str, ...]:
+    return tuple(a for a in x.named_shape if a not in ("batch", "seq"))
+
+
+def _norm(x, axes):
+  squares = pz.nx.nmap(jnp.square)(x.astype(jnp.float32))
+  for axis in axes:
+    squares = squares.untag(axis).sum()
+  return pz.nx.nmap(jnp.sqrt)(squares)
 
 
 def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
                  point: str | None = None, skip_positions: int = 1,
-                 rows: int = 8) -> SAEMetrics:
+                 max_norm: float | None = None, rows: int = 8
+                 ) -> SAEMetrics:
   """The figures of the module docstring for ``sae`` at ``point``.
 
   Args:
@@ -100,6 +119,8 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
       time; a last partial group is run on its own).
     point: Where it reads (default: its config's ``hook_point``).
     skip_positions: Leading tokens of each window left alone.
+    max_norm: Tokens whose value is longer are left alone (None: none;
+      `train_sae` passes its ``TrainingReport.norm_limit``).
     rows: Windows per forward pass.
 
   Raises:
@@ -127,33 +148,34 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
     from penzai_lm.generation.prepare import unstack_layers
     model = unstack_layers(model)
   rule = TokenRule.positions(skip_positions, _FAR)
-  axes = dict(reader.input_axes)
-  zero = Ablate(mask=pz.nx.wrap(jnp.ones(tuple(axes.values()), bool)).tag(
-      *axes), value=pz.nx.wrap(jnp.zeros((), jnp.float32)), where=rule)
+  limit = pz.nx.wrap(jnp.asarray(
+      np.inf if max_norm is None else max_norm, jnp.float32))
   models = {
       "clean": model,
-      "spliced": points_lib.insert_at(model, point, Reconstruct(sae, rule)),
-      "zero": points_lib.insert_at(model, point, zero),
+      "spliced": points_lib.insert_at(model, point, Replace(sae, rule, limit)),
+      "zero": points_lib.insert_at(model, point, Replace(None, rule, limit)),
   }
-  totals = dict.fromkeys(("clean", "spliced", "zero", "error", "spread",
-                          "l0", "count"), 0.0)
-  sums, squares, fired = 0.0, 0.0, np.zeros(sae.config.num_features, bool)
+  axes = tuple(reader.input_axes)
+  totals = dict.fromkeys(("clean", "spliced", "zero", "error", "l0",
+                          "count", "sums", "squares"), 0.0)
+  fired = np.zeros(sae.config.num_features, bool)
   for start in range(0, windows.shape[0], rows):
     group = windows[start:start + rows]
     ids = pz.nx.wrap(jnp.asarray(group)).tag("batch", "seq")
     for name, m in models.items():
       totals[name] += float(_ce_sum(m, ids, skip_positions))
-    x = reader(group)
-    stats = _sae_stats(sae, x, axes=tuple(axes.items()))
-    totals["error"] += float(stats["error"])
-    totals["l0"] += float(stats["l0"])
-    totals["count"] += x.shape[0]
-    sums = sums + np.asarray(x.sum(0), np.float64)
-    squares += float(jnp.square(x).sum())
-    fired |= np.asarray(stats["fired"])
+    stats = jax.device_get(_sae_stats(sae, reader(group), limit.data_array,
+                                      axes=axes))
+    for name in ("error", "l0", "count", "squares"):
+      totals[name] += float(stats[name])
+    totals["sums"] = totals["sums"] + stats["sums"].astype(np.float64)
+    fired |= stats["fired"]
   n = totals["count"]
   predictions = windows.shape[0] * (windows.shape[1] - 1 - skip_positions)
-  spread = squares - float(np.square(sums).sum()) / n
+  if not n:
+    raise ValueError("no token of these windows is evaluated: all are"
+                     " skipped or longer than max_norm.")
+  spread = totals["squares"] - float(np.square(totals["sums"]).sum()) / n
   return SAEMetrics(
       tokens=int(n), l0=totals["l0"] / n,
       explained_variance=1.0 - totals["error"] / max(spread, 1e-12),
@@ -176,11 +198,17 @@ def _ce_sum(model, ids, skip):
 
 
 @functools.partial(jax.jit, static_argnames=("axes",))
-def _sae_stats(sae, x, *, axes):
+def _sae_stats(sae, x, limit, *, axes):
+  """Sums over the tokens of ``x`` ``[tokens, d]`` no longer than
+  ``limit``."""
+  kept = jnp.linalg.norm(x, axis=-1) <= limit
   named = pz.nx.wrap(x.reshape(x.shape[0], *(n for _, n in axes))).tag(
       "tokens", *(a for a, _ in axes))
-  features = sae.encode(named)
+  features = sae.encode(named).unwrap("tokens", FEATURES)
   recon = sae.forward(named).unwrap("tokens", *(a for a, _ in axes))
-  active = features.unwrap("tokens", FEATURES) > 0
-  return {"error": jnp.square(recon.reshape(x.shape) - x).sum(),
-          "l0": active.sum(), "fired": active.any(0)}
+  error = jnp.square(recon.reshape(x.shape) - x).sum(-1)
+  active = (features > 0) & kept[:, None]
+  kept_x = jnp.where(kept[:, None], x, 0.0)
+  return {"error": jnp.where(kept, error, 0.0).sum(), "l0": active.sum(),
+          "fired": active.any(0), "count": kept.sum(),
+          "sums": kept_x.sum(0), "squares": jnp.square(kept_x).sum()}

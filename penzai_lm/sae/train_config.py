@@ -20,7 +20,8 @@ _CHOICES = {
 }
 _FLOATS = ("aux_k_coefficient", "l1_coefficient", "l0_coefficient",
            "jumprelu_init_threshold", "jumprelu_bandwidth",
-           "jumprelu_tanh_scale", "learning_rate", "grad_clip_norm")
+           "jumprelu_tanh_scale", "learning_rate", "grad_clip_norm",
+           "max_norm_ratio")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,10 @@ class TrainConfig:
     model_batch: Windows per forward pass.
     skip_positions: Leading tokens of each window not trained on (the
       attention sink at position 0).
+    max_norm_ratio: Activations longer than this times the median norm of
+      the first ones are dropped (None: none are): other attention sinks
+      (a window starting with newlines or a run of one token) carry norms
+      ~100x the rest and would dominate the MSE.
     buffer_tokens: Shuffle buffer size (at least two batches).
     normalize_activations: "expected_average_only_in" (train on values
       scaled to mean norm ``sqrt(d_in)``, folded out at the end) or "none".
@@ -92,6 +97,7 @@ class TrainConfig:
   context_length: int = 128
   model_batch: int = 16
   skip_positions: int = 1
+  max_norm_ratio: float | None = 10.0
   buffer_tokens: int = 65536
   normalize_activations: str = "expected_average_only_in"
   b_dec_init: str = "geometric_median"
@@ -111,7 +117,7 @@ class TrainConfig:
                 "dead_feature_window", "log_every", "jumprelu_bandwidth",
                 "jumprelu_tanh_scale"]
     optional = ["num_features", "steps", "total_tokens", "resample_every",
-                "grad_clip_norm"]
+                "grad_clip_norm", "max_norm_ratio"]
     at_least_zero = ["aux_k_coefficient", "l1_coefficient", "l0_coefficient",
                      "sparsity_warmup_steps", "warmup_steps", "decay_steps",
                      "skip_positions", "eval_windows",

@@ -14,7 +14,8 @@ The pipeline:
 1. token ids are cut into ``context_length`` windows (`activations`), the
    model runs ``model_batch`` windows at a time in one compiled program and
    the point's values (without each window's first ``skip_positions``
-   tokens) go through a bounded shuffle buffer;
+   tokens, and those longer than ``max_norm_ratio`` times the median: the
+   attention sinks) go through a bounded shuffle buffer;
 2. the first batches fix the input scale (SAELens's
    ``expected_average_only_in``: mean norm ``sqrt(d_in)``) and ``b_dec``
    (their geometric median, or mean);
@@ -50,6 +51,7 @@ from penzai_lm.sae.autoencoder import SAEConfig
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.evaluation import SAEMetrics
 from penzai_lm.sae.evaluation import evaluate_sae
+from penzai_lm.sae.formats import save_sae
 from penzai_lm.sae.train_config import TrainConfig
 
 # Activations that fix the input scale and b_dec before the first step.
@@ -85,6 +87,8 @@ class TrainingReport:
     resampled: ``(step, features resampled)`` per resampling.
     input_scale: The factor the activations were scaled by in training.
     seconds: Wall time of the training loop (forward passes included).
+    norm_limit: Activations longer than this were dropped (None: none).
+    dropped_tokens: How many were.
     evaluation: Held-out figures (`evaluate_sae`), or None.
     saved_to: Where the SAELens directory was written, or None.
   """
@@ -97,6 +101,8 @@ class TrainingReport:
   resampled: tuple[tuple[int, int], ...]
   input_scale: float
   seconds: float
+  norm_limit: float | None = None
+  dropped_tokens: int = 0
   evaluation: SAEMetrics | None = None
   saved_to: Path | None = None
 
@@ -141,14 +147,16 @@ def train_sae(model, point: str, tokens, config: TrainConfig, *,
         tokens, config.context_length, config.eval_windows)
   windows = acts_lib.token_windows(tokens, config.context_length,
                                    config.seed)
-  chunks = reader.stream(windows, config.model_batch)
+  norms = acts_lib.NormFilter(config.max_norm_ratio)
+  chunks = norms(reader.stream(windows, config.model_batch))
   buffer = acts_lib.ShuffleBuffer(config.buffer_tokens, config.batch_tokens,
                                   config.seed)
   sae, report = _fit(buffer.batches(chunks), reader.input_axes, config,
-                     point, progress)
+                     point, progress, norms)
   if eval_tokens is not None:
     metrics = evaluate_sae(model, sae, eval_tokens, point=point,
                            skip_positions=config.skip_positions,
+                           max_norm=report.norm_limit,
                            rows=config.model_batch)
     report = dataclasses.replace(report, evaluation=metrics)
   if save_to is not None:
@@ -173,8 +181,11 @@ def train_sae_on_activations(activations, config: TrainConfig, *,
     hook_point: Recorded in the SAE's config.
     progress: Show a progress bar.
   """
+  norms = acts_lib.NormFilter(config.max_norm_ratio)
   if isinstance(activations, (np.ndarray, jax.Array)):
     data = np.asarray(activations, np.float32)
+    if data.ndim == 2:
+      data = next(norms([data]))
     if data.ndim != 2 or data.shape[0] < config.batch_tokens:
       raise ValueError(f"activations must be [tokens, d_in] with at least"
                        f" batch_tokens={config.batch_tokens} rows, got shape"
@@ -189,13 +200,13 @@ def train_sae_on_activations(activations, config: TrainConfig, *,
                        f" {first.shape} first.")
     buffer = acts_lib.ShuffleBuffer(config.buffer_tokens,
                                     config.batch_tokens, config.seed)
-    batches = buffer.batches(itertools.chain([first], chunks))
+    batches = buffer.batches(norms(itertools.chain([first], chunks)))
     d_in = first.shape[1]
   axes = tuple(input_axes or (("embedding", d_in),))
   if math.prod(n for _, n in axes) != d_in:
     raise ValueError(f"input_axes {axes} do not hold the activations' width"
                      f" {d_in}.")
-  return _fit(batches, axes, config, hook_point, progress)
+  return _fit(batches, axes, config, hook_point, progress, norms)
 
 
 def _epochs(data, batch, seed):
@@ -208,7 +219,8 @@ def _epochs(data, batch, seed):
       yield data[order[start:start + batch]]
 
 
-def _fit(batches, input_axes, cfg: TrainConfig, point, progress):
+def _fit(batches, input_axes, cfg: TrainConfig, point, progress,
+         norms: acts_lib.NormFilter):
   """Steps 2-4 of the module docstring on ``[batch_tokens, d_in]``
   batches."""
   d_in = math.prod(n for _, n in input_axes)
@@ -217,7 +229,7 @@ def _fit(batches, input_axes, cfg: TrainConfig, point, progress):
   first = list(itertools.islice(batches,
                                 max(1, -(-_INIT_TOKENS // cfg.batch_tokens))))
   if not first:
-    raise ValueError("the token source gave no full batch of"
+    raise ValueError("the source gave no full batch of"
                      f" batch_tokens={cfg.batch_tokens} activations.")
   sample = np.concatenate(first)
   scale = 1.0
@@ -274,7 +286,9 @@ def _fit(batches, input_axes, cfg: TrainConfig, point, progress):
   report = TrainingReport(config=cfg, point=point, steps=steps,
                           tokens=steps * cfg.batch_tokens,
                           history=tuple(history), resampled=tuple(resampled),
-                          input_scale=scale, seconds=seconds)
+                          input_scale=scale, seconds=seconds,
+                          norm_limit=norms.limit,
+                          dropped_tokens=norms.dropped)
   return sae, report
 
 
@@ -289,8 +303,6 @@ def _log_entry(pending, step, tokens) -> LogEntry:
 
 
 def _save(sae, report: TrainingReport, directory) -> Path:
-  # pylint: disable-next=g-import-not-at-top
-  from penzai_lm.sae.formats import save_sae
   cfg = report.config
   metadata = {"context_size": cfg.context_length, "prepend_bos": False,
               "training_tokens": report.tokens,

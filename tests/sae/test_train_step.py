@@ -97,7 +97,8 @@ def _theirs(case, params, x, dead):
   if "threshold" in params:
     grads["threshold"] = sae.threshold.grad
   losses = {k: float(v.detach()) for k, v in out.losses.items()}
-  return float(out.loss), losses, {k: v.numpy() for k, v in grads.items()}
+  return float(out.loss.detach()), losses, {k: v.numpy()
+                                            for k, v in grads.items()}
 
 
 def _ours(case, params, x, dead):

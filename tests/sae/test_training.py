@@ -234,3 +234,26 @@ def test_bad_inputs_are_clear_errors(model):
   with pytest.raises(TypeError, match="must be a TrainConfig"):
     sae_lib.train_sae(model, POINT, _tokens(), dict(SETTINGS),
                       progress=False)
+
+
+def test_outlier_activations_are_dropped_and_left_alone(model, trained):
+  """Activations far longer than the median (attention sinks) are not
+  trained on; evaluation leaves tokens above the limit alone and does not
+  count them."""
+  reader = PointActivations(model, POINT, skip_positions=1)
+  acts = np.asarray(reader(_tokens(2, 8 * 32).reshape(8, 32)))
+  acts = np.concatenate([acts] * 4)
+  acts[::97] *= 100.0
+  cfg = sae_lib.TrainConfig(**dict(SETTINGS, steps=5))
+  _, report = sae_lib.train_sae_on_activations(acts, cfg, progress=False)
+  assert report.dropped_tokens == len(acts[::97])
+  median = np.median(np.linalg.norm(acts, axis=-1))
+  assert report.norm_limit == pytest.approx(10 * median, rel=0.05)
+  windows = _tokens(5, 8 * 32).reshape(8, 32)
+  values = np.asarray(reader(windows))
+  limit = float(np.median(np.linalg.norm(values, axis=-1)))
+  metrics = sae_lib.evaluate_sae(model, trained["sae"], windows,
+                                 max_norm=limit)
+  assert metrics.tokens == (np.linalg.norm(values, axis=-1) <= limit).sum()
+  with pytest.raises(ValueError, match="no token of these windows"):
+    sae_lib.evaluate_sae(model, trained["sae"], windows, max_norm=0.0)
