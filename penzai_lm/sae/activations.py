@@ -103,7 +103,8 @@ def split_held_out(tokens, length: int, windows: int):
   if array is None:
     iterator = token_windows(tokens, length, 0, cycle=False)
     held = [w for _, w in zip(range(windows), iterator)]
-    return iterator, np.stack(held) if held else None
+    rest = (w[None] for w in iterator)  # Still an iterable of batches.
+    return rest, np.stack(held) if held else None
   rows = array
   if array.ndim == 1:
     rows = array[:array.shape[0] // length * length].reshape(-1, length)

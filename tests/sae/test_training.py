@@ -257,3 +257,16 @@ def test_outlier_activations_are_dropped_and_left_alone(model, trained):
   assert metrics.tokens == (np.linalg.norm(values, axis=-1) <= limit).sum()
   with pytest.raises(ValueError, match="no token of these windows"):
     sae_lib.evaluate_sae(model, trained["sae"], windows, max_norm=0.0)
+
+
+def test_an_iterable_of_batches_is_read_once(model):
+  """Batches from an iterable: the first eval_windows windows are held
+  out, training stops when it ends (fewer steps than asked)."""
+  windows = _tokens(3, 48 * 32).reshape(48, 32)
+  source = (windows[i:i + 4] for i in range(0, 48, 4))
+  cfg = sae_lib.TrainConfig(**dict(SETTINGS, steps=100, buffer_tokens=512))
+  _, report = sae_lib.train_sae(model, POINT, source, cfg, progress=False)
+  trained_tokens = (48 - 8) // 8 * 8 * 31  # Whole forward groups of 8.
+  assert report.steps == trained_tokens // 256 < 100
+  assert report.history[-1].step == report.steps
+  assert report.evaluation.tokens == 8 * 31
