@@ -327,10 +327,11 @@ class Tokenizer:
       **kwargs: Extra template variables (e.g. ``tools``).
 
     Raises:
-      ValueError: If there is no template, or the template rejects the
-        messages (e.g. roles that do not alternate), or it goes over a
-        rendering limit (`chat_template.TemplateLimitError`: time, loop
-        iterations, output size).
+      ValueError: If there is no template. `ChatTemplateError` (a
+        ValueError naming the template and line) if the template fails or
+        rejects the messages (e.g. roles that do not alternate), or goes
+        over a rendering limit (its subclass `TemplateLimitError`: size,
+        time, loop iterations, output size).
     """
     if self.chat_template is None:
       raise ValueError(
