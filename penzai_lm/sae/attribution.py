@@ -29,6 +29,7 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.interp import points as points_lib
+from penzai_lm.model.transformer import positions_from_padding
 from penzai_lm.sae.autoencoder import FEATURES
 
 
@@ -101,7 +102,8 @@ def feature_attribution(model, tokens, point: str,
   hook = next(h for h in points_lib.hook_points(model, parsed.point)
               .get_sequence() if int(h.layer.data_array) == parsed.layer)
   width = dict(hook.value_axes)[FEATURES]
-  ids, positions, lengths = _token_batch(model, tokens)
+  ids, padding, lengths = _token_batch(model, tokens)
+  positions = None if padding is None else positions_from_padding(padding)
   if "batch" not in ids.named_shape:
     ids = pz.nx.stack([ids], "batch")
     positions = None if positions is None else pz.nx.stack([positions],

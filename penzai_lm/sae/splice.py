@@ -28,7 +28,10 @@ The last three are read-only: capture them (``run_with_cache``,
 By default (``mode="error"``) the error term is kept: the output is the
 model's own value plus the decoded *change* of the features,
 ``x + (f_edited - f) @ w_dec``, which is exactly ``x`` when nothing edits
-the features (so splicing alone changes no logit, bit for bit).
+the features: splicing alone changes no value at the point, bit for bit,
+and no logit (bit for bit op by op, ``penzai_lm.eager()``; a compiled
+forward pass may fuse the blocks after it differently, which moves gemma3's
+logits by ~1e-6).
 ``mode="replace"`` outputs the reconstruction itself (for "loss when
 spliced" metrics).
 """

@@ -1,5 +1,5 @@
 """Autoencoders spliced into models: the error term leaves every logit as it
-was (bit for bit), features are recorded while generating (dense and top-k)
+was (bit for bit op by op, to float rounding compiled), features are recorded while generating (dense and top-k)
 and edited per row without recompiling, transcoders replace what they
 predict, and bad requests are clear errors."""
 
@@ -54,9 +54,18 @@ def test_error_term_keeps_every_logit(name, stacked, activation):
   model = _model(name, stacked)
   spliced = sae_lib.splice(model, _sae(model, activation))
   assert not pz.select(spliced).at_instances_of(pz.nn.LayerStack).count()
-  plain = interp.run_with_cache(unstack_layers(model), PROMPTS, names=[POINT])
-  cached = interp.run_with_cache(spliced, PROMPTS, names=[POINT, FEATURES])
+  plain = interp.run_with_cache(unstack_layers(model), PROMPTS, names=[POINT],
+                               eager=True)
+  cached = interp.run_with_cache(spliced, PROMPTS, names=[POINT, FEATURES],
+                                 eager=True)
   np.testing.assert_array_equal(_logits(cached), _logits(plain))
+  np.testing.assert_array_equal(_np(cached[POINT], "batch", "seq", "embedding"),
+                                _np(plain[POINT], "batch", "seq", "embedding"))
+  # Compiled, XLA may fuse what follows the point differently (gemma3's
+  # logits move by up to 7e-7): equal to float rounding.
+  compiled = interp.run_with_cache(spliced, PROMPTS, names=[FEATURES])
+  np.testing.assert_allclose(_logits(compiled), _logits(plain), rtol=1e-5,
+                             atol=3e-6)
   features = _np(cached[FEATURES], "batch", "seq", "features")
   assert (features > 0).any() and (features == 0).any()  # Sparse, not dead.
 
