@@ -172,7 +172,12 @@ class ProgramCache:
     if pending.done:
       return 0.0
     traced = time.perf_counter() - pending.start
-    threading.Thread(target=pending.compile_quietly, daemon=True,
+    # Not a daemon: at interpreter exit Python waits for it. A daemon
+    # thread still inside XLA's compiler when Python finalizes is stopped by
+    # a forced unwind through C++ frames, which aborts the process
+    # ("FATAL: exception not rethrown", exit -6: a CLI run cancelled by
+    # Ctrl-C while the decode program compiled did this).
+    threading.Thread(target=pending.compile_quietly, daemon=False,
                      name=f"penzai_lm compile {name}").start()
     return traced
 
