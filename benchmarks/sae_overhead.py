@@ -22,8 +22,13 @@ rotating order; medians. Every round builds new per-row values (new model
 objects): the compile count is checked to stay put. ``uptime`` is printed
 at the start and the end: the machine may be shared.
 
+``--random DTYPE`` (float32 or bfloat16) builds SmolLM2-135M's shape with
+random weights instead of loading the GGUF (the GPU machine cannot fetch
+it; decode cost does not depend on the values) and prompts of random ids.
+
 Usage:
   python benchmarks/sae_overhead.py [--new 64] [--rounds 3] [--batches 1,8]
+  python benchmarks/sae_overhead.py --random bfloat16 --batches 1,8,64
 """
 
 from __future__ import annotations
@@ -66,6 +71,23 @@ def make_sae(model, point: str, expansion: int) -> sae_lib.SparseAutoencoder:
   return sae_lib.SparseAutoencoder.random(config, seed=0)
 
 
+def random_model(dtype: str):
+  """SmolLM2-135M's shape (benchmarks/gpu_decode.py's) with random
+  weights, per-layer like a spliced model, and a prompt maker."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from gpu_decode import SHAPES  # pylint: disable=g-import-not-at-top
+  config = penzai_lm.TransformerConfig(
+      family="llama", **SHAPES["smollm2"],
+      parameter_dtype=jnp.dtype(dtype), activation_dtype=jnp.dtype(dtype))
+  model = penzai_lm.build_transformer(config, seed=0, on_device=True)
+  rng = np.random.default_rng(0)
+
+  def prompts(length, batch):
+    return rng.integers(1, config.vocab_size, (batch, length)).tolist()
+
+  return model, prompts
+
+
 def run_once(engine, model, prompts, new, capture=None):
   result = engine.generate(model, prompts, max_new_tokens=new,
                            temperature=0.0, stop_tokens=[], capture=capture)
@@ -81,10 +103,16 @@ def main():
   parser.add_argument("--batches", type=ints, default=[1, 8])
   parser.add_argument("--expansion", type=int, default=16)
   parser.add_argument("--top-k", type=int, default=32)
+  parser.add_argument("--random", choices=["float32", "bfloat16"],
+                      default=None)
   args = parser.parse_args()
 
   print("start:", uptime(), flush=True)
-  model, tokenizer = penzai_lm.load(MODEL)
+  if args.random:
+    model, prompt_maker = random_model(args.random)
+  else:
+    model, tokenizer = penzai_lm.load(MODEL)
+    prompt_maker = lambda n, b: make_prompts(tokenizer, n, b)
   point = f"blocks.{model.config.num_layers // 2}.resid_post"
   sae = make_sae(model, point, args.expansion)
   start = time.perf_counter()
@@ -97,7 +125,7 @@ def main():
       model.config.hidden_size).astype(np.float32)
   rows = []
   for batch in args.batches:
-    prompts = make_prompts(tokenizer, PROMPT_LEN, batch)
+    prompts = prompt_maker(PROMPT_LEN, batch)
 
     def values(r):
       return [4.0 * (i % 3) + 0.01 * r for i in range(batch)]
@@ -131,7 +159,9 @@ def main():
         for n in names) + f"; load {os.getloadavg()[0]:.2f}", flush=True)
 
   print()
-  print(f"SmolLM2-135M fp32, greedy, {args.new} new tokens, prompt"
+  import jax  # pylint: disable=g-import-not-at-top
+  kind = (f"random {args.random}" if args.random else "GGUF float32")
+  print(f"SmolLM2-135M ({kind}) on {jax.devices()[0].device_kind}, greedy, {args.new} new tokens, prompt"
         f" {PROMPT_LEN}, SAE {sae.config.num_features} features, medians of"
         f" {args.rounds} rotating rounds; decode tok/s over all rows")
   print("batch |  plain  addvec  sae-cap  sae-steer | capture vs plain |"
