@@ -214,7 +214,7 @@ def _insert(model, point: str, layers: list[int | None], layer, after_hook):
 # The unit axes of the points' values (`penzai_lm.model.hooks`); any other
 # axis of an inserted layer's array (``batch``, ``seq``, ...) is a token axis.
 _UNIT_AXES = ("embedding", "neurons", "projection", "heads", "head_groups",
-              "query_heads")
+              "query_heads", "features")
 
 
 def point_value_axes(config, point: str) -> dict[str, int]:
@@ -236,9 +236,10 @@ def _works_on_its_axes_only(layer) -> bool:
   unit axis of their arrays in the value (a user's layer may hold other
   arrays, e.g. an encoder over ``embedding`` at a head point)."""
   from penzai_lm.interp import interventions  # pylint: disable=g-import-not-at-top
+  from penzai_lm.sae.edits import FeatureEdit  # pylint: disable=g-import-not-at-top
   return isinstance(layer, (interventions.AddVector, interventions.Ablate,
                             interventions.ZeroHeads, interventions.Clamp,
-                            interventions.PatchValue))
+                            interventions.PatchValue, FeatureEdit))
 
 
 def check_fits(model, point: Point, layer) -> None:

@@ -256,10 +256,8 @@ def test_errors_name_what_is_wrong():
     sae_lib.FeatureEdit.clamp(sae, [999], 1.0)
   with pytest.raises(ValueError, match="finite"):
     sae_lib.FeatureEdit.clamp(sae, [1], float("nan"))
-  with pytest.raises(ValueError, match="insert it at a"):
-    interp.run_with_cache(
-        interp.insert_at(spliced, POINT, sae_lib.FeatureEdit.clamp(
-            sae, [1], 1.0)), PROMPTS, names=[])
+  with pytest.raises(ValueError, match="has axis 'features'.*insert it at a"):
+    interp.insert_at(spliced, POINT, sae_lib.FeatureEdit.clamp(sae, [1], 1.0))
   with pytest.raises(ValueError, match="features point"):
     sae_lib.feature_attribution(spliced, PROMPTS, POINT,
                                 interp.LogitDiff(1, 2))
