@@ -58,11 +58,23 @@ def check_model_path(path: pathlib.Path) -> None:
   """Raises ValueError unless ``path`` is a regular file or a directory
   whose loadable files are regular (`stat` only; nothing is opened)."""
   try:
-    mode = os.stat(path).st_mode
+    os.stat(path)
   except FileNotFoundError:
     raise ValueError(f"{path} does not exist.") from None
   except OSError as e:
     raise ValueError(f"{path} cannot be read: {e}.") from e
+  refuse_special(path)
+
+
+def refuse_special(path: str | os.PathLike[str]) -> None:
+  """Raises ValueError if ``path``, or a loadable file of the directory it
+  names, is a FIFO, device or socket (`stat` only; nothing is opened). A
+  path that does not exist is left to the caller's own error."""
+  path = pathlib.Path(path).expanduser()
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return
   _refuse_special(path, mode)
   if stat.S_ISDIR(mode):
     for entry in sorted(path.iterdir()):

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
+from penzai_lm.model_paths import refuse_special
 from penzai_lm.checkpoints.checkpoint import Checkpoint
 from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.checkpoint import CheckpointFileNotFoundError
@@ -62,6 +63,7 @@ def read_checkpoint(
     specs: The architectures to recognize (default: the built-in ones).
   """
   p = Path(path).expanduser()
+  refuse_special(p)  # A FIFO would block the first read forever.
   if p.is_dir():
     return read_hf_dir(p, dtype=dtype, specs=specs)
   return read_gguf(p, dtype=dtype, specs=specs)
@@ -83,6 +85,7 @@ def open_checkpoint(
     specs: The architectures to recognize (default: the built-in ones).
   """
   p = Path(path).expanduser()
+  refuse_special(p)  # A FIFO would block the first read forever.
   if p.is_dir():
     return open_hf_dir(p, specs=specs)
   return open_gguf(p, specs=specs)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from penzai_lm.model_paths import refuse_special
 from penzai_lm.tokenizer import chat_template as chat_template_lib
 from penzai_lm.tokenizer import gguf_metadata
 from penzai_lm.tokenizer import gguf_vocab
@@ -159,6 +160,8 @@ class Tokenizer:
         id outside the vocabulary, per-token array of the wrong length,
         invalid UTF-8) or of an unsupported tokenizer type.
     """
+    if isinstance(path_or_reader, (str, os.PathLike)):
+      refuse_special(path_or_reader)  # A FIFO would block forever.
     meta, digest = gguf_metadata.read_tokenizer_fields(path_or_reader)
     file = gguf_metadata.gguf_file_path(path_or_reader) or "a GGUF file"
     if "tokenizer.ggml.model" not in meta:
@@ -212,6 +215,7 @@ class Tokenizer:
       ValueError: If the directory has no ``tokenizer.json``;
         `TokenizerFileError` if a file or field is malformed.
     """
+    refuse_special(directory)  # A FIFO tokenizer.json would block forever.
     return cls(**hf_files.read_hf_tokenizer(directory))
 
   # Vocabulary.

@@ -100,3 +100,26 @@ def test_devices_and_sockets_are_refused(tmp_path, kind):
   finally:
     if kind == "socket":
       server.close()
+
+
+def test_fifos_are_refused_by_the_direct_readers_too(tmp_path):
+  """`open_checkpoint`, `read_checkpoint`, `Tokenizer.from_gguf` and
+  `Tokenizer.from_hf` refuse a FIFO themselves (not only `load`)."""
+  # pylint: disable-next=g-import-not-at-top
+  from penzai_lm import checkpoints
+  from penzai_lm.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+  fifo = tmp_path / "model.gguf"
+  os.mkfifo(fifo)
+  model = _write_family(tmp_path / "model", "llama", "F32")
+  (model / "tokenizer.json").unlink(missing_ok=True)
+  os.mkfifo(model / "tokenizer.json")
+  start = time.monotonic()
+  with _watchdog(fifo), _watchdog(model / "tokenizer.json"):
+    for read in (checkpoints.open_checkpoint, checkpoints.read_checkpoint,
+                 Tokenizer.from_gguf):
+      with pytest.raises(ValueError, match="is a FIFO"):
+        read(fifo)
+    with pytest.raises(ValueError, match=r"tokenizer.json \(in the model "
+                       r"directory .*\) is a FIFO"):
+      Tokenizer.from_hf(model)
+  assert time.monotonic() - start < _LIMIT_S / 2
