@@ -3,11 +3,13 @@
 XLA compilation is most of this suite's time on CPU, and many tests compile
 the same programs (same tiny configs, same buckets) through engines and
 models of their own. A persistent compilation cache in a fresh directory
-per test process lets identical programs compile once per run; nothing is
-shared between runs (CI stays hermetic). The same directory goes to the
-processes tests start (notebook kernels, CLI runs) through JAX's
-environment variables. Tests count compilations through
-`Engine.compilations`, which this does not change.
+per test run lets identical programs compile once per run; nothing is
+shared between runs (CI stays hermetic). The directory is made by the
+first process (pytest's, or pytest-xdist's controller) and reaches the
+workers and the processes tests start (notebook kernels, CLI runs) through
+JAX's environment variables, so a program one worker compiled (or the
+engine's `ProgramStore` exported) is read back by the other. Tests count
+compilations through `Engine.compilations`, which this does not change.
 """
 
 import os
@@ -26,9 +28,17 @@ _SETTINGS = {
 }
 
 
+_SHARED = "PENZAI_LM_TEST_RUN_CACHE"  # Set by the process that made it.
+
+
 def pytest_configure(config):
-  cache = tempfile.mkdtemp(prefix="penzai_lm_jax_cache_")
-  config.stash[_CACHE] = cache
+  if not hasattr(config, "workerinput"):  # pytest's (or xdist's controller).
+    _check_grouping(config)
+  cache = os.environ.get(_SHARED)
+  if cache is None:  # The first process of the run: it owns the directory.
+    cache = tempfile.mkdtemp(prefix="penzai_lm_jax_cache_")
+    os.environ[_SHARED] = cache
+    config.stash[_CACHE] = cache
   config.stash[_PREVIOUS] = {
       name: getattr(jax.config, name) for name in _SETTINGS}
   for name, value in {**_SETTINGS, "jax_compilation_cache_dir": cache}.items():
@@ -42,6 +52,7 @@ def pytest_unconfigure(config):
     os.environ.pop(name.upper(), None)
   cache = config.stash.get(_CACHE, None)
   if cache:
+    os.environ.pop(_SHARED, None)
     shutil.rmtree(cache, ignore_errors=True)
 
 
@@ -78,3 +89,20 @@ def pytest_collection_modifyitems(config, items):
     path = item.nodeid.split("::")[0]
     item.add_marker(pytest.mark.xdist_group(
         "real_models" if path in _REAL_MODEL_FILES else path))
+
+
+
+def _check_grouping(config) -> None:
+  """Refuses to run where pytest-xdist's ``--dist loadgroup`` would ignore
+  the groups (pytest 9.2 with pytest-xdist <= 3.8: pytest-xdist#1386): the
+  real-model files then loaded the models on both workers (over 10 GB
+  each) and every file was split between them."""
+  import xdist  # pylint: disable=g-import-not-at-top
+  version = lambda v: tuple(int(x) for x in v.split(".")[:2] if x.isdigit())
+  if (getattr(config.option, "dist", None) == "loadgroup"
+      and version(pytest.__version__) >= (9, 2)
+      and version(xdist.__version__) <= (3, 8)):
+    raise pytest.UsageError(
+        f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__}"
+        " ignores --dist loadgroup's groups (pytest-xdist#1386): install"
+        " 'pytest<9.2' (pip install -e '.[test]' does), or run with -n 0.")
