@@ -290,7 +290,7 @@ class ProgramStore:
         return LoweredProgram(lowered, in_tree, out_tree)
     try:
       exported, out_tree = _export(fn, static, in_tree, leaves,
-                                   _the_device(leaves).platform)
+                                   _lowering_platform(_the_device(leaves)))
     except Exception as e:  # pylint: disable=broad-except
       # E.g. a patch with a host callback, which jax.export refuses.
       self.stats.unexported += 1
@@ -379,6 +379,17 @@ def _check(data: bytes) -> tuple[str | None, bytes]:
   if hashlib.sha256(payload).hexdigest().encode() != fields[3]:
     return "its sha256 differs from the one recorded when it was written", b""
   return None, payload
+
+
+def _lowering_platform(device) -> str:
+  """The platform name `jax.export` lowers for on ``device``: a GPU
+  device's ``platform`` is "gpu", but programs are lowered for "cuda" or
+  "rocm" (exporting for "gpu" made every stored program fail to load on a
+  GPU: "exported for platforms ('gpu',) but it is used on ('cuda',)")."""
+  if device.platform != "gpu":
+    return device.platform
+  version = str(getattr(device.client, "platform_version", "")).lower()
+  return "rocm" if "rocm" in version else "cuda"
 
 
 def _export(fn, static, in_tree, leaves, platform: str):

@@ -141,9 +141,18 @@ class NormStats:
 
 def _contract(x: pz.nx.NamedArray, w: pz.nx.NamedArray,
               axes: tuple[str, ...]) -> pz.nx.NamedArray:
-  """Sums ``x * w`` over ``axes`` (a named matrix product)."""
-  return pz.nx.nmap(lambda a, b: jnp.tensordot(a, b, axes=len(axes)))(
-      x.untag(*axes), w.untag(*axes))
+  """Sums ``x * w`` over ``axes`` (a named matrix product).
+
+  float32 means float32: outside any ``jax.default_matmul_precision``
+  scope (a model's forward pass sets its ``matmul_precision``), the product
+  runs at full precision, where GPUs would otherwise use TF32 (a direct
+  ``sae.encode`` then differed from the spliced one by ~1e-3 on an H200).
+  """
+  precision = (None if jax.config.jax_default_matmul_precision
+               else jax.lax.Precision.HIGHEST)
+  return pz.nx.nmap(lambda a, b: jnp.tensordot(
+      a, b, axes=len(axes), precision=precision))(
+          x.untag(*axes), w.untag(*axes))
 
 
 @pz.pytree_dataclass
