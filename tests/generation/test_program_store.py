@@ -197,3 +197,24 @@ def test_describe_tells_values_apart():
 def test_describe_refuses_what_it_cannot_name(value):
   with pytest.raises(Unnamed):
     describe(value)
+
+
+def test_programs_are_exported_for_the_platform_jax_lowers_for():
+  """A GPU device says platform "gpu", but jax.export lowers for "cuda" or
+  "rocm": exported for "gpu", every stored program failed to load on an
+  H200. (Checked on a GPU in docs/gpu.md; here on stand-in devices.)"""
+  # pylint: disable-next=g-import-not-at-top
+  from penzai_lm.generation.program_store import _lowering_platform
+
+  def device(platform, version=""):
+    client = type("Client", (), {"platform_version": version})()
+    return type("Device", (), {"platform": platform, "client": client})()
+
+  assert _lowering_platform(device("gpu", "CUDA 12.8")) == "cuda"
+  assert _lowering_platform(device("gpu", "rocm 6.2")) == "rocm"
+  assert _lowering_platform(device("tpu")) == "tpu"
+  cpu = jax.devices("cpu")[0]
+  assert _lowering_platform(cpu) == "cpu"
+  assert _lowering_platform(cpu) in jax.export.export(
+      jax.jit(lambda x: x + 1), platforms=[_lowering_platform(cpu)])(
+          np.float32(1)).platforms
