@@ -73,6 +73,18 @@ _REAL_MODEL_FILES = ("tests/loading/test_real_models.py",
                      "tests/test_readme.py")
 
 
+def _real_model_turn(item) -> int:
+  """Within `_REAL_MODEL_FILES`: the README's processes first (nothing
+  loaded in the worker yet), then every SmolLM2 test, then every Gemma 3
+  one (`tests/real_models.py` holds one model of each kind at a time)."""
+  if item.nodeid.split("::")[0] not in _REAL_MODEL_FILES:
+    return 0
+  if item.nodeid.startswith("tests/test_readme.py"):
+    return 0
+  params = getattr(getattr(item, "callspec", None), "params", {})
+  return 2 if "gemma3-270m" in params.values() else 1
+
+
 @pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups.
 def pytest_collection_modifyitems(config, items):
   """Heavy files first (a stable sort: the order is otherwise unchanged),
@@ -84,7 +96,7 @@ def pytest_collection_modifyitems(config, items):
   end (a fresh-clone run: 27.6 min of tests for 45 min of CPU).
   """
   del config
-  items.sort(key=lambda item: not _heavy(item))
+  items.sort(key=lambda item: (not _heavy(item), _real_model_turn(item)))
   for item in items:
     path = item.nodeid.split("::")[0]
     item.add_marker(pytest.mark.xdist_group(
