@@ -77,9 +77,8 @@ def _real_model_turn(item) -> int:
   """Within `_REAL_MODEL_FILES`: the README's processes first (nothing
   loaded in the worker yet), then every SmolLM2 test, then every Gemma 3
   one (`tests/real_models.py` holds one model of each kind at a time)."""
-  if item.nodeid.split("::")[0] not in _REAL_MODEL_FILES:
-    return 0
-  if item.nodeid.startswith("tests/test_readme.py"):
+  path = item.nodeid.split("::")[0]
+  if path not in _REAL_MODEL_FILES or path == "tests/test_readme.py":
     return 0
   params = getattr(getattr(item, "callspec", None), "params", {})
   return 2 if "gemma3-270m" in params.values() else 1
@@ -101,7 +100,6 @@ def pytest_collection_modifyitems(config, items):
     path = item.nodeid.split("::")[0]
     item.add_marker(pytest.mark.xdist_group(
         "real_models" if path in _REAL_MODEL_FILES else path))
-
 
 
 def _check_grouping(config) -> None:

@@ -28,7 +28,6 @@ from typing import Sequence
 
 import numpy as np
 
-from penzai_lm.model_paths import refuse_special
 from penzai_lm.checkpoints.checkpoint import Checkpoint
 from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.checkpoint import CheckpointFileNotFoundError
@@ -47,6 +46,7 @@ from penzai_lm.checkpoints.layout import normalize_config
 from penzai_lm.checkpoints.layout import validate
 from penzai_lm.checkpoints.spec_types import ArchitectureSpec
 from penzai_lm.checkpoints.specs import SPECS
+from penzai_lm.model_paths import refuse_special
 
 
 def read_checkpoint(
