@@ -78,9 +78,14 @@ def test_patch_state_in_a_cached_model_and_a_session():
 
 
 def test_counting_patch_state_is_carried_not_reset():
-  model = conftest.patched_model()  # CallRecorder counts tokens it sees.
+  # CallRecorder counts tokens it sees. The model is shared by the tests of
+  # this package (cached), and forward passes leave their counts in it.
+  model = conftest.patched_model()
+  recorder = pz.select(model).at_instances_of(conftest.CallRecorder).get()
+  start = int(recorder.seen.value)
   rows = conftest.prompts([5], seed=53)
   result = penzai_lm.generate(model, rows, **GREEDY)
   (seen,) = result.state.values()
   # Prefill: the 8-token bucket but its last column; then one per step.
-  assert int(seen) == 7 + GREEDY["max_new_tokens"]
+  assert int(seen) == start + 7 + GREEDY["max_new_tokens"]
+  assert int(recorder.seen.value) == start  # generate is functional.
