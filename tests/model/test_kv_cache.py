@@ -24,11 +24,30 @@ def _prefill_then_steps(cached, tokens, prefill):
   return run_cached(cached, tokens, prefill)[0]
 
 
+# The tests below run on every family, stacked and unstacked (14 models),
+# and XLA compiles each program for each model: they share four batch
+# shapes (every batch 4 rows, prefill 9 then 3 steps of 1, a 16-slot cache)
+# and pass positions explicitly, so a model compiles 6 programs for all
+# four tests instead of 14 (this was the suite's slowest file).
+_ROWS, _WIDTH, _STEPS, _CACHE = 4, 9, 3, 16
+
+
+def _uncached(model, tokens, positions=None):
+  """Uncached logits of (batch, seq) ``tokens`` at ``positions`` (default:
+  0, 1, 2, ... in every row), one program per token shape."""
+  if positions is None:
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+  named = pz.nx.wrap(jnp.asarray(positions, jnp.int32)).tag("batch", "seq")
+  return uncached_logits(model, tokens, "batch", "seq",
+                         token_positions=named)
+
+
 def test_cached_equals_uncached(model):
-  tokens = random_tokens((2, 12))
-  expected = uncached_logits(model, tokens, "batch", "seq")
-  cached = KVCachingTransformerLM.from_uncached(model, 16, {"batch": 2})
-  got = _prefill_then_steps(cached, tokens, prefill=5)
+  tokens = random_tokens((_ROWS, _WIDTH + _STEPS))
+  expected = _uncached(model, tokens)
+  cached = KVCachingTransformerLM.from_uncached(model, _CACHE,
+                                                {"batch": _ROWS})
+  got = _prefill_then_steps(cached, tokens, prefill=_WIDTH)
   np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
@@ -49,61 +68,68 @@ def _ragged_batch(vocab, pad_id):
   lengths = [9, 4, 1, 6]
   rows = [random_tokens((n,), vocab, seed=10 + i) for i, n in enumerate(lengths)]
   rows = [np.r_[pad_id + 1, r[1:]] if r[0] == pad_id else r for r in rows]
-  width = max(lengths)
-  padded = np.full((len(rows), width), pad_id, np.int32)
+  padded = np.full((len(rows), _WIDTH), pad_id, np.int32)
   for i, row in enumerate(rows):
-    padded[i, width - len(row):] = row
+    padded[i, _WIDTH - len(row):] = row
   return rows, padded
+
+
+def _positions_after_padding(tokens, pad_id):
+  is_padding = pz.nx.wrap(jnp.asarray(tokens == pad_id)).tag("batch", "seq")
+  return np.asarray(positions_from_padding(is_padding).unwrap("batch", "seq"))
 
 
 def test_left_padding_invariance_cached(model):
   """The cached model on left-padded rows equals the uncached one on the
   same padded batch with positions counted from each row's first token,
-  which `test_left_padding_invariance_uncached` holds to each row alone
-  (one reference program instead of one per row length: 4x fewer
-  compilations in the suite's slowest file)."""
+  which `test_left_padding_invariance_uncached` holds to each row alone."""
   pad_id = 0
   rows, padded = _ragged_batch(model.config.vocab_size, pad_id)
-  extra = random_tokens((4, 3), seed=99)
+  extra = random_tokens((_ROWS, _STEPS), seed=99)
   tokens = np.concatenate([padded, extra], 1)
-  cached = KVCachingTransformerLM.from_uncached(model, 16, {"batch": 4}, pad_id)
-  got = _prefill_then_steps(cached, tokens, 9)
-  is_padding = pz.nx.wrap(jnp.asarray(tokens == pad_id)).tag("batch", "seq")
-  expected = uncached_logits(model, tokens, "batch", "seq",
-                             token_positions=positions_from_padding(is_padding))
+  cached = KVCachingTransformerLM.from_uncached(model, _CACHE,
+                                                {"batch": _ROWS}, pad_id)
+  got = _prefill_then_steps(cached, tokens, _WIDTH)
+  expected = _uncached(model, tokens,
+                       _positions_after_padding(tokens, pad_id))
   for i, row in enumerate(rows):
-    real = slice(tokens.shape[1] - len(row) - 3, None)
+    real = slice(tokens.shape[1] - len(row) - _STEPS, None)
     np.testing.assert_allclose(got[i, real], expected[i, real], atol=1e-5,
                                rtol=1e-5)
 
 
 def test_left_padding_invariance_uncached(model):
+  """Each left-padded row equals that row alone. Alone is computed with
+  the rows right-padded in one batch: causal attention never lets a token
+  see the ones after it, so a row's own logits do not depend on them."""
   rows, padded = _ragged_batch(model.config.vocab_size, 0)
-  mask = np.zeros_like(padded, bool)
+  logits = _uncached(model, padded, _positions_after_padding(padded, 0))
+  right = np.zeros_like(padded)
   for i, row in enumerate(rows):
-    mask[i, : padded.shape[1] - len(row)] = True
-  is_padding = pz.nx.wrap(jnp.asarray(mask)).tag("batch", "seq")
-  logits = uncached_logits(
-      model, padded, "batch", "seq",
-      token_positions=positions_from_padding(is_padding),
-  )
+    right[i, :len(row)] = row
+  alone = _uncached(model, right)
   for i, row in enumerate(rows):
-    alone = uncached_logits(model, row, "seq")
-    np.testing.assert_allclose(logits[i, -len(row):], alone, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits[i, -len(row):], alone[i, :len(row)],
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_generated_pad_token_is_a_real_token(model):
-  pad_id = 3
-  prompt = random_tokens((1, 5), seed=4)
-  prompt[0, 0] = 8
-  continuation = np.array([[pad_id, pad_id, 7]], np.int32)
-  tokens = np.concatenate([prompt, continuation], 1)
-  expected = uncached_logits(model, tokens, "batch", "seq")
-  cached = KVCachingTransformerLM.from_uncached(model, 8, {"batch": 1}, pad_id)
-  got, state = run_cached(cached, tokens, prefill=5)
+  """Pad ids after a row's first real token are tokens: generated ones
+  (fed one by one) and ones inside a prompt."""
+  pad_id = 0
+  tokens = random_tokens((_ROWS, _WIDTH + _STEPS), seed=4)
+  tokens[:, 0] = 8
+  tokens[:, 3] = pad_id  # Inside the prompts.
+  tokens[:, _WIDTH:_WIDTH + 2] = pad_id  # Fed as generated tokens.
+  expected = _uncached(model, tokens)
+  cached = KVCachingTransformerLM.from_uncached(model, _CACHE,
+                                                {"batch": _ROWS}, pad_id)
+  got, state = run_cached(cached, tokens, prefill=_WIDTH)
   np.testing.assert_allclose(got, expected, atol=1e-5)
   positions = np.asarray(state["sampler/kv_positions"].unwrap("batch", "seq"))
-  np.testing.assert_array_equal(positions[0], np.arange(8))
+  np.testing.assert_array_equal(positions[:, :tokens.shape[1]],
+                                np.broadcast_to(np.arange(tokens.shape[1]),
+                                                tokens.shape))
 
 
 def test_overflow_raises_and_leaves_state_untouched():
