@@ -107,7 +107,7 @@ def test_cached_attention_matches_penzai_on_every_family(name):
   tokens = [prompt] + [rng.integers(1, 97, (3, 1)).astype(np.int32)
                        for _ in range(12)]  # past Mistral's window of 4
   want, _ = cached_calls(cached, tokens)
-  got, hlo = cached_calls(fast, tokens)
+  got, hlo = cached_calls(fast, tokens, hlo=True)
   assert hlo.count("pzlm_decode_attention") == config.num_layers
   for w, g in zip(want, got):
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=0)

@@ -5,18 +5,31 @@ import numpy as np
 from penzai import pz
 
 
-def cached_calls(cached, calls) -> tuple[list[np.ndarray], str]:
+@jax.jit
+def _step(model, state, tokens):
+  # One jitted function for every caller: models of one structure and call
+  # shapes share its programs across tests (a lambda per call compiled
+  # each anew).
+  return model.stateless_call(state, tokens)
+
+
+def cached_calls(cached, calls, *, hlo: bool = False):
   """Logits ``[batch, seq, vocabulary]`` (float32) of each call in
   ``calls`` (``[batch, seq]`` token arrays, e.g. a prompt then one-token
-  steps) to a `KVCachingTransformerLM`, jitted, and the HLO of the last
-  call."""
+  steps) to a `KVCachingTransformerLM`, jitted.
+
+  Returns:
+    ``(logits, text)``: ``text`` is the HLO of the last call where ``hlo``,
+    else None (lowering it again costs a trace).
+  """
   model, state = pz.unbind_state_vars(cached, freeze=True)
-  step = jax.jit(lambda m, s, t: m.stateless_call(s, t))
   logits = []
   for tokens in calls:
-    out, state = step(model, state, pz.nx.wrap(tokens).tag("batch", "seq"))
+    out, state = _step(model, state, pz.nx.wrap(tokens).tag("batch", "seq"))
     logits.append(np.array(out.order_as("batch", "seq", "vocabulary")
                            .data_array, np.float32))
-  hlo = step.lower(model, state, pz.nx.wrap(calls[-1]).tag(
-      "batch", "seq")).as_text()
-  return logits, hlo
+  text = None
+  if hlo:
+    text = _step.lower(model, state, pz.nx.wrap(calls[-1]).tag(
+        "batch", "seq")).as_text()
+  return logits, text

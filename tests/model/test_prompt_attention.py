@@ -99,9 +99,9 @@ def test_generate_and_sessions_match_with_fused_prompts():
   assert got.tokens == want.tokens
   np.testing.assert_allclose(np.array(got.logprobs), np.array(want.logprobs),
                              atol=2e-5)
-  # A session's later turns are prompts written after earlier ones.
+  # A session's second turn is a prompt written after the first.
   sessions = Session(model, engine=chain), Session(model, engine=fused)
-  for turn in prompts:
+  for turn in prompts[:2]:
     want, got = (s.generate(turn, max_new_tokens=4, **GREEDY)
                  for s in sessions)
     assert got.tokens == want.tokens
