@@ -12,6 +12,7 @@ engine's `ProgramStore` exported) is read back by the other. Tests count
 compilations through `Engine.compilations`, which this does not change.
 """
 
+import gc
 import os
 import shutil
 import tempfile
@@ -116,3 +117,20 @@ def _check_grouping(config) -> None:
         f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__}"
         " ignores --dist loadgroup's groups (pytest-xdist#1386): install"
         " 'pytest<9.2' (pip install -e '.[test]' does), or run with -n 0.")
+
+
+def pytest_runtest_teardown(item, nextitem):
+  """Drops compiled programs when a worker moves on to another file.
+
+  Programs of one file's tiny models are rarely used by another, but JAX's
+  jit caches and the default engine keep them (and their executables)
+  until the process ends: a worker that had run ~800 tests ended at 10.2
+  GB RSS. Programs shared across files are compiled again from the run's
+  persistent cache.
+  """
+  if nextitem is not None and nextitem.path == item.path:
+    return
+  from penzai_lm.generation import default_engine  # pylint: disable=g-import-not-at-top
+  default_engine().clear()
+  jax.clear_caches()
+  gc.collect()
