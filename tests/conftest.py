@@ -15,6 +15,7 @@ compilations through `Engine.compilations`, which this does not change.
 import gc
 import os
 import shutil
+import sys
 import tempfile
 
 import jax
@@ -119,6 +120,29 @@ def _check_grouping(config) -> None:
         " 'pytest<9.2' (pip install -e '.[test]' does), or run with -n 0.")
 
 
+def _drop_programs() -> None:
+  from penzai_lm.generation import default_engine  # pylint: disable=g-import-not-at-top
+  default_engine().clear()
+  jax.clear_caches()
+  gc.collect()
+
+
+@pytest.hookimpl(tryfirst=True)  # Before pytest-xdist's worker reports.
+def pytest_sessionfinish(session):
+  """Frees the real models and compiled programs before the worker tells
+  pytest-xdist it is done, not in pytest's garbage collection at exit:
+  execnet sends a worker SIGINT when it is still running 5 s after it was
+  told to stop (``gateway_base._terminate_execution``), and a clean run
+  ended with that KeyboardInterrupt's traceback, raised inside JAX's
+  garbage-collection callback."""
+  del session
+  real_models = sys.modules.get("tests.real_models")
+  if real_models is not None:
+    real_models.ours.cache_clear()
+    real_models.theirs.cache_clear()
+  _drop_programs()
+
+
 def pytest_runtest_teardown(item, nextitem):
   """Drops compiled programs when a worker moves on to another file.
 
@@ -128,9 +152,5 @@ def pytest_runtest_teardown(item, nextitem):
   GB RSS. Programs shared across files are compiled again from the run's
   persistent cache.
   """
-  if nextitem is not None and nextitem.path == item.path:
-    return
-  from penzai_lm.generation import default_engine  # pylint: disable=g-import-not-at-top
-  default_engine().clear()
-  jax.clear_caches()
-  gc.collect()
+  if nextitem is None or nextitem.path != item.path:
+    _drop_programs()
