@@ -58,7 +58,8 @@ class TrainConfig:
       the first ones are dropped (None: none are): other attention sinks
       (a window starting with newlines or a run of one token) carry norms
       ~100x the rest and would dominate the MSE.
-    buffer_tokens: Shuffle buffer size (at least two batches).
+    buffer_tokens: Shuffle buffer size (at least two batches; at most the
+      tokens the run trains on, ``steps * batch_tokens``).
     normalize_activations: "expected_average_only_in" (train on values
       scaled to mean norm ``sqrt(d_in)``, folded out at the end) or "none".
     b_dec_init: "geometric_median", "mean" (of the first batches) or

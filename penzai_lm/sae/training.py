@@ -149,10 +149,8 @@ def train_sae(model, point: str, tokens, config: TrainConfig, *,
                                    config.seed)
   norms = acts_lib.NormFilter(config.max_norm_ratio)
   chunks = norms(reader.stream(windows, config.model_batch))
-  buffer = acts_lib.ShuffleBuffer(config.buffer_tokens, config.batch_tokens,
-                                  config.seed)
-  sae, report = _fit(buffer.batches(chunks), reader.input_axes, config,
-                     point, progress, norms)
+  sae, report = _fit(_buffer(config).batches(chunks), reader.input_axes,
+                     config, point, progress, norms)
   if eval_tokens is not None:
     metrics = evaluate_sae(model, sae, eval_tokens, point=point,
                            skip_positions=config.skip_positions,
@@ -198,15 +196,27 @@ def train_sae_on_activations(activations, config: TrainConfig, *,
     if first.ndim != 2 or not first.size:
       raise ValueError("activations must give [n, d_in] chunks, got shape"
                        f" {first.shape} first.")
-    buffer = acts_lib.ShuffleBuffer(config.buffer_tokens,
-                                    config.batch_tokens, config.seed)
-    batches = buffer.batches(norms(itertools.chain([first], chunks)))
+    batches = _buffer(config).batches(
+        norms(itertools.chain([first], chunks)))
     d_in = first.shape[1]
   axes = tuple(input_axes or (("embedding", d_in),))
   if math.prod(n for _, n in axes) != d_in:
     raise ValueError(f"input_axes {axes} do not hold the activations' width"
                      f" {d_in}.")
   return _fit(batches, axes, config, hook_point, progress, norms)
+
+
+def _buffer(config: TrainConfig) -> acts_lib.ShuffleBuffer:
+  """The shuffle buffer, no larger than the tokens the run trains on.
+
+  A buffer is filled before its first batch: a run shorter than the
+  buffer (the sae notebook's: 40 steps of 512 tokens, 20,480 tokens, with
+  the default 65,536-token buffer) ran the model for three times the
+  activations it trained on (132 forward passes instead of ~60).
+  """
+  return acts_lib.ShuffleBuffer(
+      min(config.buffer_tokens, config.steps * config.batch_tokens),
+      config.batch_tokens, config.seed)
 
 
 def _epochs(data, batch, seed):
