@@ -4,6 +4,7 @@ layouts, in `generate`, `stream` and the recompute reference."""
 
 import numpy as np
 import pytest
+from penzai import pz
 
 import penzai_lm
 from penzai_lm import generation
@@ -20,12 +21,18 @@ def _np(x, like):
 
 
 def _check_against_forward(model, prompts, result, names, atol=2e-5):
-  for row, prompt in enumerate(prompts):
-    full = list(prompt) + result.tokens[row]
-    want = interp.run_with_cache(model, [full], names=names)
+  # One forward pass over every row, left-padded to the longest (positions
+  # count from each row's first token): one program, not one per length.
+  rows = [list(p) + t for p, t in zip(prompts, result.tokens)]
+  want = interp.run_with_cache(model, rows, names=names)
+  longest = max(map(len, rows))
+  for row, full in enumerate(rows):
+    unpadded = pz.slice[longest - len(full):]
     for name in names:
       got = result.captures[name][row]
-      expected = want[name][{"batch": 0}]
+      expected = want[name][{"batch": row}]
+      expected = expected[{axis: unpadded for axis in ("seq", "kv_seq")
+                           if axis in expected.named_shape}]
       assert dict(got.named_shape) == dict(expected.named_shape), name
       np.testing.assert_allclose(_np(got, expected), _np(expected, expected),
                                  atol=atol, rtol=1e-4, err_msg=name)
