@@ -106,6 +106,18 @@ class ModelSharding:
   rules: ShardingRules
 
 
+def _any_named_sharding(model) -> bool:
+  """Whether an array of ``model`` (or of one of its variables) is placed
+  with a ``NamedSharding``."""
+  for x in jax.tree_util.tree_leaves(model):
+    arrays = (jax.tree_util.tree_leaves(x.value)
+              if isinstance(x, pz.AbstractVariable) else (x,))
+    if any(isinstance(getattr(a, "sharding", None), NamedSharding)
+           for a in arrays):
+      return True
+  return False
+
+
 def model_sharding(model) -> ModelSharding | None:
   """The mesh and rules of a model's ``NamedSharding``-placed arrays, or
   None if it has none (one device).
@@ -117,6 +129,8 @@ def model_sharding(model) -> ModelSharding | None:
   Raises:
     ValueError: if its arrays are on different meshes.
   """
+  if not _any_named_sharding(model):
+    return None  # One device: 7 ms instead of 0.1-0.3 s of selections.
   meshes, found, mixed = set(), {}, set()
   # A quantized weight's flattened axes count as the axes they split like.
   leading = {}
