@@ -36,6 +36,88 @@ namespace {
 
 using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 
+// The products' 16-float vector, VF. With AVX-512 it is GCC's 64-byte
+// vector, one register. With AVX2 only, GCC has no machine mode for a
+// 64-byte vector: it kept the accumulators in memory and moved them
+// through general registers on every FMA (an AVX2-only EPYC: SmolLM2's f32
+// products took 35 ms a step at 1 row and 300 ms at 8, where XLA took 22
+// and 69). There VF is two 8-float vectors, which GCC keeps in registers.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Blocks for 16 registers of 8 floats: 2 rows x 2 outputs x 2
+// accumulators plus the decoded weights fit. (4 x 4, which spills, measured
+// the same end to end within this machine's noise: SmolLM2 f32 decode
+// 31.0 / 31.5 tok/s at batch 1, 113 / 117 at batch 8.)
+constexpr int kOuts = 2;
+constexpr int kRowPass = 2;
+constexpr int kInVecs = 4;
+constexpr int kInVecsRows = 2;
+typedef float V8 __attribute__((vector_size(32)));
+struct VF { V8 lo, hi; };
+inline VF operator+(VF a, VF b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline VF operator*(VF a, VF b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline VF& operator+=(VF& a, VF b) {
+  a.lo += b.lo;
+  a.hi += b.hi;
+  return a;
+}
+inline VF Splat(float s) {
+  V8 v = V8{} + s;
+  return {v, v};
+}
+inline VF LoadF(const float* p) { return {LoadAs<V8>(p), LoadAs<V8>(p + 8)}; }
+inline V8 Bf16x8(const uint16_t* p) {
+  return (V8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline VF LoadF(const uint16_t* p) { return {Bf16x8(p), Bf16x8(p + 8)}; }
+inline VF LoadF(const Half* h) {
+#if defined(__F16C__)
+  const __m128i* p = reinterpret_cast<const __m128i*>(h);
+  return {(V8)_mm256_cvtph_ps(_mm_loadu_si128(p)),
+          (V8)_mm256_cvtph_ps(_mm_loadu_si128(p + 1))};
+#else
+  float t[16];
+  for (int j = 0; j < 16; ++j) t[j] = F16ToF32(h[j].bits);
+  return LoadF(t);
+#endif
+}
+inline V8 S8x8(const int8_t* p) {
+  return (V8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline VF LoadS8(const int8_t* p) { return {S8x8(p), S8x8(p + 8)}; }
+inline VF LoadU8(U8x16 b) {
+  __m128i v = (__m128i)b;
+  return {(V8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
+          (V8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
+}
+inline void StoreF(float* p, VF v) {
+  std::memcpy(p, &v.lo, 32);
+  std::memcpy(p + 8, &v.hi, 32);
+}
+inline float SumF(VF v) {
+  V8 t = v.lo + v.hi;
+  float s = 0;
+  for (int j = 0; j < 8; ++j) s += t[j];
+  return s;
+}
+#else
+// Blocks for 32 registers of 16 floats: 4 rows x 4 outputs of
+// accumulators plus the decoded weights fit.
+constexpr int kOuts = 4;
+constexpr int kRowPass = 4;
+constexpr int kInVecs = 16;
+constexpr int kInVecsRows = 4;
+using VF = V16;
+inline VF Splat(float s) { return V16{} + s; }
+template <typename T>
+inline VF LoadF(const T* p) { return Cvt16(p); }
+inline VF LoadS8(const int8_t* p) { return CvtS8(p); }
+inline VF LoadU8(U8x16 b) { return CvtU8(b); }
+inline void StoreF(float* p, VF v) { Store(p, v); }
+inline float SumF(VF v) { return Sum(v); }
+#endif
+
 template <typename T>
 struct Dense {
   static constexpr int kStep = 16;
@@ -46,7 +128,7 @@ struct Dense {
   void Prefetch(Row r, int64_t ahead, int64_t k) const {
     __builtin_prefetch(r + ahead * K + k);
   }
-  void Get(Row r, int64_t k, V16* v) const { v[0] = Cvt16(r + k); }
+  void Get(Row r, int64_t k, VF* v) const { v[0] = LoadF(r + k); }
   float At(Row r, int64_t k) const { return ToF32(r[k]); }
   float Scale(Row) const { return 1.f; }
 };
@@ -67,8 +149,8 @@ struct Q8Channel : Q8Arrays {
   static constexpr int kStep = 16;
   struct Row { const int8_t* q; float d; };
   Row row(int64_t n) const { return {qs + n * K, scale[n]}; }
-  void Get(Row r, int64_t k, V16* v) const {
-    v[0] = CvtS8(r.q + k);
+  void Get(Row r, int64_t k, VF* v) const {
+    v[0] = LoadS8(r.q + k);
   }
   float At(Row r, int64_t k) const { return float(r.q[k]); }
   float Scale(Row r) const { return r.d; }
@@ -79,10 +161,10 @@ struct Q8Block32 : Q8Arrays {
   static constexpr int kStep = 32;
   struct Row { const int8_t* q; const float* s; };
   Row row(int64_t n) const { return {qs + n * K, scale + n * (K / 32)}; }
-  void Get(Row r, int64_t k, V16* v) const {
-    V16 d = V16{} + r.s[k / 32];
-    v[0] = CvtS8(r.q + k) * d;
-    v[1] = CvtS8(r.q + k + 16) * d;
+  void Get(Row r, int64_t k, VF* v) const {
+    VF d = Splat(r.s[k / 32]);
+    v[0] = LoadS8(r.q + k) * d;
+    v[1] = LoadS8(r.q + k + 16) * d;
   }
   float At(Row r, int64_t k) const { return r.q[k] * r.s[k / 32]; }
   float Scale(Row) const { return 1.f; }
@@ -95,8 +177,10 @@ struct Q8Any : Q8Arrays {
   int64_t block;
   struct Row { const int8_t* q; const float* s; };
   Row row(int64_t n) const { return {qs + n * K, scale + n * (K / block)}; }
-  void Get(Row r, int64_t k, V16* v) const {
-    for (int j = 0; j < 16; ++j) v[0][j] = At(r, k + j);
+  void Get(Row r, int64_t k, VF* v) const {
+    float t[16];
+    for (int j = 0; j < 16; ++j) t[j] = At(r, k + j);
+    v[0] = LoadF(t);
   }
   float At(Row r, int64_t k) const { return r.q[k] * r.s[k / block]; }
   float Scale(Row) const { return 1.f; }
@@ -111,8 +195,8 @@ struct Q8Group16 : Q8Arrays {
   Row row(int64_t n) const {
     return {qs + n * K, scale + n * (K / 16), mins + n * (K / 16)};
   }
-  void Get(Row r, int64_t k, V16* v) const {
-    v[0] = CvtS8(r.q + k) * (V16{} + r.s[k / 16]) + (V16{} + r.m[k / 16]);
+  void Get(Row r, int64_t k, VF* v) const {
+    v[0] = LoadS8(r.q + k) * Splat(r.s[k / 16]) + Splat(r.m[k / 16]);
   }
   float At(Row, int64_t) const { return 0.f; }  // K % 16 == 0: no tail
   float Scale(Row) const { return 1.f; }
@@ -133,11 +217,11 @@ struct Q4 {
   void Prefetch(Row r, int64_t ahead, int64_t k) const {
     __builtin_prefetch(r.q + ahead * (K / 2) + k / 2);
   }
-  void Get(Row r, int64_t k, V16* v) const {
+  void Get(Row r, int64_t k, VF* v) const {
     U8x16 b = LoadAs<U8x16>(r.q + k / 2);
-    V16 d = V16{} + r.s[k / 32], m = V16{} + r.m[k / 32];
-    v[0] = CvtU8(b & 15) * d + m;
-    v[1] = CvtU8(b >> 4) * d + m;
+    VF d = Splat(r.s[k / 32]), m = Splat(r.m[k / 32]);
+    v[0] = LoadU8(b & 15) * d + m;
+    v[1] = LoadU8(b >> 4) * d + m;
   }
   float At(Row, int64_t) const { return 0.f; }  // K % 32 == 0: no tail
   float Scale(Row) const { return 1.f; }
@@ -149,26 +233,26 @@ template <int RB, int OUTS, typename W>
 void OutBlock(const W& w, const float* x, float* y, int64_t K, int64_t N,
               int64_t n0) {
   constexpr int S = W::kStep / 16;
-  V16 acc[RB][OUTS] = {};
+  VF acc[RB][OUTS] = {};
   typename W::Row row[OUTS];
   for (int o = 0; o < OUTS; ++o) row[o] = w.row(n0 + o);
   const int64_t whole = K - K % W::kStep;
   for (int64_t k = 0; k < whole; k += W::kStep) {
-    V16 wv[OUTS][S];
+    VF wv[OUTS][S];
     for (int o = 0; o < OUTS; ++o) {
       w.Prefetch(row[o], 2 * OUTS, k);
       w.Get(row[o], k, wv[o]);
     }
     for (int r = 0; r < RB; ++r) {
       for (int s = 0; s < S; ++s) {
-        V16 xv = Load(x + r * K + k + 16 * s);
+        VF xv = LoadF(x + r * K + k + 16 * s);
         for (int o = 0; o < OUTS; ++o) acc[r][o] += xv * wv[o][s];
       }
     }
   }
   for (int r = 0; r < RB; ++r) {
     for (int o = 0; o < OUTS; ++o) {
-      float t = Sum(acc[r][o]);
+      float t = SumF(acc[r][o]);
       for (int64_t k = whole; k < K; ++k) t += x[r * K + k] * w.At(row[o], k);
       y[r * N + n0 + o] = t * w.Scale(row[o]);
     }
@@ -180,7 +264,7 @@ template <int RB, typename W>
 void OutRange(const W& w, const float* x, float* y, int64_t K, int64_t N,
               int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) OutBlock<RB, 4>(w, x, y, K, N, n);
+  for (; n + kOuts <= n1; n += kOuts) OutBlock<RB, kOuts>(w, x, y, K, N, n);
   for (; n < n1; ++n) OutBlock<RB, 1>(w, x, y, K, N, n);
 }
 
@@ -192,11 +276,12 @@ void OutMajor(ffi::ThreadPool& pool, const W& w, const float* x, float* y,
   const int64_t tile = std::clamp<int64_t>(N / (8 * threads) / 4 * 4, 4, 64);
   ParallelTiles(pool, (N + tile - 1) / tile, [=, &w](int64_t t) {
     int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-    // Rows in passes of 4: a tile's weights stay in L1/L2 between passes.
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    // Rows in passes of kRowPass: a tile's weights stay in L1/L2 between
+    // passes.
+    for (int64_t r0 = 0; r0 < R; r0 += kRowPass) {
       const float* xr = x + r0 * K;
       float* yr = y + r0 * N;
-      switch (std::min<int64_t>(4, R - r0)) {
+      switch (std::min<int64_t>(kRowPass, R - r0)) {
         case 1: OutRange<1>(w, xr, yr, K, N, n0, n1); break;
         case 2: OutRange<2>(w, xr, yr, K, N, n0, n1); break;
         case 3: OutRange<3>(w, xr, yr, K, N, n0, n1); break;
@@ -212,7 +297,7 @@ void OutMajor(ffi::ThreadPool& pool, const W& w, const float* x, float* y,
 template <int RB, int VECS, typename T>
 void InBlock(const T* w, const float* x, float* out, int64_t K, int64_t N,
              int64_t k0, int64_t k1, int64_t n0) {
-  V16 acc[RB][VECS] = {};
+  VF acc[RB][VECS] = {};
   for (int64_t k = k0; k < k1; ++k) {
     const T* p = w + k * N + n0;
     // About 8 KB of this block's weights ahead: each of its rows is a short
@@ -224,15 +309,15 @@ void InBlock(const T* w, const float* x, float* out, int64_t K, int64_t N,
     for (int j = 0; j < 16 * VECS; j += kLine) {
       __builtin_prefetch(p + kAhead * N + j);
     }
-    V16 wv[VECS];
-    for (int v = 0; v < VECS; ++v) wv[v] = Cvt16(p + 16 * v);
+    VF wv[VECS];
+    for (int v = 0; v < VECS; ++v) wv[v] = LoadF(p + 16 * v);
     for (int r = 0; r < RB; ++r) {
-      V16 xv = V16{} + x[r * K + k];
+      VF xv = Splat(x[r * K + k]);
       for (int v = 0; v < VECS; ++v) acc[r][v] += xv * wv[v];
     }
   }
   for (int r = 0; r < RB; ++r) {
-    for (int v = 0; v < VECS; ++v) Store(out + r * N + n0 + 16 * v, acc[r][v]);
+    for (int v = 0; v < VECS; ++v) StoreF(out + r * N + n0 + 16 * v, acc[r][v]);
   }
 }
 
@@ -241,7 +326,7 @@ void InRange(const T* w, const float* x, float* out, int64_t K, int64_t N,
              int64_t k0, int64_t k1, int64_t n0, int64_t n1) {
   // RB * V accumulators. Passes of 4 rows: 8 rows with V = 2 read the
   // weights once but took longer at batch 8 (bf16: 32-43 ms against 27).
-  constexpr int V = RB == 1 ? 16 : 4;
+  constexpr int V = RB == 1 ? kInVecs : kInVecsRows;
   int64_t n = n0;
   for (; n + 16 * V <= n1; n += 16 * V) InBlock<RB, V>(w, x, out, K, N, k0, k1, n);
   // The rest in as few passes over K as halving widths allow (a 192-wide
@@ -280,10 +365,10 @@ void InMajor(ffi::ThreadPool& pool, const T* w, const float* x, float* y,
     int64_t n1 = std::min(N, n0 + kTileN);
     int64_t k0 = split * chunk, k1 = std::min(K, k0 + chunk);
     float* out = splits > 1 ? parts + split * R * N : y;
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    for (int64_t r0 = 0; r0 < R; r0 += kRowPass) {
       const float* xr = x + r0 * K;
       float* o = out + r0 * N;
-      switch (std::min<int64_t>(4, R - r0)) {
+      switch (std::min<int64_t>(kRowPass, R - r0)) {
         case 1: InRange<1>(w, xr, o, K, N, k0, k1, n0, n1); break;
         case 2: InRange<2>(w, xr, o, K, N, k0, k1, n0, n1); break;
         case 3: InRange<3>(w, xr, o, K, N, k0, k1, n0, n1); break;
