@@ -12,8 +12,10 @@ median of ``--rounds`` more, and how far the two results agree (max
 absolute difference of the numbers, or whether the generated texts are
 equal).
 
-Tasks: ablation (two heads of block 10, last-token logits), captures while
-generating (resid_post of 3 blocks over 16 greedy tokens), batched steering
+Tasks: a plain forward pass (last-token logits; the other side is plain
+torch under ``no_grad``, not nnsight), ablation (two heads of block 10,
+last-token logits), captures while generating (resid_post of 3 blocks over
+16 greedy tokens), batched steering
 (3 rows at strengths 0/4/8 in one generate call), logit lens (30 blocks,
 last token), patching sweep (resid_pre, every block x position),
 attribution patching (the same cells from gradients), linear probe (mean
@@ -26,12 +28,14 @@ nnsight and torch are not test dependencies: install the ``peers`` extra
 
 Usage:
   python benchmarks/interp_vs_nnsight.py [--rounds 3] [--tasks a,b]
+      [--torch-threads N]  (default: every core, as JAX uses)
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import statistics
 import subprocess
 import time
@@ -96,6 +100,11 @@ class Setup:
 
 
 # ------------------------------------------------------------ penzai_lm
+
+
+def ours_forward(s):
+  tokens = pz.nx.wrap(jnp.asarray(s.ids)).tag("seq")
+  return np.asarray(s.model(tokens)[{"seq": -1}].unwrap("vocabulary"))
 
 
 def ours_ablation(s):
@@ -173,6 +182,11 @@ def ours_treescope(s):
 
 
 # --------------------------------------------------------------- nnsight
+
+
+def theirs_forward(s):
+  with torch.no_grad():  # Plain torch: what nnsight's trace wraps.
+    return s.hf(torch.tensor([s.ids])).logits[0, -1].numpy()
 
 
 def theirs_ablation(s):
@@ -327,6 +341,7 @@ def _equal(a, b) -> str:
 
 
 AGREEMENT = {
+    "forward": _max_diff,
     "ablation": _max_diff,
     "captures": _captures,
     "steering": _equal,
@@ -362,8 +377,10 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--tasks", default=",".join(AGREEMENT))
+  parser.add_argument("--torch-threads", type=int, default=os.cpu_count(),
+                      help="torch's intra-op threads (JAX uses every core)")
   args = parser.parse_args()
-  torch.set_num_threads(1)  # See tests/interp/test_hf_parity.py.
+  torch.set_num_threads(args.torch_threads)
   print(subprocess.run(["uptime"], capture_output=True, text=True,
                        check=False).stdout.strip())
   s = Setup()
