@@ -56,8 +56,10 @@ inline float F16ToF32(uint16_t h) {
   return f;
 }
 
-// 16-lane vectors (GCC lowers them to AVX-512 or pairs of AVX2 registers):
-// explicit, because GCC does not vectorize the scalar conversions.
+// 16-lane vectors: explicit, because GCC does not vectorize the scalar
+// conversions. Without AVX-512, GCC keeps a 64-byte vector in memory, not
+// in a pair of AVX2 registers: matvec.cc's products use two 8-lane halves
+// there (its VF).
 typedef float V16 __attribute__((vector_size(64)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
 typedef int32_t I32x16 __attribute__((vector_size(64)));

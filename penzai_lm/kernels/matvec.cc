@@ -324,8 +324,9 @@ void InBlock(const T* w, const float* x, float* out, int64_t K, int64_t N,
 template <int RB, typename T>
 void InRange(const T* w, const float* x, float* out, int64_t K, int64_t N,
              int64_t k0, int64_t k1, int64_t n0, int64_t n1) {
-  // RB * V accumulators. Passes of 4 rows: 8 rows with V = 2 read the
-  // weights once but took longer at batch 8 (bf16: 32-43 ms against 27).
+  // RB * V accumulators, in passes of kRowPass rows (AVX-512: 8 rows with
+  // V = 2 read the weights once but took longer at batch 8, bf16: 32-43 ms
+  // against 27).
   constexpr int V = RB == 1 ? kInVecs : kInVecsRows;
   int64_t n = n0;
   for (; n + 16 * V <= n1; n += 16 * V) InBlock<RB, V>(w, x, out, K, N, k0, k1, n);
