@@ -36,6 +36,7 @@ from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model.prompt_attention import on_gpus
 from penzai_lm.model.prompt_attention import on_one_gpu
 from penzai_lm.model.prompt_attention import with_fused_prompt_attention
+from penzai_lm.model.stateless import stateless_call
 
 
 def per_row_size(model, batch_axis: str) -> int | None:
@@ -192,7 +193,7 @@ def _example_call(stateless, cached: bool, batch_axis: str, batch: int,
     side = dict(token_positions=pz.nx.wrap(jnp.zeros(
         (batch, cache_len), jnp.int32)).tag(batch_axis, "seq"))
   call = lambda state, tokens, side: list(  # noqa: E731
-      stateless.stateless_call(state, tokens, **side)[1])
+      stateless_call(stateless, state, tokens, **side)[1])
   # Inputs as arguments: traced, so the model's eager id checks stay off.
   return lambda state: jax.eval_shape(call, state, tokens, side)
 

@@ -52,6 +52,7 @@ from penzai_lm.generation.state import RecomputeState
 from penzai_lm.generation.state import RUNNING
 from penzai_lm.generation.state import STOP
 from penzai_lm.generation.state import StateLayout
+from penzai_lm.model.stateless import stateless_call
 
 
 def _map_batch_arrays(tree, axis: str, fn):
@@ -132,8 +133,8 @@ def _prefill_cache(shape: PrefillShape, model, state0, tokens, padding, src,
   else:
     state = state0
   if P > 1:
-    _, state = model.stateless_call(
-        state, _named(tokens[:, :P - 1], axis),
+    _, state = stateless_call(
+        model, state, _named(tokens[:, :P - 1], axis),
         is_padding=_named(padding[:, :P - 1], axis),
         **_side(gen_start, axis))
     state = list(state)
@@ -227,8 +228,8 @@ def _feed_fn(shape: DecodeShape, model, layout: StateLayout):
   def feed_cached(packed, slots, token, mask, gen_start):
     del slots
     state = layout.unpack(packed)
-    logits, new = model.stateless_call(
-        state, _named(token[:, None], axis),
+    logits, new = stateless_call(
+        model, state, _named(token[:, None], axis),
         is_padding=_named(~mask[:, None], axis), **_side(gen_start, axis))
     logits = logits.unwrap(axis, "seq", "vocabulary")[:, 0]
     new = pz.nx.order_like(list(new), state)
@@ -240,9 +241,9 @@ def _feed_fn(shape: DecodeShape, model, layout: StateLayout):
     next_pos = jnp.max(s.positions, axis=1) + 1
     positions = jax.lax.dynamic_update_slice(
         s.positions, jnp.where(mask, next_pos, -1)[:, None], (0, slots))
-    logits, state = model.stateless_call(
-        s.state, _named(tokens, axis), token_positions=_named(positions, axis),
-        **_side(gen_start, axis))
+    logits, state = stateless_call(
+        model, s.state, _named(tokens, axis),
+        token_positions=_named(positions, axis), **_side(gen_start, axis))
     logits = logits.unwrap(axis, "seq", "vocabulary")
     logits = jax.lax.dynamic_index_in_dim(logits, slots, 1, keepdims=False)
     new = RecomputeState(tokens, positions,

@@ -169,7 +169,9 @@ class Run:
       # A first request: XLA builds the decode program (its carry is the
       # prefill's output) on another core while the prefill compiles and
       # runs (SmolLM2 fp32: first generate 4.1 -> 2.7 s of compile+trace).
-      self.timings.compile_s += self._engine.compile_ahead(
+      # Its tracing counts once: in the prefill's seconds below, which run
+      # from the start of the prefill's lowering.
+      self._engine.compile_ahead(
           "decode", programs.decode_program, self._decode_static(),
           (prepared.model_leaves, pending.out_info, self._decode_inputs(0)),
           shape=self.request.decode, donate=(1,))

@@ -33,6 +33,8 @@ from penzai.core import selectors
 from penzai.core import tree_util as pz_tree_util
 from penzai.core import variables
 
+from penzai_lm.model.stateless import stateless_call
+
 _Behavior = pz.nn.LayerStackVarBehavior
 
 
@@ -87,8 +89,8 @@ class ScannedLayerStack(pz.nn.LayerStack):
       arg, shared_states = carry
       array_slices, sliced_states = slices
       block = stacked.set_sequence(array_slices)
-      out, new_states = block.stateless_call(
-          shared_states + sliced_states, arg, **side_inputs)
+      out, new_states = stateless_call(
+          block, shared_states + sliced_states, arg, **side_inputs)
       by_label = {state.label: state for state in new_states}
       new_shared = [by_label[s.label] for s in shared_states]
       new_sliced = (

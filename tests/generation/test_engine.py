@@ -28,6 +28,11 @@ def test_engine_runs_apart_from_the_default_one(model):
   rows = prompts([4, 6], seed=40)
   mine = engine.generate(model, rows, **GREEDY)
   assert engine.compilations == 2  # One prefill, one decode program.
+  # The timed parts are disjoint (the decode program, traced while the
+  # prefill's was compiling, was counted twice).
+  t = mine.timings
+  assert t.compile_s > 0
+  assert t.prepare_s + t.compile_s + t.prefill_s + t.decode_s <= t.total_s
   assert default_engine().compilations == before
   assert generate(model, rows, engine=engine, **GREEDY).tokens == mine.tokens
   assert engine.compilations == 2  # Reused.
