@@ -58,10 +58,25 @@ def _take(x: pz.nx.NamedArrayBase, axis: str, index: int,
   return x[{axis: index}]
 
 
+def _is_named(node) -> bool:
+  return isinstance(node, pz.nx.NamedArrayBase)
+
+
 def _slice_axis(tree, axis: str, index: int, lineage: Lineage | None):
-  return (pz.select(tree).at_instances_of(pz.nx.NamedArrayBase)
-          .where(lambda x: axis in x.named_shape)
-          .apply(lambda x: _take(x, axis, index, lineage)))
+  # tree_map rather than pz.select: the selection rebuilt each block's tree
+  # twice over (SmolLM2: 30 blocks, 0.2 s of every first generate).
+  return jax.tree_util.tree_map(
+      lambda x: (_take(x, axis, index, lineage)
+                 if _is_named(x) and axis in x.named_shape else x),
+      tree, is_leaf=_is_named)
+
+
+def _rename_slots(tree, renamed: dict[str, str]):
+  return jax.tree_util.tree_map(
+      lambda x: (pz.StateVariableSlot(label=renamed[x.label])
+                 if isinstance(x, pz.StateVariableSlot)
+                 and x.label in renamed else x),
+      tree, is_leaf=lambda x: isinstance(x, pz.StateVariableSlot))
 
 
 def _unstack(stack: pz.nn.LayerStack,
@@ -89,11 +104,8 @@ def _unstack(stack: pz.nn.LayerStack,
       ]
   blocks = []
   for i in range(n):
-    block = _slice_axis(pure, axis, i, lineage)
-    block = (pz.select(block).at_instances_of(pz.StateVariableSlot)
-             .where(lambda slot: slot.label in per_layer)
-             .apply(lambda slot: pz.StateVariableSlot(
-                 label=f"{slot.label}/{axis}_{i}")))  # noqa: B023
+    block = _rename_slots(_slice_axis(pure, axis, i, lineage),
+                          {label: f"{label}/{axis}_{i}" for label in per_layer})
     block_vars = [per_layer[v.label][i] if v.label in per_layer else v
                   for v in variables]
     blocks.append(pz.bind_variables(block, block_vars))
