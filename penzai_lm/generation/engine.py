@@ -30,12 +30,14 @@ programs apart::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from penzai_lm.generation import prepare as prepare_lib
 from penzai_lm.generation import request as request_lib
@@ -57,8 +59,27 @@ from penzai_lm.model.transformer import positions_from_padding
 CompilerOptions = Callable[[str, Any], dict[str, Any]]
 
 
-def default_compiler_options(program: str, shape) -> dict[str, Any]:
-  """XLA's defaults for every program and shape.
+# Prefill and decode programs of models with at most this many transformer
+# blocks are compiled with XLA:CPU's older fusion emitters (see
+# `default_compiler_options`).
+FEW_BLOCKS = 3
+
+
+def default_compiler_options(program: str, shape, *,
+                             blocks: int | None = None) -> dict[str, Any]:
+  """XLA's defaults, but for the fusion emitters of models with few blocks.
+
+  XLA:CPU's newer fusion emitters compile each distinct kernel through MLIR
+  (~15 ms of code generation each) and share identical kernels, so the
+  blocks of a deep model cost little; the older emitters generate LLVM IR
+  directly, faster per kernel, but once per fusion. A program of a model
+  with at most `FEW_BLOCKS` blocks is mostly the sampler's ~110 distinct
+  kernels, so it compiles faster with the older ones. Medians are not
+  needed to see it (one fresh process each, SmolLM2-shaped blocks, first
+  generate's XLA seconds, new -> old emitters): 1 block 4.9 -> 3.0 s, 2
+  blocks 5.5 -> 3.3 s, 4 blocks 5.6 -> 4.9 s, 8 blocks 5.0 -> 7.4 s (the
+  30-block decode program alone: 4.6 -> 7.5-8.6 s). Decode speed was the
+  same (1 and 2 blocks: 95-99 tok/s either way).
 
   Measured (`benchmarks/compiler_options.py`, SmolLM2-135M fp32, greedy):
   turning XLA's YNNPACK fusions off for decode programs on CPU (our earlier
@@ -66,9 +87,34 @@ def default_compiler_options(program: str, shape) -> dict[str, Any]:
   and was 1.3-4x slower at batch 2-8 at every cache size (batch 2, 64
   slots: 6.5 against 24.5 tok/s; batch 8, 2048 slots: 21.8 against 29.2),
   so that 2 and 4 rows decoded slower in total than one.
+
+  Args:
+    program: "prefill", "decode" or "forward".
+    shape: The program's shape (unused).
+    blocks: The transformer blocks the program runs one after the other (a
+      layer stack counts once: its scan compiles one block), if known.
   """
-  del program, shape
+  del shape
+  if (program in ("prefill", "decode") and blocks is not None
+      and blocks <= FEW_BLOCKS and _cpu_accepts(_EMITTERS, False)):
+    return {_EMITTERS: False}
   return {}
+
+
+_EMITTERS = "xla_cpu_use_fusion_emitters"
+
+
+@functools.cache
+def _cpu_accepts(option: str, value: Any) -> bool:
+  """Whether this jaxlib's XLA:CPU knows the compile option (older ones
+  lack the emitter switch and refuse every program that names it). Asked
+  only while CPU is the default backend."""
+  try:
+    jax.jit(lambda x: x + 1).lower(
+        np.zeros((), np.float32)).compile({option: value})
+  except RuntimeError:  # INVALID_ARGUMENT: No such compile option.
+    return False
+  return True
 
 
 def _derivable_unstack(model, leaves, values) -> Derivable:
@@ -145,7 +191,7 @@ class Engine:
     self._auto_store: ProgramStore | None = None
     self.programs = ProgramCache(max_programs, store=self.program_store)
     self.unstack_layer_stacks = bool(unstack_layer_stacks)
-    self._compiler_options = compiler_options or default_compiler_options
+    self._compiler_options = compiler_options
     self._prepared = IdentityCache(max_models)
     # Unstacked models are shared by every bucket of one model (one copy of
     # the weights in decode layout, not one per bucket).
@@ -287,29 +333,35 @@ class Engine:
                 shape.cache_len, self.unstack_layer_stacks, index,
                 request.capture, self.prompt_attention), make)
 
-  def program(self, name: str, fn, static, args, *, shape, donate=()):
-    """``(compiled program, compile seconds)`` for ``fn`` (cached)."""
-    return self.lower(name, fn, static, args, shape=shape,
-                      donate=donate).compile()
+  def program(self, name: str, fn, static, args, *, shape, donate=(),
+              blocks: int | None = None):
+    """``(compiled program, compile seconds)`` for ``fn`` (cached).
+    ``blocks``: the model's transformer blocks, for the default compiler
+    options."""
+    return self.lower(name, fn, static, args, shape=shape, donate=donate,
+                      blocks=blocks).compile()
 
-  def lower(self, name: str, fn, static, args, *, shape,
-            donate=()) -> Pending:
+  def lower(self, name: str, fn, static, args, *, shape, donate=(),
+            blocks: int | None = None) -> Pending:
     """``fn``'s program traced (or cached): see `ProgramCache.lower`."""
     return self.programs.lower(name, fn, static, args,
-                               self._options_for(name, shape), donate)
+                               self._options_for(name, shape, blocks), donate)
 
-  def compile_ahead(self, name: str, fn, static, args, *, shape,
-                    donate=()) -> float:
+  def compile_ahead(self, name: str, fn, static, args, *, shape, donate=(),
+                    blocks: int | None = None) -> float:
     """Traces ``fn``'s program and compiles it in the background (see
     `ProgramCache.compile_ahead`); returns the seconds spent tracing."""
-    return self.programs.compile_ahead(name, fn, static, args,
-                                       self._options_for(name, shape), donate)
+    return self.programs.compile_ahead(
+        name, fn, static, args, self._options_for(name, shape, blocks),
+        donate)
 
-  def _options_for(self, name: str, shape):
+  def _options_for(self, name: str, shape, blocks: int | None):
     def options():
       if jax.default_backend() != "cpu":
         return {}
-      return self._compiler_options(name, shape)
+      if self._compiler_options is not None:
+        return self._compiler_options(name, shape)
+      return default_compiler_options(name, shape, blocks=blocks)
     return options
 
 

@@ -37,6 +37,7 @@ from penzai_lm.model.prompt_attention import on_gpus
 from penzai_lm.model.prompt_attention import on_one_gpu
 from penzai_lm.model.prompt_attention import with_fused_prompt_attention
 from penzai_lm.model.stateless import stateless_call
+from penzai_lm.model.transformer import TransformerBlock
 
 
 def per_row_size(model, batch_axis: str) -> int | None:
@@ -124,6 +125,8 @@ class PreparedModel:
     layout: The layout of its state.
     state_args: The non-constant leaves of its initial state.
     captures: Where captured points' values are kept in the state.
+    blocks: The transformer blocks the programs run one after the other (a
+      layer stack counts once), for `engine.default_compiler_options`.
   """
 
   model_leaves: list
@@ -131,6 +134,7 @@ class PreparedModel:
   layout: StateLayout
   state_args: list
   captures: tuple[CaptureSpec, ...] = ()
+  blocks: int = 0
 
 
 def _constant_fill(x):
@@ -224,7 +228,13 @@ def _prepare_runnable(runnable, user_labels, batch_axis, batch,
                          tokens=runnable.previous_tokens.label)
   layout = StateLayout(state_treedef, tuple(specs), labels,
                        frozenset(user_labels), placement)
-  return PreparedModel(model_leaves, treedef, layout, args)
+  return PreparedModel(model_leaves, treedef, layout, args,
+                       blocks=_count_blocks(stateless))
+
+
+def _count_blocks(model) -> int:
+  return sum(isinstance(x, TransformerBlock) for x in jax.tree_util.tree_leaves(
+      model, is_leaf=lambda x: isinstance(x, TransformerBlock)))
 
 
 def _frozen_params(model):

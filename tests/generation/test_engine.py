@@ -13,6 +13,7 @@ import penzai_lm
 from penzai_lm import interp
 from penzai_lm.generation import Engine
 from penzai_lm.generation import default_engine
+from penzai_lm.generation.engine import default_compiler_options
 from penzai_lm.generation import generate
 from penzai_lm.generation.shapes import DecodeShape
 from penzai_lm.generation.shapes import PrefillShape
@@ -77,6 +78,28 @@ def test_compiler_options_are_chosen_per_program_and_shape(model):
   engine.generate(model, prompts([4]), **GREEDY)
   if jax.default_backend() == "cpu":
     assert seen == [("prefill", PrefillShape), ("decode", DecodeShape)]
+
+
+def test_few_block_models_compile_with_the_older_fusion_emitters():
+  older = {"xla_cpu_use_fusion_emitters": False}
+  for program in ("prefill", "decode"):
+    assert default_compiler_options(program, None, blocks=3) == older
+    assert default_compiler_options(program, None, blocks=4) == {}
+    assert default_compiler_options(program, None) == {}
+  assert default_compiler_options("forward", None, blocks=1) == {}
+
+
+def test_both_fusion_emitters_generate_the_same(model):
+  """The tiny model's 3 blocks take the older emitters by default; XLA's
+  defaults (the newer ones) must produce the same tokens and log-probs."""
+  settings = dict(max_new_tokens=5, temperature=0.8, top_p=0.9, seed=3)
+  rows = prompts([4, 7], seed=41)
+  older = Engine().generate(model, rows, **settings)
+  newer = Engine(compiler_options=lambda name, shape: {}).generate(
+      model, rows, **settings)
+  assert older.tokens == newer.tokens
+  np.testing.assert_allclose(np.array(older.logprobs),
+                             np.array(newer.logprobs), atol=1e-5)
 
 
 @pytest.mark.parametrize("kwargs, message", [
