@@ -33,8 +33,8 @@ import jax
 import numpy as np
 from penzai import pz
 
-from penzai_lm.model.transformer import TransformerBlock
 from penzai_lm.model.stateless import stateless_call
+from penzai_lm.model.transformer import TransformerBlock
 
 
 @dataclasses.dataclass(frozen=True)
