@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.generation.shared_traces import share_block_traces
 from penzai_lm.interp import points as points_lib
+from penzai_lm.model.stateless import stateless_call
 from penzai_lm.model.transformer import positions_from_padding
 from penzai_lm.sae.autoencoder import FEATURES
 
@@ -146,9 +148,9 @@ def _attribute(stateless, variables, ids, side, *, metric):
               .at_instances_of(_AddDelta).get_sequence()]
 
   def loss(delta):
-    model = (pz.select(stateless).at_instances_of(_AddDelta)
-             .apply(lambda _: _AddDelta(delta)))
-    logits, new_vars = model.stateless_call(variables, ids, **side)
+    model = share_block_traces(pz.select(stateless).at_instances_of(
+        _AddDelta).apply(lambda _: _AddDelta(delta)))
+    logits, new_vars = stateless_call(model, variables, ids, **side)
     (saved,) = [v for v in new_vars if v.label == "feature_attribution"]
     return metric(logits), saved.value
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.generation.shared_traces import share_block_traces
 from penzai_lm.interp import points as points_lib
 from penzai_lm.interp.token_rules import TokenRule
 from penzai_lm.sae.activations import PointActivations
@@ -188,8 +189,10 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
 @jax.jit
 def _ce_sum(model, ids, skip):
   """Summed next-token cross-entropy of the predictions made at positions
-  ``skip .. length - 2`` (``skip`` traced: one program for any)."""
-  logits = model(ids).unwrap("batch", "seq", "vocabulary").astype(jnp.float32)
+  ``skip .. length - 2`` (``skip`` traced: one program for any). Blocks
+  of one structure share one trace (SmolLM2's 30 blocks: 2.7 s)."""
+  logits = share_block_traces(model)(ids).unwrap("batch", "seq", "vocabulary")
+  logits = logits.astype(jnp.float32)
   tokens = ids.unwrap("batch", "seq")
   logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
   nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
