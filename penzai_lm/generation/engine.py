@@ -64,22 +64,44 @@ CompilerOptions = Callable[[str, Any], dict[str, Any]]
 # `default_compiler_options`).
 FEW_BLOCKS = 3
 
+# Programs of models with at most this many parameters are compiled with
+# `small_model_options` (see `default_compiler_options`).
+SMALL_MODEL = 1_000_000
+
 
 def default_compiler_options(program: str, shape, *,
-                             blocks: int | None = None) -> dict[str, Any]:
-  """XLA's defaults, but for the fusion emitters of models with few blocks.
+                             blocks: int | None = None,
+                             parameters: int | None = None
+                             ) -> dict[str, Any]:
+  """XLA's defaults, but for small models.
 
-  XLA:CPU's newer fusion emitters compile each distinct kernel through MLIR
-  (~15 ms of code generation each) and share identical kernels, so the
-  blocks of a deep model cost little; the older emitters generate LLVM IR
-  directly, faster per kernel, but once per fusion. A program of a model
-  with at most `FEW_BLOCKS` blocks is mostly the sampler's ~110 distinct
-  kernels, so it compiles faster with the older ones. Medians are not
-  needed to see it (one fresh process each, SmolLM2-shaped blocks, first
-  generate's XLA seconds, new -> old emitters): 1 block 4.9 -> 3.0 s, 2
-  blocks 5.5 -> 3.3 s, 4 blocks 5.6 -> 4.9 s, 8 blocks 5.0 -> 7.4 s (the
-  30-block decode program alone: 4.6 -> 7.5-8.6 s). Decode speed was the
-  same (1 and 2 blocks: 95-99 tok/s either way).
+  Fusion emitters: XLA:CPU's newer fusion emitters compile each distinct
+  kernel through MLIR (~15 ms of code generation each) and share identical
+  kernels, so the blocks of a deep model cost little; the older emitters
+  generate LLVM IR directly, faster per kernel, but once per fusion. A
+  program of a model with at most `FEW_BLOCKS` blocks is mostly the
+  sampler's ~110 distinct kernels, so it compiles faster with the older
+  ones. Medians are not needed to see it (one fresh process each,
+  SmolLM2-shaped blocks, first generate's XLA seconds, new -> old
+  emitters): 1 block 4.9 -> 3.0 s, 2 blocks 5.5 -> 3.3 s, 4 blocks 5.6 ->
+  4.9 s, 8 blocks 5.0 -> 7.4 s (the 30-block decode program alone: 4.6 ->
+  7.5-8.6 s). Decode speed was the same (1 and 2 blocks: 95-99 tok/s
+  either way).
+
+  Small models: the programs of a model of at most `SMALL_MODEL`
+  parameters (toy and test models: a grokking transformer has 0.3 M) take
+  `small_model_options`: the older emitters at any depth, at LLVM -O0
+  without its expensive passes. Their steps take a fraction of a
+  millisecond either way; the compile is the wait, and every new patch
+  structure, batch or cache bucket is a new one. Medians of 3 fresh
+  processes (`benchmarks/small_model_compile.py`; first generate's XLA
+  seconds at batch 1 and then 8, and decode tok/s at batch 1, as a larger
+  model is compiled -> small options): 34 k parameters, 3 blocks: 3.8 ->
+  1.5 s and 6.7 -> 1.6 s, 7,600 -> 5,800 tok/s; 80 k, 8 blocks: 5.8 ->
+  2.3 s and 5.2 -> 2.4 s; 0.29 M: 2.8 -> 1.2 s and 7.6 -> 1.2 s, 5,500 ->
+  4,600 tok/s. Past the bound the slower code starts to count: with
+  SmolLM2's vocabulary on 1.6 M parameters, the sampler decoded 2,700 ->
+  1,100 tok/s (batch 8: 820 -> 160).
 
   Measured (`benchmarks/compiler_options.py`, SmolLM2-135M fp32, greedy):
   turning XLA's YNNPACK fusions off for decode programs on CPU (our earlier
@@ -93,15 +115,31 @@ def default_compiler_options(program: str, shape, *,
     shape: The program's shape (unused).
     blocks: The transformer blocks the program runs one after the other (a
       layer stack counts once: its scan compiles one block), if known.
+    parameters: The model's parameters (array elements), if known.
   """
   del shape
+  if parameters is not None and parameters <= SMALL_MODEL:
+    return small_model_options()
   if (program in ("prefill", "decode") and blocks is not None
       and blocks <= FEW_BLOCKS and _cpu_accepts(_EMITTERS, False)):
     return {_EMITTERS: False}
   return {}
 
 
+def small_model_options() -> dict[str, Any]:
+  """XLA:CPU's options for the programs of small models (see
+  `default_compiler_options`), e.g. for ``jax.jit(..., compiler_options=)``;
+  those this jaxlib lacks are left out."""
+  options = {}
+  if _cpu_accepts(_EMITTERS, False):
+    options[_EMITTERS] = False
+  if _cpu_accepts(_OPT_LEVEL, 0):
+    options.update({_OPT_LEVEL: 0, "xla_llvm_disable_expensive_passes": True})
+  return options
+
+
 _EMITTERS = "xla_cpu_use_fusion_emitters"
+_OPT_LEVEL = "xla_backend_optimization_level"
 
 
 @functools.cache
@@ -334,34 +372,39 @@ class Engine:
                 request.capture, self.prompt_attention), make)
 
   def program(self, name: str, fn, static, args, *, shape, donate=(),
-              blocks: int | None = None):
+              blocks: int | None = None, parameters: int | None = None):
     """``(compiled program, compile seconds)`` for ``fn`` (cached).
-    ``blocks``: the model's transformer blocks, for the default compiler
-    options."""
+    ``blocks`` and ``parameters``: the model's transformer blocks and
+    parameters, for the default compiler options."""
     return self.lower(name, fn, static, args, shape=shape, donate=donate,
-                      blocks=blocks).compile()
+                      blocks=blocks, parameters=parameters).compile()
 
   def lower(self, name: str, fn, static, args, *, shape, donate=(),
-            blocks: int | None = None) -> Pending:
+            blocks: int | None = None, parameters: int | None = None
+            ) -> Pending:
     """``fn``'s program traced (or cached): see `ProgramCache.lower`."""
-    return self.programs.lower(name, fn, static, args,
-                               self._options_for(name, shape, blocks), donate)
+    return self.programs.lower(
+        name, fn, static, args,
+        self._options_for(name, shape, blocks, parameters), donate)
 
   def compile_ahead(self, name: str, fn, static, args, *, shape, donate=(),
-                    blocks: int | None = None) -> float:
+                    blocks: int | None = None,
+                    parameters: int | None = None) -> float:
     """Traces ``fn``'s program and compiles it in the background (see
     `ProgramCache.compile_ahead`); returns the seconds spent tracing."""
     return self.programs.compile_ahead(
-        name, fn, static, args, self._options_for(name, shape, blocks),
-        donate)
+        name, fn, static, args,
+        self._options_for(name, shape, blocks, parameters), donate)
 
-  def _options_for(self, name: str, shape, blocks: int | None):
+  def _options_for(self, name: str, shape, blocks: int | None,
+                   parameters: int | None):
     def options():
       if jax.default_backend() != "cpu":
         return {}
       if self._compiler_options is not None:
         return self._compiler_options(name, shape)
-      return default_compiler_options(name, shape, blocks=blocks)
+      return default_compiler_options(name, shape, blocks=blocks,
+                                      parameters=parameters)
     return options
 
 

@@ -106,6 +106,7 @@ def compiled_forward(model, tokens, *, engine=None, token_positions=None,
     unhashable non-array side input): the caller then runs it eagerly.
   """
   from penzai_lm.generation.engine import resolve_engine  # pylint: disable=g-import-not-at-top
+  from penzai_lm.generation.prepare import count_parameters  # pylint: disable=g-import-not-at-top
   split = _split_side_inputs(side_inputs)
   if split is None:
     return NotImplemented
@@ -118,7 +119,8 @@ def compiled_forward(model, tokens, *, engine=None, token_positions=None,
           padding, side_arrays)
   program, _ = resolve_engine(engine).program(
       "forward", forward_program, static, args,
-      shape=dict(tokens.named_shape))
+      shape=dict(tokens.named_shape),
+      parameters=count_parameters(jax.tree_util.tree_leaves(model)))
   logits, new_state = program(*args)
   for var, value in zip(
       (v for v in variables if isinstance(v, pz.StateVariable)), new_state):

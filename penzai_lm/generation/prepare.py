@@ -127,6 +127,7 @@ class PreparedModel:
     captures: Where captured points' values are kept in the state.
     blocks: The transformer blocks the programs run one after the other (a
       layer stack counts once), for `engine.default_compiler_options`.
+    parameters: The model's array elements, for the same.
   """
 
   model_leaves: list
@@ -135,6 +136,7 @@ class PreparedModel:
   state_args: list
   captures: tuple[CaptureSpec, ...] = ()
   blocks: int = 0
+  parameters: int = 0
 
 
 def _constant_fill(x):
@@ -229,7 +231,13 @@ def _prepare_runnable(runnable, user_labels, batch_axis, batch,
   layout = StateLayout(state_treedef, tuple(specs), labels,
                        frozenset(user_labels), placement)
   return PreparedModel(model_leaves, treedef, layout, args,
-                       blocks=_count_blocks(stateless))
+                       blocks=_count_blocks(stateless),
+                       parameters=count_parameters(model_leaves))
+
+
+def count_parameters(leaves) -> int:
+  """Array elements of a model's leaves (its size, for compiler options)."""
+  return sum(int(np.size(x)) for x in leaves if hasattr(x, "shape"))
 
 
 def _count_blocks(model) -> int:

@@ -164,7 +164,8 @@ class Run:
     pending = self._engine.lower(
         "prefill", programs.prefill_program,
         (self.request.prefill, prepared.treedef, prepared.layout), args,
-        shape=self.request.prefill, blocks=prepared.blocks)
+        shape=self.request.prefill, blocks=prepared.blocks,
+        parameters=prepared.parameters)
     if pending.out_info is not None and prepared.layout.placement is None:
       # A first request: XLA builds the decode program (its carry is the
       # prefill's output) on another core while the prefill compiles and
@@ -174,7 +175,8 @@ class Run:
       self._engine.compile_ahead(
           "decode", programs.decode_program, self._decode_static(),
           (prepared.model_leaves, pending.out_info, self._decode_inputs(0)),
-          shape=self.request.decode, donate=(1,), blocks=prepared.blocks)
+          shape=self.request.decode, donate=(1,), blocks=prepared.blocks,
+          parameters=prepared.parameters)
     program, seconds = pending.compile()
     self.timings.compile_s += seconds
     start = time.perf_counter()
@@ -192,7 +194,8 @@ class Run:
     args = (self._prepared.model_leaves, self.carry, inputs)
     program, seconds = self._engine.program(
         "decode", programs.decode_program, self._decode_static(), args,
-        shape=self.request.decode, donate=(1,), blocks=self._prepared.blocks)
+        shape=self.request.decode, donate=(1,), blocks=self._prepared.blocks,
+        parameters=self._prepared.parameters)
     self.timings.compile_s += seconds
     start = time.perf_counter()
     self.carry = program(*args)

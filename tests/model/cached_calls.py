@@ -1,11 +1,16 @@
 """Run a cached model through a series of calls, as a compiled program."""
 
+import functools
+
 import jax
 import numpy as np
 from penzai import pz
 
+from penzai_lm.generation.engine import small_model_options
 
-@jax.jit
+
+# Small test models: compiled as the engine compiles theirs (LLVM -O0).
+@functools.partial(jax.jit, compiler_options=small_model_options())
 def _step(model, state, tokens):
   # One jitted function for every caller: models of one structure and call
   # shapes share its programs across tests (a lambda per call compiled

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from penzai import pz
 
+from penzai_lm.generation.engine import small_model_options
 from penzai_lm.model import build_transformer
 from tests.model.configs import CONFIGS
 from tests.model.configs import config
@@ -54,7 +55,13 @@ def random_tokens(shape, vocab=97, seed=0):
   return np.random.RandomState(seed).randint(1, vocab, size=shape).astype(np.int32)
 
 
-@jax.jit
+# The test models are small: compiled as the engine compiles their programs
+# (`small_model_options`, LLVM -O0; tests/model/test_kv_cache.py: these two
+# functions compiled in 72 s of its 146 s).
+_jit_small = functools.partial(jax.jit, compiler_options=small_model_options())
+
+
+@_jit_small
 def _uncached_logits(model, tokens, token_positions):
   return model(tokens, token_positions=token_positions)
 
@@ -66,7 +73,7 @@ def uncached_logits(model, tokens, *axes, token_positions=None):
   return np.asarray(out.unwrap(*axes, "vocabulary"))
 
 
-@jax.jit
+@_jit_small
 def _cached_step(stateless, state, tokens):
   return stateless.stateless_call(state, tokens)
 
