@@ -129,8 +129,10 @@ def default_compiler_options(program: str, shape, *,
 def small_model_options() -> dict[str, Any]:
   """XLA:CPU's options for the programs of small models (see
   `default_compiler_options`), e.g. for ``jax.jit(..., compiler_options=)``;
-  those this jaxlib lacks are left out."""
+  those this jaxlib lacks are left out, and none off CPU."""
   options = {}
+  if jax.default_backend() != "cpu":
+    return options
   if _cpu_accepts(_EMITTERS, False):
     options[_EMITTERS] = False
   if _cpu_accepts(_OPT_LEVEL, 0):
