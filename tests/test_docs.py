@@ -69,7 +69,8 @@ def test_reexported_names_all_have_a_package_page():
 
 def test_pages_speak_of_the_repository_only():
   """No page points outside the repository (a relative path climbing out
-  of it, or a machine's own folders)."""
+  of it, or a machine's own folders) or speaks of the project's internal
+  notes and issues (docs/gpu.md did: "The issue's targets")."""
   for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
     text = page.read_text()
     for match in re.finditer(r"\.\./[\w./-]+", text):
@@ -77,3 +78,9 @@ def test_pages_speak_of_the_repository_only():
       assert target.is_relative_to(ROOT) and target.exists(), (
           f"{page.relative_to(ROOT)} points to {match.group(0)}, outside"
           " the repository or missing")
+    for match in re.finditer(
+        r"(?<![\w.])(/(?:work|tmp|home|root|Users|mnt)/[\w./-]*"
+        r"|shared/(?:notes|seeds)\b|[Tt]he issue's)", text):
+      raise AssertionError(f"{page.relative_to(ROOT)} speaks of"
+                           f" {match.group(0)!r}: a machine's folders or"
+                           " the project's internal notes")

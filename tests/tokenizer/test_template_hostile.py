@@ -178,13 +178,18 @@ def test_template_size_limit_leaves_room_for_real_templates():
   assert ct.render_chat_template(template, CHAT) == "a" * (50_000 // 9)
 
 
-def test_template_size_in_a_gguf_names_the_file(tmp_path):
+@pytest.mark.parametrize("units", [300_000, 5_600_000])  # 2.7 and 50 MB
+def test_template_size_in_a_gguf_names_the_file(tmp_path, units):
+  """The probe's 50 MB template had not finished after 170 s: it is now
+  refused by its size, before anything compiles."""
   path = write_tiny_bpe_gguf(tmp_path / "big.gguf",
-                             template="{{ 'a' }}" * 300_000)
+                             template="{{ 'a' }}" * units)
+  start = time.perf_counter()
   tok = Tokenizer.from_gguf(path)
   with pytest.raises(TemplateLimitError, match=r"tokenizer\.chat_template\)"
                      r" of .*big\.gguf went over a limit: its source is"):
     tok.apply_chat_template(CHAT)
+  assert time.perf_counter() - start < 30
 
 
 @pytest.mark.parametrize("unit", ["{% if x %}y{% endif %}",
