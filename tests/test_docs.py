@@ -84,3 +84,13 @@ def test_pages_speak_of_the_repository_only():
       raise AssertionError(f"{page.relative_to(ROOT)} speaks of"
                            f" {match.group(0)!r}: a machine's folders or"
                            " the project's internal notes")
+
+
+def test_the_kernel_build_figures_agree():
+  """The measured cold-build times read the same in the kernels' module
+  and in docs/quantization.md (they had disagreed with each other)."""
+  figures = (r"took\s+([\d.]+-[\d.]+ s)\s+of\s+CPU\s+time\s+each,\s+"
+             r"(?:and\s+)?([\d.]+-[\d.]+ s)\s+of\s+wall\s+time")
+  found = [re.findall(figures, path.read_text()) for path in (
+      ROOT / "penzai_lm" / "kernels" / "build.py", DOCS / "quantization.md")]
+  assert len(found[0]) == 1 and found[0] == found[1], found
