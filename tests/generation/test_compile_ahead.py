@@ -13,16 +13,19 @@ from tests.generation.conftest import prompts
 GREEDY = dict(max_new_tokens=3, temperature=0.0, stop_tokens=[])
 
 
-def _compile_threads(run) -> dict[str, str]:
-  """Program name -> the thread XLA compiled it on, while ``run()`` runs."""
-  threads = {}
+def _compile_threads(run) -> list[tuple[str, str]]:
+  """``(program name, thread)`` of each program XLA compiled while ``run()``
+  runs. A list: with a program store both programs are named "jit(call)",
+  and a dict kept whichever finished last (a small model's decode program
+  now compiles before the prefill's, so its thread was overwritten)."""
+  threads = []
 
   def listener(event, seconds, **kw):
     del seconds
     name = kw.get("fun_name", "")
     if event == "/jax/core/compile/backend_compile_duration" and (
         "program" in name or name == "jit(call)"):
-      threads[name] = threading.current_thread().name
+      threads.append((name, threading.current_thread().name))
 
   monitoring.register_event_duration_secs_listener(listener)
   try:
@@ -36,8 +39,8 @@ def test_decode_compiles_on_its_own_thread_once(model):
   engine = Engine(program_store=None)
   rows = prompts([4, 6], seed=41)
   result = {}
-  threads = _compile_threads(
-      lambda: result.update(first=engine.generate(model, rows, **GREEDY)))
+  threads = dict(_compile_threads(
+      lambda: result.update(first=engine.generate(model, rows, **GREEDY))))
   assert threads["jit(decode_program)"] == "penzai_lm compile decode"
   assert threads["jit(prefill_program)"] == threading.current_thread().name
   assert engine.compilations == 2  # The decode program was not made twice.
@@ -53,7 +56,7 @@ def test_with_a_program_store(model, tmp_path):
   engine = Engine(program_store=tmp_path)
   rows = prompts([3], seed=42)
   threads = _compile_threads(lambda: engine.generate(model, rows, **GREEDY))
-  assert "penzai_lm compile decode" in threads.values()
+  assert "penzai_lm compile decode" in [thread for _, thread in threads]
   assert engine.compilations == 2
   assert engine.program_store().stats.saved == 2
 
