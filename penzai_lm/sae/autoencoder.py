@@ -139,7 +139,7 @@ class NormStats:
   shift: pz.nx.NamedArray | None
 
 
-def _contract(x: pz.nx.NamedArray, w: pz.nx.NamedArray,
+def contract(x: pz.nx.NamedArray, w: pz.nx.NamedArray,
               axes: tuple[str, ...]) -> pz.nx.NamedArray:
   """Sums ``x * w`` over ``axes`` (a named matrix product).
 
@@ -355,7 +355,7 @@ class SparseAutoencoder(pz.Struct):
   def _pre(self, normalized):
     if self.config.apply_b_dec_to_input:
       normalized = normalized - self.b_dec
-    pre = _contract(normalized, self.w_enc, self.input_names) + self.b_enc
+    pre = contract(normalized, self.w_enc, self.input_names) + self.b_enc
     if self.config.rescale_acts_by_decoder_norm:
       pre = pre * self._decoder_norms()
     return pre
@@ -390,7 +390,7 @@ class SparseAutoencoder(pz.Struct):
     features = features.astype(self.dtype)
     if self.config.rescale_acts_by_decoder_norm:
       features = features / self._decoder_norms()
-    return _contract(features, self.w_dec, (FEATURES,))
+    return contract(features, self.w_dec, (FEATURES,))
 
   def denormalize(self, y: pz.nx.NamedArray, stats: NormStats, *,
                   shift: bool = True) -> pz.nx.NamedArray:
@@ -406,7 +406,7 @@ class SparseAutoencoder(pz.Struct):
       return None
     renamed = x.astype(self.dtype).untag(*self.input_names).tag(
         *(f"{a}_in" for a in self.input_names))
-    return _contract(renamed, self.w_skip,
+    return contract(renamed, self.w_skip,
                      tuple(f"{a}_in" for a in self.input_names))
 
   def decode(self, features: pz.nx.NamedArray,

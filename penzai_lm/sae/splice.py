@@ -34,6 +34,14 @@ forward pass may fuse the blocks after it differently, which moves gemma3's
 logits by ~1e-6).
 ``mode="replace"`` outputs the reconstruction itself (for "loss when
 spliced" metrics).
+
+When nothing records the splice's points and its features are only edited
+by `FeatureEdit`s (steering), the change is computed from the edited
+features alone: their encoder columns and decoder rows, not the whole
+dictionary (`_sparse_change`). SmolLM2's decode with a 9,216-feature SAE
+steering one feature went from 19% slower than an `AddVector` at batch 8
+to the same speed (`benchmarks/sae_overhead.py`). With no edit at all, the
+splice returns the value as it came.
 """
 
 from __future__ import annotations
@@ -47,8 +55,11 @@ from penzai import pz
 
 from penzai_lm.interp import points as points_lib
 from penzai_lm.model.hooks import HookPoint
+from penzai_lm.sae.autoencoder import contract
 from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import SparseAutoencoder
+from penzai_lm.sae.edits import EDITED
+from penzai_lm.sae.edits import FeatureEdit
 
 TOP = "top_k"
 SUB_POINTS = ("features", "top_values", "top_ids", "error")
@@ -100,6 +111,12 @@ class Splice(pz.nn.Layer):
   def __call__(self, x, /, **side_inputs):
     sae = self.sae
     target = x if self.inner is None else self.inner(x, **side_inputs)
+    edits = self._edits_only()
+    if edits is not None:
+      if not edits:
+        return target
+      change = _sparse_change(sae, x, edits, side_inputs)
+      return pz.nx.order_like(target + change.astype(target.dtype), target)
     clean, stats = sae.encode_with_stats(x)
     edited = self.features(clean, **side_inputs)
     top = pz.nx.nmap(lambda f: jax.lax.top_k(f, self.top_k))(
@@ -118,6 +135,82 @@ class Splice(pz.nn.Layer):
     change = sae.denormalize(sae.decode_linear(edited - clean), stats,
                              shift=False)
     return pz.nx.order_like(target + change.astype(target.dtype), target)
+
+
+  def _edits_only(self) -> list[FeatureEdit] | None:
+    """The `FeatureEdit`s at the features point, when they are all the
+    splice's points do in error mode (nothing records a value, every edit
+    keeps its ids and has no per-feature values); else None."""
+    if self.mode != "error" or any(
+        len(seq.sublayers) != 1
+        for seq in (self.top_values, self.top_ids, self.error)):
+      return None
+    *edits, last = self.features.sublayers
+    if not isinstance(last, FeaturePoint) or not all(
+        type(e) is FeatureEdit and e.ids is not None
+        and FEATURES not in e.scale.named_shape
+        and FEATURES not in e.offset.named_shape for e in edits):
+      return None
+    return edits
+
+
+def _take(table: pz.nx.NamedArray, ids: pz.nx.NamedArray
+          ) -> pz.nx.NamedArray:
+  """``table``'s entries at ``ids`` (its ``features`` axis becomes
+  ``edited``)."""
+  return pz.nx.nmap(lambda t, i: jnp.take(t, i, axis=0))(
+      table.untag(FEATURES), ids.untag(EDITED)).tag(EDITED)
+
+
+def _sparse_change(sae: SparseAutoencoder, x, edits, side_inputs):
+  """What the edits add to the point's value, ``(f_edited - f) @ w_dec``,
+  from the edited features alone: their encoder columns and decoder rows
+  are gathered, so the cost does not grow with the SAE's width (TopK still
+  encodes every feature: membership needs them all). Equal to the dense
+  form up to float rounding (the sum's order)."""
+  ids = pz.nx.nmap(lambda *a: jnp.concatenate(a))(
+      *(e.ids.untag(EDITED) for e in edits)).tag(EDITED)
+  # Padding (-1) and repeats (a feature two edits name) add nothing.
+  counted = pz.nx.nmap(_first_valid)(ids.untag(EDITED)).tag(EDITED)
+  ids = pz.nx.nmap(jnp.maximum)(ids, 0)
+  normalized, stats = sae.normalize(x)
+  w_dec = _take(sae.w_dec, ids)
+  c = sae.config
+  if c.activation == "topk":
+    clean = _take(sae.activate(sae._pre(normalized)), ids)  # pylint: disable=protected-access
+  else:
+    if c.apply_b_dec_to_input:
+      normalized = normalized - sae.b_dec
+    pre = contract(normalized, _take(sae.w_enc, ids), sae.input_names)
+    pre = pre + _take(sae.b_enc, ids)
+    if c.rescale_acts_by_decoder_norm:
+      pre = pre * _norms(sae, w_dec)
+    clean = pz.nx.nmap(jax.nn.relu)(pre)
+    if c.activation == "jumprelu":
+      keep = pre > _take(sae.threshold, ids)
+      clean = pz.nx.nmap(jnp.where)(keep, clean, jnp.zeros((), clean.dtype))
+  edited = clean
+  for edit in edits:
+    edited = edit.on_ids(edited, ids, **side_inputs)
+  delta = pz.nx.nmap(jnp.where)(counted, edited - clean,
+                                jnp.zeros((), clean.dtype))
+  if c.rescale_acts_by_decoder_norm:
+    delta = delta / _norms(sae, w_dec)
+  change = contract(delta.astype(sae.dtype), w_dec, (EDITED,))
+  return sae.denormalize(change, stats, shift=False)
+
+
+def _first_valid(ids: jax.Array) -> jax.Array:
+  """Whether each id is a feature (not -1) seen first at its slot."""
+  earlier = jnp.tril(ids[:, None] == ids[None, :], k=-1).any(axis=1)
+  return (ids >= 0) & ~earlier
+
+
+def _norms(sae: SparseAutoencoder, w_dec: pz.nx.NamedArray):
+  total = pz.nx.nmap(jnp.square)(w_dec)
+  for axis in sae.output_names:
+    total = total.untag(axis).sum()
+  return pz.nx.nmap(jnp.sqrt)(total)
 
 
 def _default_name(sae: SparseAutoencoder) -> str:
