@@ -301,7 +301,7 @@ class Engine:
                             chunk_size=chunk_size, cancel=cancel)
 
   def forward(self, model, tokens, *, token_positions=None, padding=None,
-              **side_inputs):
+              return_logits: bool = True, **side_inputs):
     """``model(tokens, ...)`` as a compiled program of this engine (a
     top-level model call uses the default engine's;
     `penzai_lm.generation.forward`).
@@ -313,6 +313,10 @@ class Engine:
       padding: A named mask of padding tokens (True), from which the
         positions are computed inside the program when ``token_positions``
         is None.
+      return_logits: With False the program returns None instead of the
+        logits, so XLA leaves out whatever only they need (the output
+        projection, the blocks after the last state variable written);
+        state variables (captures) still get their values.
       **side_inputs: Forwarded to the model.
     """
     from penzai_lm.generation.forward import compiled_forward  # pylint: disable=g-import-not-at-top
@@ -320,13 +324,15 @@ class Engine:
     if compiles(tokens, token_positions, side_inputs):
       logits = compiled_forward(model, tokens, engine=self,
                                 token_positions=token_positions,
-                                padding=padding, **side_inputs)
+                                padding=padding,
+                                return_logits=return_logits, **side_inputs)
       if logits is not NotImplemented:
         return logits
     # Traced, eager, or an unhashable non-array side input: the plain call.
     if token_positions is None and padding is not None:
       token_positions = positions_from_padding(padding)
-    return model(tokens, token_positions=token_positions, **side_inputs)
+    logits = model(tokens, token_positions=token_positions, **side_inputs)
+    return logits if return_logits else None
 
   def prepare(self, model, request) -> prepare_lib.PreparedModel:
     """The model ready for ``request``'s programs (cached).

@@ -64,7 +64,8 @@ def forward_program(static, model, variables, tokens, token_positions,
   """The compiled forward pass.
 
   Args:
-    static: The side inputs' structure and non-array values.
+    static: ``(the side inputs' structure and non-array values, whether to
+      return the logits)``.
     model: The model with its variables unbound (slots), or as it is.
     variables: Frozen values of its variables (parameters and state).
     tokens: Named token ids.
@@ -74,8 +75,9 @@ def forward_program(static, model, variables, tokens, token_positions,
     side_arrays: The array leaves of the side inputs.
 
   Returns:
-    ``(logits, new values of the state variables, in order)``.
+    ``(logits or None, new values of the state variables, in order)``.
   """
+  static, return_logits = static
   side_inputs = _rebuild_side_inputs(static, side_arrays)
   bound = [v.unfreeze_as_copy() for v in variables]
   if bound:
@@ -83,11 +85,13 @@ def forward_program(static, model, variables, tokens, token_positions,
   if token_positions is None and padding is not None:
     token_positions = positions_from_padding(padding)
   logits = model(tokens, token_positions=token_positions, **side_inputs)
-  return logits, [v.value for v in bound if isinstance(v, pz.StateVariable)]
+  return (logits if return_logits else None,
+          [v.value for v in bound if isinstance(v, pz.StateVariable)])
 
 
 def compiled_forward(model, tokens, *, engine=None, token_positions=None,
-                     padding=None, **side_inputs) -> Any:
+                     padding=None, return_logits: bool = True,
+                     **side_inputs) -> Any:
   """``model(tokens, ...)`` as a compiled program of ``engine`` (default:
   the default engine); see the module docstring.
 
@@ -99,10 +103,12 @@ def compiled_forward(model, tokens, *, engine=None, token_positions=None,
     padding: A named padding mask: positions are computed from it inside
       the program (`positions_from_padding`) unless ``token_positions`` is
       given.
+    return_logits: False: the program returns None for the logits, so XLA
+      drops what only they need (state variables still get their values).
     **side_inputs: Forwarded to the model.
 
   Returns:
-    The logits, or NotImplemented where the call cannot be compiled (an
+    The logits (None without ``return_logits``), or NotImplemented where the call cannot be compiled (an
     unhashable non-array side input): the caller then runs it eagerly.
   """
   from penzai_lm.generation.engine import resolve_engine  # pylint: disable=g-import-not-at-top
@@ -118,7 +124,7 @@ def compiled_forward(model, tokens, *, engine=None, token_positions=None,
   args = (model, [v.freeze() for v in variables], tokens, token_positions,
           padding, side_arrays)
   program, _ = resolve_engine(engine).program(
-      "forward", forward_program, static, args,
+      "forward", forward_program, (static, bool(return_logits)), args,
       shape=dict(tokens.named_shape),
       parameters=count_parameters(jax.tree_util.tree_leaves(model)))
   logits, new_state = program(*args)

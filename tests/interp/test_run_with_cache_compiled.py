@@ -100,3 +100,36 @@ def test_eager_context_runs_op_by_op():
   with penzai_lm.eager():
     interp.run_with_cache(model, [[1, 2, 3]], names=NAMES, engine=engine)
   assert engine.compilations == 0
+
+
+def _flops(engine) -> list[float]:
+  return [float(p.cost_analysis()["flops"])
+          for _, p in engine.programs.items("forward")]
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_without_logits_only_what_the_captures_need_runs(stacked):
+  """``logits=False``: the same captured values, no logits, and a program
+  without the output projection (and, per-layer, without the blocks after
+  the last captured point)."""
+  model, engine = _model(stacked), Engine()
+  prompts = [[1, 2, 3, 4], [5, 6]]
+  point = "blocks.0.resid_post"
+  full = interp.run_with_cache(model, prompts, names=[point], engine=engine)
+  lean = interp.run_with_cache(model, prompts, names=[point], engine=engine,
+                               logits=False)
+  assert lean.logits is None and full.logits is not None
+  np.testing.assert_array_equal(_np(lean[point]), _np(full[point]))
+  with_logits, without = _flops(engine)
+  assert without < with_logits
+  if not stacked:  # A later point needs more of the model.
+    interp.run_with_cache(model, prompts, names=["blocks.1.resid_post"],
+                          engine=engine, logits=False)
+    assert _flops(engine)[2] > without
+  eager = interp.run_with_cache(model, prompts, names=[point], logits=False,
+                                eager=True)
+  assert eager.logits is None
+  np.testing.assert_allclose(_np(eager[point]), _np(full[point]), rtol=1e-5,
+                             atol=1e-5)
+  with pytest.raises(TypeError, match="logits must be True or False"):
+    interp.run_with_cache(model, prompts, names=[point], logits="no")
