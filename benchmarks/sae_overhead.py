@@ -12,9 +12,11 @@ batch in ``--batches``, four configurations of the same request:
 * ``sae-steer``: the same SAE with a `FeatureEdit` clamping one feature,
   one value per row (feature steering), nothing captured.
 
-The issue's targets: ``sae-capture`` at most 25% slower than ``plain``,
+The targets: ``sae-capture`` at most 25% slower than ``plain``,
 ``sae-steer`` at most 10% slower than ``addvector``. The SAE's weights are
 random (the cost of its dense encode and decode does not depend on them).
+``sae-steer`` records nothing, so the splice computes only the clamped
+feature (`penzai_lm.sae.splice`): its encoder column and decoder row.
 
 Decode throughput is ``timings.decode_tokens_per_s x rows``. Per batch: a
 warm-up run per configuration (compilation), then ``--rounds`` rounds in a
