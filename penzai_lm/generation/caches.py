@@ -13,8 +13,10 @@
   a re-bound parameter is a new key, while a patched variant of a cached
   model (other steering values, same weights) reuses its value with the
   patch's arrays replaced (`penzai_lm.generation.variants`). Entries hold
-  weak references to the model's leaves: an entry whose weights are gone
-  is dropped, so the cache never keeps an old model alive.
+  weak references to the model's leaves, and the values made hold other
+  array objects over the same buffers (`variants.alias_weights`): when the
+  user drops the model, its entries are dropped at once, so the cache
+  never keeps an old model's memory.
 
 Both are thread-safe (an `Engine`, the default one included, is shared by
 every thread that generates): a lock guards each LRU, and concurrent misses
@@ -275,8 +277,9 @@ class _Entry:
   """A cached `Derivable` and, weakly, the model leaves it was made (or
   last derived) for; ``values`` index the non-weight arrays among them."""
 
-  def __init__(self, made: Derivable, leaves, values):
-    self.made, self.refs, self.values = made, _refs(leaves), frozenset(values)
+  def __init__(self, made: Derivable, leaves, values, on_dead=None):
+    self.made, self.values = made, frozenset(values)
+    self.refs = _refs(leaves, self.values, on_dead)
 
   def alive(self, leaves=None) -> bool:
     """Whether its weights (every leaf but the values) are alive (and,
@@ -337,7 +340,7 @@ class IdentityCache:
       made = entry.made.derive(changed)
       with self._lock:
         self.derived += 1
-        self._store(key, _Entry(made, leaves, values))
+        self._store(key, _Entry(made, leaves, values, self._drop_dead))
       return made
     try:
       made = make()
@@ -345,7 +348,7 @@ class IdentityCache:
         made = Derivable(made)
       with self._lock:
         self.made += 1
-        self._store(key, _Entry(made, leaves, values))
+        self._store(key, _Entry(made, leaves, values, self._drop_dead))
     finally:
       with self._lock:
         self._making.release(key)
@@ -353,12 +356,26 @@ class IdentityCache:
 
   def _store(self, key, entry: _Entry) -> None:
     """Under the lock."""
-    for k in [k for k, e in self._entries.items() if not e.alive()]:
-      del self._entries[k]
+    self._drop_dead_locked()
     self._entries[key] = entry
     self._entries.move_to_end(key)
     while len(self._entries) > self.size:
       self._entries.popitem(last=False)
+
+  def _drop_dead(self) -> None:
+    """A weight of an entry was freed (a weak reference's callback, on any
+    thread, maybe inside this cache's own code): drops the dead entries
+    now, so their values (the prepared weights) go with the model, unless
+    the lock is held (the next `_store` drops them)."""
+    if self._lock.acquire(blocking=False):
+      try:
+        self._drop_dead_locked()
+      finally:
+        self._lock.release()
+
+  def _drop_dead_locked(self) -> None:
+    for k in [k for k, e in self._entries.items() if not e.alive()]:
+      del self._entries[k]
 
   def __len__(self) -> int:
     with self._lock:
@@ -369,11 +386,15 @@ class IdentityCache:
       self._entries.clear()
 
 
-def _refs(leaves):
+def _refs(leaves, values=frozenset(), on_dead=None):
+  """Weak references to ``leaves``; ``on_dead()`` runs when a weight (a
+  leaf not in ``values``) goes."""
   refs = []
-  for x in leaves:
+  for i, x in enumerate(leaves):
+    callback = None if on_dead is None or i in values else (
+        lambda _, on_dead=on_dead: on_dead())
     try:
-      refs.append(weakref.ref(x))
+      refs.append(weakref.ref(x, callback))
     except TypeError:
       refs.append(lambda x=x: x)
   return refs

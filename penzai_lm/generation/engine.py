@@ -48,6 +48,7 @@ from penzai_lm.generation.program_store import auto_directory
 from penzai_lm.generation.program_store import ProgramStore
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.run import Run
+from penzai_lm.generation.variants import alias_weights
 from penzai_lm.generation.variants import Derivable
 from penzai_lm.generation.variants import derivable_tree
 from penzai_lm.generation.variants import Lineage
@@ -159,8 +160,10 @@ def _cpu_accepts(option: str, value: Any) -> bool:
 
 def _derivable_unstack(model, leaves, values) -> Derivable:
   lineage = Lineage()
-  return derivable_tree(prepare_lib.unstack_layers(model, lineage), leaves,
-                        values, lineage)
+  unstacked = prepare_lib.unstack_layers(model, lineage)
+  made = derivable_tree(unstacked, leaves, values, lineage)
+  return dataclasses.replace(made, value=alias_weights(unstacked, leaves,
+                                                       values))
 
 
 class Engine:
@@ -369,9 +372,13 @@ class Engine:
           batch_axis=shape.batch_axis, batch=shape.batch,
           cache_len=shape.cache_len, decoded=decoded,
           capture=request.capture, prompt_attention=self.prompt_attention)
+      recipes = lineage.recipes(prepared.model_leaves, leaves, values)
+      prepared = dataclasses.replace(
+          prepared,
+          model_leaves=alias_weights(prepared.model_leaves, leaves, values),
+          state_args=alias_weights(prepared.state_args, leaves, values))
       return Derivable(
-          prepared, lineage.recipes(prepared.model_leaves, leaves, values),
-          leaves=lambda p: p.model_leaves,
+          prepared, recipes, leaves=lambda p: p.model_leaves,
           rebuild=lambda p, new: dataclasses.replace(p, model_leaves=new))
 
     return self._prepared.get_or_make(

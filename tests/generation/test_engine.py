@@ -69,6 +69,29 @@ def test_prepared_models_are_bounded_and_do_not_keep_models_alive():
   assert len(engine._prepared) == 1  # pylint: disable=protected-access
 
 
+@pytest.mark.parametrize("stacked", [True, False])
+def test_a_dropped_model_frees_its_weights(stacked):
+  """The engine's caches hold what they made from a model (its unstacked
+  and prepared forms) but not the model: once the user drops it (and its
+  patched variants), no array holds its weights' memory any more."""
+  engine = Engine()
+  config = conftest.tiny_model("llama_gqa", stacked).config
+  model = penzai_lm.build_transformer(config, seed=23)
+  buffers = {x.unsafe_buffer_pointer()
+             for x in jax.tree_util.tree_leaves(model)
+             if isinstance(x, jax.Array)}
+  engine.generate(model, prompts([4]), **GREEDY)
+  for strength in (2.0, 4.0):  # Variants reuse the prepared weights.
+    engine.generate(_steered(model, strength), prompts([4]), **GREEDY)
+  assert engine._prepared.derived >= 1  # pylint: disable=protected-access
+  del model
+  gc.collect()
+  live = {x.unsafe_buffer_pointer() for x in jax.live_arrays()
+          if not x.is_deleted()}
+  assert not buffers & live
+  assert len(engine._prepared) == 0  # pylint: disable=protected-access
+
+
 def test_compiler_options_are_chosen_per_program_and_shape(model):
   seen = []
 
