@@ -136,7 +136,6 @@ class Splice(pz.nn.Layer):
                              shift=False)
     return pz.nx.order_like(target + change.astype(target.dtype), target)
 
-
   def _edits_only(self) -> list[FeatureEdit] | None:
     """The `FeatureEdit`s at the features point, when they are all the
     splice's points do in error mode (nothing records a value, every edit
@@ -177,7 +176,7 @@ def _sparse_change(sae: SparseAutoencoder, x, edits, side_inputs):
   w_dec = _take(sae.w_dec, ids)
   c = sae.config
   if c.activation == "topk":
-    clean = _take(sae.activate(sae._pre(normalized)), ids)  # pylint: disable=protected-access
+    clean = _take(sae.activate(sae.pre_activations(x)), ids)
   else:
     if c.apply_b_dec_to_input:
       normalized = normalized - sae.b_dec
