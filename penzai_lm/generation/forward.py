@@ -108,8 +108,9 @@ def compiled_forward(model, tokens, *, engine=None, token_positions=None,
     **side_inputs: Forwarded to the model.
 
   Returns:
-    The logits (None without ``return_logits``), or NotImplemented where the call cannot be compiled (an
-    unhashable non-array side input): the caller then runs it eagerly.
+    The logits (None without ``return_logits``), or NotImplemented where
+    the call cannot be compiled (an unhashable non-array side input): the
+    caller then runs it eagerly.
   """
   from penzai_lm.generation.engine import resolve_engine  # pylint: disable=g-import-not-at-top
   from penzai_lm.generation.prepare import count_parameters  # pylint: disable=g-import-not-at-top

@@ -251,12 +251,12 @@ def run_with_cache(model, tokens, names=None, *, logits: bool = True,
     raise TypeError(
         "run_with_cache needs the uncached TransformerLM (a cached model's"
         f" state would change); got {type(model).__name__}.")
+  if not isinstance(logits, bool):
+    raise TypeError(f"logits must be True or False, got {logits!r}.")
   names = points_lib.point_names(model) if names is None else (
       [names] if isinstance(names, str) else list(names))
   ids, padding, lengths = _token_batch(model, tokens)
   patched, captures = insert_captures(model, names, dict(ids.named_shape))
-  if not isinstance(logits, bool):
-    raise TypeError(f"logits must be True or False, got {logits!r}.")
   if not eager and compiles(ids, side_inputs.get("token_positions"),
                             side_inputs):
     from penzai_lm.generation.engine import resolve_engine  # pylint: disable=g-import-not-at-top

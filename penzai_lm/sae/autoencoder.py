@@ -140,7 +140,7 @@ class NormStats:
 
 
 def contract(x: pz.nx.NamedArray, w: pz.nx.NamedArray,
-              axes: tuple[str, ...]) -> pz.nx.NamedArray:
+             axes: tuple[str, ...]) -> pz.nx.NamedArray:
   """Sums ``x * w`` over ``axes`` (a named matrix product).
 
   float32 means float32: outside any ``jax.default_matmul_precision``
@@ -153,6 +153,15 @@ def contract(x: pz.nx.NamedArray, w: pz.nx.NamedArray,
   return pz.nx.nmap(lambda a, b: jnp.tensordot(
       a, b, axes=len(axes), precision=precision))(
           x.untag(*axes), w.untag(*axes))
+
+
+def row_norms(w_dec: pz.nx.NamedArray,
+              output_names: tuple[str, ...]) -> pz.nx.NamedArray:
+  """The norm of each decoder row: ``w_dec``'s output axes summed over."""
+  total = pz.nx.nmap(jnp.square)(w_dec)
+  for axis in output_names:
+    total = total.untag(axis).sum()
+  return pz.nx.nmap(jnp.sqrt)(total)
 
 
 @pz.pytree_dataclass
@@ -318,11 +327,7 @@ class SparseAutoencoder(pz.Struct):
   # -- the computation ------------------------------------------------------
 
   def _decoder_norms(self) -> pz.nx.NamedArray:
-    squares = pz.nx.nmap(jnp.square)(self.w_dec)
-    total = squares
-    for axis in self.output_names:
-      total = total.untag(axis).sum()
-    return pz.nx.nmap(jnp.sqrt)(total)
+    return row_norms(self.w_dec, self.output_names)
 
   def normalize(self, x: pz.nx.NamedArray) -> tuple[pz.nx.NamedArray,
                                                     NormStats]:
@@ -407,7 +412,7 @@ class SparseAutoencoder(pz.Struct):
     renamed = x.astype(self.dtype).untag(*self.input_names).tag(
         *(f"{a}_in" for a in self.input_names))
     return contract(renamed, self.w_skip,
-                     tuple(f"{a}_in" for a in self.input_names))
+                    tuple(f"{a}_in" for a in self.input_names))
 
   def decode(self, features: pz.nx.NamedArray,
              stats: NormStats | None = None) -> pz.nx.NamedArray:

@@ -44,6 +44,14 @@ EDITED = "edited"
 MIN_IDS = 8
 
 
+def take_features(table: pz.nx.NamedArray, ids: pz.nx.NamedArray
+                  ) -> pz.nx.NamedArray:
+  """``table``'s entries at feature ``ids`` (its ``features`` axis becomes
+  ``edited``)."""
+  return pz.nx.nmap(lambda t, i: jnp.take(t, i, axis=0))(
+      table.untag(FEATURES), ids.untag(EDITED)).tag(EDITED)
+
+
 def _width(sae_or_width) -> int:
   if isinstance(sae_or_width, SparseAutoencoder):
     return sae_or_width.config.num_features
@@ -167,9 +175,7 @@ class FeatureEdit(pz.nn.Layer):
              **side_inputs) -> pz.nx.NamedArray:
     """The edit on some features only: ``f`` holds the activations of the
     features ``ids`` names (both over ``edited``, ids in range)."""
-    selected = pz.nx.nmap(lambda m, i: jnp.take(m, i, axis=0))(
-        self.mask.untag(FEATURES), ids.untag(EDITED)).tag(EDITED)
-    return self._apply(f, selected, side_inputs)
+    return self._apply(f, take_features(self.mask, ids), side_inputs)
 
   def _apply(self, f, selected, side_inputs):
     edited = f * self.scale.astype(f.dtype) + self.offset.astype(f.dtype)

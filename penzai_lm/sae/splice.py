@@ -57,9 +57,11 @@ from penzai_lm.interp import points as points_lib
 from penzai_lm.model.hooks import HookPoint
 from penzai_lm.sae.autoencoder import contract
 from penzai_lm.sae.autoencoder import FEATURES
+from penzai_lm.sae.autoencoder import row_norms
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.edits import EDITED
 from penzai_lm.sae.edits import FeatureEdit
+from penzai_lm.sae.edits import take_features
 
 TOP = "top_k"
 SUB_POINTS = ("features", "top_values", "top_ids", "error")
@@ -153,14 +155,6 @@ class Splice(pz.nn.Layer):
     return edits
 
 
-def _take(table: pz.nx.NamedArray, ids: pz.nx.NamedArray
-          ) -> pz.nx.NamedArray:
-  """``table``'s entries at ``ids`` (its ``features`` axis becomes
-  ``edited``)."""
-  return pz.nx.nmap(lambda t, i: jnp.take(t, i, axis=0))(
-      table.untag(FEATURES), ids.untag(EDITED)).tag(EDITED)
-
-
 def _sparse_change(sae: SparseAutoencoder, x, edits, side_inputs):
   """What the edits add to the point's value, ``(f_edited - f) @ w_dec``,
   from the edited features alone: their encoder columns and decoder rows
@@ -173,28 +167,31 @@ def _sparse_change(sae: SparseAutoencoder, x, edits, side_inputs):
   counted = pz.nx.nmap(_first_valid)(ids.untag(EDITED)).tag(EDITED)
   ids = pz.nx.nmap(jnp.maximum)(ids, 0)
   normalized, stats = sae.normalize(x)
-  w_dec = _take(sae.w_dec, ids)
+  w_dec = take_features(sae.w_dec, ids)
   c = sae.config
+  norms = (row_norms(w_dec, sae.output_names)
+           if c.rescale_acts_by_decoder_norm else None)
   if c.activation == "topk":
-    clean = _take(sae.activate(sae.pre_activations(x)), ids)
+    clean = take_features(sae.activate(sae.pre_activations(x)), ids)
   else:
     if c.apply_b_dec_to_input:
       normalized = normalized - sae.b_dec
-    pre = contract(normalized, _take(sae.w_enc, ids), sae.input_names)
-    pre = pre + _take(sae.b_enc, ids)
-    if c.rescale_acts_by_decoder_norm:
-      pre = pre * _norms(sae, w_dec)
+    w_enc = take_features(sae.w_enc, ids)
+    pre = contract(normalized, w_enc, sae.input_names)
+    pre = pre + take_features(sae.b_enc, ids)
+    if norms is not None:
+      pre = pre * norms
     clean = pz.nx.nmap(jax.nn.relu)(pre)
     if c.activation == "jumprelu":
-      keep = pre > _take(sae.threshold, ids)
+      keep = pre > take_features(sae.threshold, ids)
       clean = pz.nx.nmap(jnp.where)(keep, clean, jnp.zeros((), clean.dtype))
   edited = clean
   for edit in edits:
     edited = edit.on_ids(edited, ids, **side_inputs)
   delta = pz.nx.nmap(jnp.where)(counted, edited - clean,
                                 jnp.zeros((), clean.dtype))
-  if c.rescale_acts_by_decoder_norm:
-    delta = delta / _norms(sae, w_dec)
+  if norms is not None:
+    delta = delta / norms
   change = contract(delta.astype(sae.dtype), w_dec, (EDITED,))
   return sae.denormalize(change, stats, shift=False)
 
@@ -203,13 +200,6 @@ def _first_valid(ids: jax.Array) -> jax.Array:
   """Whether each id is a feature (not -1) seen first at its slot."""
   earlier = jnp.tril(ids[:, None] == ids[None, :], k=-1).any(axis=1)
   return (ids >= 0) & ~earlier
-
-
-def _norms(sae: SparseAutoencoder, w_dec: pz.nx.NamedArray):
-  total = pz.nx.nmap(jnp.square)(w_dec)
-  for axis in sae.output_names:
-    total = total.untag(axis).sum()
-  return pz.nx.nmap(jnp.sqrt)(total)
 
 
 def _default_name(sae: SparseAutoencoder) -> str:
