@@ -11,12 +11,22 @@ shared machine wall times grow with the load, CPU time much less) and the
 wall time from start to the first token. Target (issue 28): compile+trace
 <= 3 s without a persistent cache.
 
+``--cold N`` runs N rounds of processes without a persistent cache
+instead, and ``--baseline DIR`` (a checkout of another commit, e.g. from
+``git worktree add``) alternates them with processes that import
+penzai_lm from DIR, for a side-by-side comparison on a shared machine; the
+medians close the table. Time to the first token there is
+``compile+trace + prefill``: the prefill's first run pays costs of its own
+(XLA:CPU builds the YNNPACK dots' packed weights on their first call).
+
 Run: python benchmarks/new_process.py [--dtype bfloat16] [--quantize int8]
+     [--cold 5 [--baseline /tmp/before]]
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,16 +55,64 @@ print(json.dumps(dict(
     cpu_s=time.process_time() - cpu,
     trace_s=events["/jax/core/compile/jaxpr_trace_duration"],
     xla_s=events["/jax/core/compile/backend_compile_duration"],
+    prefill_s=t.prefill_s, package=penzai_lm.__file__,
     first_token_s=loaded - start + (t.total_s - t.decode_s),
     decode_tok_s=t.decode_tokens_per_s)))
 """
+
+
+def run_child(args, cache_dir: str, pythonpath: str | None = None) -> dict:
+  """One fresh process's figures (penzai_lm from ``pythonpath`` if given)."""
+  env = dict(os.environ)
+  if pythonpath:
+    env["PYTHONPATH"] = os.pathsep.join(
+        [pythonpath] + [p for p in [env.get("PYTHONPATH")] if p])
+  out = subprocess.run(
+      [sys.executable, "-c", _CHILD, cache_dir, args.dtype, args.quantize],
+      capture_output=True, text=True, check=True, env=env,
+      cwd=pythonpath)  # The working directory comes first on sys.path.
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  if pythonpath and not r["package"].startswith(pythonpath):
+    raise RuntimeError(f"the baseline imported {r['package']}")
+  return r
+
+
+def cold_rounds(args) -> None:
+  """``--cold``: rounds of processes without a persistent cache."""
+  sides = [("this checkout", None)]
+  if args.baseline:
+    sides.insert(0, ("baseline", os.path.abspath(args.baseline)))
+  print(f"SmolLM2-135M {args.dtype} {args.quantize or ''}: 128-token prompt,"
+        f" 16 new tokens, no persistent cache, {args.cold} rounds")
+  columns = ("compile_s", "prefill_s", "xla_s", "cpu_s")
+  print(f"{'process':15} {'compile+trace s':>15} {'1st prefill s':>13}"
+        f" {'XLA s':>6} {'CPU s':>6} {'load':>5}")
+  figures = {label: [] for label, _ in sides}
+  for _ in range(args.cold):
+    for label, path in sides:
+      r = run_child(args, "", path)
+      figures[label].append(r)
+      print(f"{label:15} {r['compile_s']:15.2f} {r['prefill_s']:13.2f}"
+            f" {r['xla_s']:6.2f} {r['cpu_s']:6.2f}"
+            f" {os.getloadavg()[0]:5.2f}", flush=True)
+  for label, runs in figures.items():
+    med = {c: statistics.median(r[c] for r in runs) for c in columns}
+    first = statistics.median(r["compile_s"] + r["prefill_s"] for r in runs)
+    print(f"{label + ' median':15} {med['compile_s']:15.2f}"
+          f" {med['prefill_s']:13.2f} {med['xla_s']:6.2f}"
+          f" {med['cpu_s']:6.2f}; compile+trace+prefill {first:.2f}")
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--dtype", default="float32")
   parser.add_argument("--quantize", default="")
+  parser.add_argument("--cold", type=int, default=0)
+  parser.add_argument("--baseline", default="")
   args = parser.parse_args()
+  if args.cold:
+    cold_rounds(args)
+    return
   with tempfile.TemporaryDirectory() as cache:
     runs = [("no persistent cache", ""), ("cache: first process", cache),
             ("cache: next process", cache)]
@@ -64,10 +122,7 @@ def main():
           f" {'trace s':>8} {'XLA s':>6} {'CPU s':>6}"
           f" {'start->1st token s':>18} {'decode tok/s':>12}")
     for label, directory in runs:
-      out = subprocess.run(
-          [sys.executable, "-c", _CHILD, directory, args.dtype, args.quantize],
-          capture_output=True, text=True, check=True, env=os.environ)
-      r = json.loads(out.stdout.strip().splitlines()[-1])
+      r = run_child(args, directory)
       print(f"{label:22} {r['prepare_s']:9.2f} {r['compile_s']:15.2f}"
             f" {r['trace_s']:8.2f} {r['xla_s']:6.2f} {r['cpu_s']:6.2f}"
             f" {r['first_token_s']:18.2f}"

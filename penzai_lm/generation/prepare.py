@@ -31,6 +31,7 @@ from penzai_lm.generation.variants import Lineage
 from penzai_lm.interp.cache import CaptureSpec
 from penzai_lm.interp.cache import insert_captures
 from penzai_lm.kernels import on_one_cpu
+from penzai_lm.kernels import ops as kernel_ops
 from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model.prompt_attention import on_gpus
@@ -128,6 +129,9 @@ class PreparedModel:
     blocks: The transformer blocks the programs run one after the other (a
       layer stack counts once), for `engine.default_compiler_options`.
     parameters: The model's array elements, for the same.
+    cpu_sampler: Whether the decode loop picks tokens with the CPU kernel
+      (`penzai_lm.kernels.ops.sample`): the model is on one CPU device and
+      the kernels are available.
   """
 
   model_leaves: list
@@ -137,6 +141,7 @@ class PreparedModel:
   captures: tuple[CaptureSpec, ...] = ()
   blocks: int = 0
   parameters: int = 0
+  cpu_sampler: bool = False
 
 
 def _constant_fill(x):
@@ -316,7 +321,8 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
   runnable = share_block_traces(runnable)
   prepared = _prepare_runnable(runnable, user_labels, batch_axis, batch,
                                cache_len)
-  return dataclasses.replace(prepared, captures=specs)
+  return dataclasses.replace(prepared, captures=specs,
+                             cpu_sampler=one_cpu and kernel_ops.available())
 
 
 def _user_labels(model) -> list:

@@ -293,7 +293,8 @@ def _loop_step(shape: DecodeShape, feed_model, x: DecodeInputs,
   active = c.feed & ~broken
   sampled, logprob = sampling.sample_next(
       logits, x.settings, c.sampler, c.step,
-      extra_bans=_early_stop_bans(x, c.step, logits.shape[-1]))
+      extra_bans=_early_stop_bans(x, c.step, logits.shape[-1]),
+      kernel=shape.cpu_sampler)
   queued = jnp.take_along_axis(
       x.q_tokens, jnp.minimum(c.q_pos, Q - 1)[:, None], axis=1)[:, 0]
   forced = active & (c.q_pos < x.q_len)

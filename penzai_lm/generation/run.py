@@ -10,6 +10,7 @@ steps, and `Session` reads the state it leaves for the next turn.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -210,7 +211,9 @@ class Run:
     self.finished = self._all_done()
 
   def _decode_static(self):
-    return (self.request.decode, self._prepared.treedef,
+    shape = dataclasses.replace(self.request.decode,
+                                cpu_sampler=self._prepared.cpu_sampler)
+    return (shape, self._prepared.treedef,
             self._prepared.layout)
 
   def _decode_inputs(self, stop_at: int) -> DecodeInputs:

@@ -51,6 +51,8 @@ class DecodeShape:
     capture: Whether activations are captured: a finished row feeds its
       last token once more (its activations are recorded; its output is
       not), for which the cache has one more slot.
+    cpu_sampler: Whether tokens are picked by the CPU kernel
+      (``sample_next(kernel=True)``); set from the prepared model.
   """
 
   use_cache: bool
@@ -62,6 +64,7 @@ class DecodeShape:
   top_n: int
   vocab: int
   capture: bool = False
+  cpu_sampler: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

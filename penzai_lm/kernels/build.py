@@ -1,11 +1,12 @@
 """Compiles penzai_lm's CPU kernels on first use and registers them with XLA.
 
-The kernels (`matvec.cc`, `attention.cc`, sharing `common.h`, and
-`rows.cc`) are C++ against the XLA FFI headers that ship with jaxlib, built
-into one library once per machine with the system C++ compiler (``-O3
--march=native``: the vector width and the F16C instructions matter) and
-loaded with ctypes. A cold build is one g++ process compiling the three
-sources one after the other: four cold builds (g++ 12.2) on this project's
+The kernels (`matvec.cc`, `attention.cc` and `sampler.cc`, sharing
+`common.h`, and `rows.cc`) are C++ against the XLA FFI headers that ship
+with jaxlib, built into one library once per machine with the system C++
+compiler (``-O3 -march=native``: the vector width and the F16C
+instructions matter) and loaded with ctypes. A cold build is one g++
+process compiling the sources one after the other (`sampler.cc` adds
+about 4 s of CPU time): four cold builds (g++ 12.2) on this project's
 2-core development machine took 25-37 s of CPU time each, and 85-149 s of
 wall time, as other processes shared the cores (load average 11-15); an
 idle core needs about the CPU time.
@@ -50,10 +51,11 @@ TARGETS = (
     "pzlm_matvec_in_f32", "pzlm_matvec_in_bf16", "pzlm_matvec_in_f16",
     "pzlm_matvec_q8", "pzlm_matvec_q8_16", "pzlm_matvec_q4",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
-    "pzlm_decode_attention_f16", "pzlm_rows", "pzlm_after",
+    "pzlm_decode_attention_f16", "pzlm_rows", "pzlm_after", "pzlm_sample",
 )
 _DIR = pathlib.Path(__file__).parent
-_SOURCES = (_DIR / "matvec.cc", _DIR / "attention.cc", _DIR / "rows.cc")
+_SOURCES = (_DIR / "matvec.cc", _DIR / "attention.cc", _DIR / "rows.cc",
+            _DIR / "sampler.cc")
 _HEADERS = (_DIR / "common.h",)
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
           "-w")

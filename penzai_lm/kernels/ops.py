@@ -138,3 +138,45 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
           jnp.reshape(window, (1,)).astype(jnp.int32),
           softcap=np.float32(softcap or 0.0))
   return heads, kc.reshape(k.shape), vc.reshape(v.shape)
+
+
+# `sampler.cc`'s per-row parameters, in its order.
+SAMPLE_PARAMS = ("temperature", "top_p", "min_p", "typical_p",
+                 "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty")
+
+
+def sample(logits: jax.Array, settings, counts: jax.Array, seen: jax.Array,
+           noise: jax.Array, banned: jax.Array | None, *, num: int,
+           chunk: int) -> tuple[jax.Array, jax.Array]:
+  """`penzai_lm.sampling.sample_next`'s choice in one call (`sampler.cc`).
+
+  Args:
+    logits: ``f32[B, V]`` raw logits.
+    settings: The rows' `penzai_lm.sampling.SamplingSettings`.
+    counts: ``int32[B, V]`` generated-token counts (penalties).
+    seen: ``bool[B, V]`` prompt-or-generated tokens (penalties).
+    noise: ``f32[B, N]`` Gumbel noise (`penzai_lm.sampling.row_gumbels`).
+    banned: ``bool[B, V]`` banned tokens, or None.
+    num: Static candidates for top-k / top-p (``<= V``).
+    chunk: Static tokens per chunk of the two-level draw.
+
+  Returns:
+    ``(token, logprob)``: ``int32[B]`` and ``f32[B]``, the chosen tokens and
+    their log-probabilities under the raw logits.
+  """
+  _require_kernels()
+  batch = logits.shape[0]
+  params = jnp.stack([jnp.asarray(getattr(settings, name), jnp.float32)
+                      for name in SAMPLE_PARAMS], axis=1)
+  none_f32 = jnp.zeros((batch, 0), jnp.float32)
+  bias = (none_f32 if settings.logit_bias is None
+          else settings.logit_bias.astype(jnp.float32))
+  bans = jnp.zeros((batch, 0), bool) if banned is None else banned
+  out = (jax.ShapeDtypeStruct((batch,), jnp.int32),
+         jax.ShapeDtypeStruct((batch,), jnp.float32))
+  return jax.ffi.ffi_call("pzlm_sample", out)(
+      logits.astype(jnp.float32), params,
+      jnp.asarray(settings.top_k, jnp.int32), counts.astype(jnp.int32),
+      seen.astype(bool), bias, bans.astype(bool), noise.astype(jnp.float32),
+      num=np.int64(num), chunk=np.int64(chunk))

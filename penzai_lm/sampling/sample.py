@@ -265,6 +265,7 @@ def sample_next(
     step: jax.Array | int,
     *,
     extra_bans: jax.Array | None = None,
+    kernel: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples one token per row (see the module docstring for the order).
 
@@ -277,6 +278,14 @@ def sample_next(
     extra_bans: Optional bool (batch, vocab): tokens banned at this step only,
       on top of ``settings.banned_tokens`` (the generation loop bans stop
       tokens before a row's ``min_new_tokens``).
+    kernel: Static: make the same choices in one call of penzai_lm's CPU
+      kernel (`penzai_lm.kernels.ops.sample`; check
+      ``kernels.ops.available()``), for arrays on the CPU. XLA:CPU compiles
+      every vocabulary-wide step of this function, and every branch of its
+      conds, as a kernel of its own (about 116: 1.4 s of compilation in
+      every new decode program); the kernel call is one. Its
+      floating-point sums may round differently, so a choice within a few
+      ulps of a top-p, typical or cutoff boundary can differ.
 
   Returns:
     ``(token, logprob)``: int32 (batch,) chosen ids and float32 (batch,)
@@ -296,6 +305,11 @@ def sample_next(
       raise ValueError(f"extra_bans has shape {extra_bans.shape} but the "
                        f"logits have shape {(batch, vocab)}.")
     banned = extra_bans if banned is None else banned | extra_bans
+  if kernel:
+    from penzai_lm.kernels import ops  # pylint: disable=g-import-not-at-top
+    _, chunk = filters.chunk_shape(vocab)
+    return ops.sample(logits, settings, state.counts, state.seen, noise,
+                      banned, num=min(settings.top_k_cap, vocab), chunk=chunk)
 
   def processed(penalise: bool):
     out = logits

@@ -9,11 +9,14 @@ probability p adds ~N d^2 / p to the statistic. The draws are seeded, so the
 test is deterministic. Tokens outside the kept set must never appear.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from penzai_lm.kernels import ops
 from penzai_lm.sampling import SamplingSettings
 from penzai_lm.sampling import init_sampler_state
 from penzai_lm.sampling import sample_next
@@ -22,11 +25,20 @@ from tests.sampling import reference
 NUM_DRAWS = 20_000
 ROWS_PER_CALL = 2_000
 
-_sample = jax.jit(sample_next)
+_SAMPLE = {False: jax.jit(sample_next),
+           True: jax.jit(functools.partial(sample_next, kernel=True))}
+
+# The JAX sampler, and the CPU kernel that makes its choices in one call
+# (`penzai_lm.kernels.ops.sample`; the decode loop's sampler on CPU).
+SAMPLERS = pytest.mark.parametrize("kernel", [
+    False, pytest.param(True, marks=pytest.mark.skipif(
+        not ops.available(), reason="no C++ compiler for the kernels"))])
 
 
-def draw_counts(logits: np.ndarray, seed: int = 7, **kwargs) -> np.ndarray:
-  """Histogram of NUM_DRAWS tokens sampled from one logit row."""
+def draw_counts(logits: np.ndarray, seed: int = 7, kernel: bool = False,
+                **kwargs) -> np.ndarray:
+  """Histogram of NUM_DRAWS tokens sampled from one logit row (with the
+  CPU kernel if ``kernel``)."""
   vocab = logits.shape[0]
   batch = ROWS_PER_CALL
   settings = SamplingSettings.make(batch, vocab, seed=seed, **kwargs)
@@ -36,7 +48,7 @@ def draw_counts(logits: np.ndarray, seed: int = 7, **kwargs) -> np.ndarray:
   counts = np.zeros(vocab, np.int64)
   for start in range(0, NUM_DRAWS, batch):
     steps = start + jnp.arange(batch, dtype=jnp.int32)
-    tokens, _ = _sample(rows, settings, state, steps)
+    tokens, _ = _SAMPLE[kernel](rows, settings, state, steps)
     counts += np.bincount(np.asarray(tokens), minlength=vocab)
   return counts
 
@@ -79,8 +91,9 @@ CASES = {
 }
 
 
+@SAMPLERS
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_filtered_softmax(name):
+def test_matches_filtered_softmax(name, kernel):
   vocab, kwargs = CASES[name]
   logits = zipf_logits(vocab)
   ref_kwargs = {k: v for k, v in kwargs.items() if k != "top_k_cap"}
@@ -90,15 +103,16 @@ def test_matches_filtered_softmax(name):
         logits, temperature=kwargs.get("temperature", 1.0),
         top_k=kwargs.get("top_k", 0), top_p=kwargs["top_p"]) > 1e-4
   assert_draws_follow(reference.filtered_probs(logits, **ref_kwargs), logits,
-                      **kwargs)
+                      kernel=kernel, **kwargs)
 
 
-def test_ties_at_top_p_boundary_keep_lowest_ids():
+@SAMPLERS
+def test_ties_at_top_p_boundary_keep_lowest_ids(kernel):
   """Uniform logits: the nucleus is the ceil(top_p * V) lowest ids."""
   vocab = 40
   logits = np.zeros(vocab, np.float32)
   for cap in (4, 256):  # Bisection fallback and exhaustive candidates.
-    counts = draw_counts(logits, top_p=0.5, top_k_cap=cap)
+    counts = draw_counts(logits, top_p=0.5, top_k_cap=cap, kernel=kernel)
     assert counts[20:].sum() == 0
     ratio, _ = reference.goodness_of_fit(
         counts, reference.filtered_probs(logits, top_p=0.5))

@@ -14,6 +14,7 @@ import pytest
 from penzai_lm.sampling import entropy_filters
 from tests.sampling import reference
 from tests.sampling.test_distribution import NUM_DRAWS
+from tests.sampling.test_distribution import SAMPLERS
 from tests.sampling.test_distribution import assert_draws_follow
 from tests.sampling.test_distribution import draw_counts
 from tests.sampling.test_distribution import zipf_logits
@@ -112,22 +113,24 @@ CASES = {
 }
 
 
+@SAMPLERS
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_draws_match_hf_warper_chain(name):
+def test_draws_match_hf_warper_chain(name, kernel):
   kwargs = CASES[name]
   logits = zipf_logits(64, seed=3)
   probs = reference.hf_warped_probs(
       logits, **{k: v for k, v in kwargs.items() if k != "top_k_cap"})
   assert 2 < (probs > 0).sum() < 64, "the case should filter something"
-  assert_draws_follow(probs, logits, **kwargs)
+  assert_draws_follow(probs, logits, kernel=kernel, **kwargs)
 
 
-def test_typical_can_drop_the_most_likely_token():
+@SAMPLERS
+def test_typical_can_drop_the_most_likely_token(kernel):
   """One token 20x likelier than 63 others is atypical (surprisal 1.4
   nats, entropy 3.7): HF drops it, and so must we."""
   logits = np.concatenate([[3.0], np.zeros(63)]).astype(np.float32)
   probs = reference.hf_warped_probs(logits, typical_p=0.5)
   assert probs[0] == 0
-  counts = draw_counts(logits, typical_p=0.5)
+  counts = draw_counts(logits, typical_p=0.5, kernel=kernel)
   assert counts[0] == 0
   assert counts[1:].sum() == NUM_DRAWS
