@@ -16,6 +16,13 @@ Two synthetic logit shapes:
   * ``flat``: standard normal logits (a near-uniform worst case: a top-p
     nucleus of ~100k tokens, which exercises the exact bisection fallback).
 
+Each cell is ``jax/kernel``: the JAX sampler, then the CPU kernel that
+makes the same choices in one call (``sample_next(kernel=True)``, what the
+decode loop uses on CPU), in the same invocation; "compile s" is the
+seconds XLA took to compile each loop (every filter setting runs in one
+program: settings are values). Without the kernels only the JAX figures
+are printed.
+
 ``--compare`` also times the alternatives that were considered: a full sort
 of the vocabulary, ``jax.lax.top_k`` for several static caps, and a plain
 full-vocabulary ``jax.random.categorical`` draw, each as a separate jitted
@@ -35,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from penzai_lm.kernels import ops
 from penzai_lm.sampling import SamplingSettings
 from penzai_lm.sampling import init_sampler_state
 from penzai_lm.sampling import sample_next
@@ -75,8 +83,9 @@ def make_logits(kind: str, batch: int, vocab: int, seed: int = 0) -> jax.Array:
   return jnp.asarray(-2.0 * np.log(rank), jnp.float32)
 
 
-def decode_loop(steps: int, sample: bool):
-  """A jitted loop of ``steps`` sampling steps, like a generation loop."""
+def decode_loop(steps: int, sample: bool, kernel: bool = False):
+  """A jitted loop of ``steps`` sampling steps, like a generation loop
+  (with the CPU kernel if ``kernel``)."""
 
   def run(logits, settings, state):
     batch, vocab = logits.shape
@@ -88,7 +97,8 @@ def decode_loop(steps: int, sample: bool):
       col = (i * 7919) % vocab
       logits = logits.at[rows, col].add(1e-3)
       if sample:
-        token, logprob = sample_next(logits, settings, state, i)
+        token, logprob = sample_next(logits, settings, state, i,
+                                     kernel=kernel)
       else:
         token, logprob = (i + rows) % vocab, logits[:, col]
       state = update_sampler_state(state, token)
@@ -101,19 +111,27 @@ def decode_loop(steps: int, sample: bool):
 
 
 def bench_sampler(batch: int, vocab: int, kind: str, repeats: int,
-                  steps: int) -> dict:
+                  steps: int) -> dict[str, list[float]]:
+  """Per cell: the JAX sampler's figure, then the kernel's (if built)."""
   logits = make_logits(kind, batch, vocab)
   prompt = jnp.asarray(np.random.default_rng(1).integers(0, vocab, (batch, 64)))
   state = init_sampler_state(prompt, vocab_size=vocab)
-  loop, empty = decode_loop(steps, True), decode_loop(steps, False)
   settings = SamplingSettings.make(batch, vocab)
-  out = {"loop": median_ms(empty, logits, settings, state,
-                           repeats=repeats) / steps}
+  empty = decode_loop(steps, False)
+  out = {"loop": [median_ms(empty, logits, settings, state,
+                            repeats=repeats) / steps]}
+  kernels = [False, True] if ops.available() else [False]
+  loops, out["compile s"] = {}, []
+  for kernel in kernels:
+    start = time.perf_counter()
+    loops[kernel] = decode_loop(steps, True, kernel).lower(
+        logits, settings, state).compile()
+    out["compile s"].append(time.perf_counter() - start)
   for name, kwargs in CONFIGS.items():
     settings = SamplingSettings.make(batch, vocab, seed=list(range(batch)),
                                      **kwargs)
-    out[name] = median_ms(loop, logits, settings, state,
-                          repeats=repeats) / steps
+    out[name] = [median_ms(loops[kernel], logits, settings, state,
+                           repeats=repeats) / steps for kernel in kernels]
   return out
 
 
@@ -168,7 +186,8 @@ def main() -> None:
     for batch in (1, 8):
       for kind in args.kinds.split(","):
         row = bench_sampler(batch, vocab, kind, args.repeats, args.steps)
-        cells = "  ".join(f"{k}={v:.2f}" for k, v in row.items())
+        cells = "  ".join(f"{k}=" + "/".join(f"{x:.2f}" for x in v)
+                          for k, v in row.items())
         print(f"vocab={vocab:6d} batch={batch} {kind:6s} | {cells}", flush=True)
       if args.compare:
         row = bench_alternatives(batch, vocab, args.repeats)
