@@ -12,7 +12,8 @@
    through the functional cached model, then picks each row's next token:
    the head of the row's forced-token queue if any, else
    `penzai_lm.sampling.sample_next` with the row's own seed and step (so a
-   row never depends on its batch slot or its neighbours). Tokens, log-probs,
+   row never depends on its batch slot or its neighbours; on one CPU
+   device, in one call of its kernel: ``DecodeShape.cpu_sampler``). Tokens, log-probs,
    top-n alternatives and a forced flag are recorded per row. A row finishes
    on a stop token (``stop``), at its ``max_new_tokens`` (``length``), or
    when the cache has no free slot (``cache_full``); finished rows feed
