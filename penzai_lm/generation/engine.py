@@ -80,14 +80,17 @@ def default_compiler_options(program: str, shape, *,
   kernel through MLIR (~15 ms of code generation each) and share identical
   kernels, so the blocks of a deep model cost little; the older emitters
   generate LLVM IR directly, faster per kernel, but once per fusion. A
-  program of a model with at most `FEW_BLOCKS` blocks is mostly the
-  sampler's ~110 distinct kernels, so it compiles faster with the older
-  ones. Medians are not needed to see it (one fresh process each,
-  SmolLM2-shaped blocks, first generate's XLA seconds, new -> old
-  emitters): 1 block 4.9 -> 3.0 s, 2 blocks 5.5 -> 3.3 s, 4 blocks 5.6 ->
-  4.9 s, 8 blocks 5.0 -> 7.4 s (the 30-block decode program alone: 4.6 ->
-  7.5-8.6 s). Decode speed was the same (1 and 2 blocks: 95-99 tok/s
-  either way).
+  program of a model with at most `FEW_BLOCKS` blocks has few kernels of
+  its blocks, so it compiles faster with the older ones. With the JAX
+  sampler (~110 distinct kernels) in the decode program (one fresh
+  process each, SmolLM2-shaped blocks, first generate's XLA seconds, new
+  -> old emitters): 1 block 4.9 -> 3.0 s, 2 blocks 5.5 -> 3.3 s, 4 blocks
+  5.6 -> 4.9 s, 8 blocks 5.0 -> 7.4 s (the 30-block decode program alone:
+  4.6 -> 7.5-8.6 s). With the CPU sampling kernel (one call), medians of
+  3 (`benchmarks/emitters_compile.py`), compile+trace new -> old: 1 block
+  1.61 -> 0.99 s, 2 blocks 1.68 -> 1.33 s, 3 blocks 1.75 -> 1.27 s, 4
+  blocks 1.71 -> 1.52 s; decode 321 -> 291, 215 -> 219, 207 -> 184 and
+  194 -> 211 tok/s.
 
   Small models: the programs of a model of at most `SMALL_MODEL`
   parameters (toy and test models: a grokking transformer has 0.3 M) take

@@ -290,21 +290,9 @@ float MassUpTo(const float* score, const float* q, int64_t V, float t) {
   return out;
 }
 
-uint32_t Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-float FromBits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // entropy_filters.typical_mask, epsilon_mask and eta_mask, in HF's order,
 // each on what the previous ones kept. Typical's threshold is found, as
-// there, by bisection over the (non-negative) scores' bit patterns: at most
+// there, by bisection over the scores' bit patterns: at most
 // 32 masked sums, where sorting 49k scores took 4.5 ms a row.
 void EntropyFilters(const float* x, int64_t V, const float* p, Scratch& s) {
   uint8_t* keep = s.keep.data();
@@ -323,16 +311,16 @@ void EntropyFilters(const float* x, int64_t V, const float* p, Scratch& s) {
       }
     }
     if (lo_score <= hi_score) {
-      int64_t lo = static_cast<int64_t>(Bits(lo_score)) - 1;
-      int64_t hi = Bits(hi_score);
+      int64_t lo = static_cast<int64_t>(Sortable(lo_score)) - 1;
+      int64_t hi = Sortable(hi_score);
       while (hi - lo > 1) {
         const int64_t mid = lo + (hi - lo) / 2;
-        if (MassUpTo(score, q, V, FromBits(mid)) >= p[kTypical])
+        if (MassUpTo(score, q, V, Unsortable(mid)) >= p[kTypical])
           hi = mid;
         else
           lo = mid;
       }
-      const float threshold = FromBits(hi);
+      const float threshold = Unsortable(hi);
       for (int64_t i = 0; i < V; ++i)
         keep[i] = y[i] != kNegInf && score[i] <= threshold;
     }
