@@ -2,12 +2,12 @@
 
 Both get the same logits, settings, penalty statistics, bans and Gumbel
 noise, so they must choose the same tokens: every filter and path of
-`penzai_lm.sampling.sample_next` is covered, on a small vocabulary and on
-SmolLM2's (49,152: the two-level draw's chunking, candidates that do not
-hold the nucleus). Their distributions are tested against the reference
-and HF's warpers in ``tests/sampling`` (``kernel=True`` cases). The decode
-loop on CPU uses the kernel: its program calls it and holds far fewer
-XLA kernels.
+`penzai_lm.sampling.sample_next` is covered, on 17 tokens (fewer than the
+candidates), 1,000, and SmolLM2's 49,152 (the two-level draw's chunking,
+candidates that do not hold the nucleus). Their distributions are tested
+against the reference and HF's warpers in ``tests/sampling``
+(``kernel=True`` cases). The decode loop on CPU uses the kernel: its
+program calls it and holds far fewer XLA kernels.
 """
 
 import functools
@@ -71,7 +71,9 @@ def _inputs(rng, batch, vocab, trial, **kwargs):
   return logits, settings, state, bans
 
 
-@pytest.mark.parametrize("vocab", [1000, 49152])
+# 17: fewer tokens than candidates (the exhaustive path) and a last chunk
+# of the two-level draw shorter than the kernel's 16-lane vectors.
+@pytest.mark.parametrize("vocab", [17, 1000, 49152])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_chooses_what_the_jax_sampler_chooses(name, vocab):
   rng = np.random.default_rng(len(name) + vocab)
