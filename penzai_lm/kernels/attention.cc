@@ -48,24 +48,6 @@ constexpr int64_t kChunk = 128;  // slots per task
 constexpr int64_t kMaxQ = 32;    // query heads per group (accumulators)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 (Cephes' expf polynomial; ~1 ulp): softmax and tanh
-// only need non-positive arguments.
-inline V16 ExpNonPositive(V16 x) {
-  x = x < -87.f ? V16{} - 87.f : x;
-  I32x16 n = __builtin_convertvector(x * 1.44269504f - 0.5f, I32x16);
-  V16 nf = __builtin_convertvector(n, V16);
-  V16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  V16 y = V16{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  I32x16 bits = (n + 127) << 23;
-  return y * LoadAs<V16>(&bits);
-}
-
 // cap * tanh(x / cap), through exp(-2|x / cap|).
 inline V16 SoftCap(V16 x, float cap) {
   V16 a = x / cap;

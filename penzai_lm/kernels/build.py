@@ -1,12 +1,12 @@
 """Compiles penzai_lm's CPU kernels on first use and registers them with XLA.
 
 The kernels (`matvec.cc`, `attention.cc` and `sampler.cc`, sharing
-`common.h`, and `rows.cc`) are C++ against the XLA FFI headers that ship
-with jaxlib, built into one library once per machine with the system C++
-compiler (``-O3 -march=native``: the vector width and the F16C
-instructions matter) and loaded with ctypes. A cold build is one g++
-process compiling the sources one after the other (`sampler.cc` adds
-about 4 s of CPU time): four cold builds (g++ 12.2) on this project's
+`common.h`; `sampler.cc` also `row_ops.h`; and `rows.cc`) are C++
+against the XLA FFI headers that ship with jaxlib, built into one library
+once per machine with the system C++ compiler (``-O3 -march=native``:
+the vector width and the F16C instructions matter) and loaded with
+ctypes. A cold build is one g++ process compiling the sources one after
+the other (`sampler.cc` adds about 4 s of CPU time): four cold builds (g++ 12.2) on this project's
 2-core development machine took 25-37 s of CPU time each, and 85-149 s of
 wall time, as other processes shared the cores (load average 11-15); an
 idle core needs about the CPU time.
@@ -56,7 +56,7 @@ TARGETS = (
 _DIR = pathlib.Path(__file__).parent
 _SOURCES = (_DIR / "matvec.cc", _DIR / "attention.cc", _DIR / "rows.cc",
             _DIR / "sampler.cc")
-_HEADERS = (_DIR / "common.h",)
+_HEADERS = (_DIR / "common.h", _DIR / "row_ops.h")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
           "-w")
 

@@ -1,7 +1,8 @@
-// Shared by the CPU kernels (matvec.cc, attention.cc): 16-lane vectors,
-// conversions of 16-bit and 8-bit values to float32 in registers, and the
-// kernels' worker threads. One library holds every kernel, so one set of
-// workers serves them all (inline functions share their statics).
+// Shared by the CPU kernels (matvec.cc, attention.cc, sampler.cc): 16-lane
+// vectors, an exp for non-positive arguments, conversions of 16-bit and
+// 8-bit values to float32 in registers, and the kernels' worker threads.
+// One library holds every kernel, so one set of workers serves them all
+// (inline functions share their statics).
 
 #ifndef PENZAI_LM_KERNELS_COMMON_H_
 #define PENZAI_LM_KERNELS_COMMON_H_
@@ -84,6 +85,25 @@ inline float Sum(V16 v) {
   for (int j = 0; j < 16; ++j) s += v[j];
   return s;
 #endif
+}
+
+// exp(x) for x <= 0 (Cephes' expf polynomial; ~1 ulp): softmax, tanh and
+// the sampler only need non-positive arguments. Below -87 it returns
+// exp(-87), not 0.
+inline V16 ExpNonPositive(V16 x) {
+  x = x < -87.f ? V16{} - 87.f : x;
+  I32x16 n = __builtin_convertvector(x * 1.44269504f - 0.5f, I32x16);
+  V16 nf = __builtin_convertvector(n, V16);
+  V16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  V16 y = V16{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  I32x16 bits = (n + 127) << 23;
+  return y * LoadAs<V16>(&bits);
 }
 
 // Weight formats. Each gives, for an out-major output n, a Row, and

@@ -27,88 +27,18 @@
 #include <vector>
 
 #include "common.h"
+#include "row_ops.h"
 
 namespace {
 
 using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kMinTemperature = 1e-5f;  // filters.MIN_TEMPERATURE
 
 enum Param {
   kTemperature, kTopP, kMinP, kTypical, kEpsilon, kEta, kRepetition,
   kPresence, kFrequency, kNumParams
 };
-
-// exp(x) for x <= 0, 0 for -inf (Cephes' expf polynomial, ~1 ulp).
-inline V16 ExpOrZero(V16 x) {
-  V16 c = x < -87.f ? V16{} - 87.f : x;
-  I32x16 n = __builtin_convertvector(c * 1.44269504f - 0.5f, I32x16);
-  V16 nf = __builtin_convertvector(n, V16);
-  V16 r = c - nf * 0.693359375f + nf * 2.12194440e-4f;
-  V16 y = V16{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  I32x16 bits = (n + 127) << 23;
-  y = y * LoadAs<V16>(&bits);
-  return x == kNegInf ? V16{} : y;
-}
-
-float Max(const float* x, int64_t n) {
-  V16 m = V16{} + kNegInf;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    V16 v = Load(x + i);
-    m = v > m ? v : m;
-  }
-  float out = kNegInf;
-  for (int j = 0; j < 16; ++j) out = std::max(out, m[j]);
-  for (; i < n; ++i) out = std::max(out, x[i]);
-  return out;
-}
-
-float Min(const float* x, int64_t n) {
-  V16 m = V16{} + kInf;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    V16 v = Load(x + i);
-    m = v < m ? v : m;
-  }
-  float out = kInf;
-  for (int j = 0; j < 16; ++j) out = std::min(out, m[j]);
-  for (; i < n; ++i) out = std::min(out, x[i]);
-  return out;
-}
-
-// sum(exp(x - m)), -inf terms 0; m >= max(x) and finite.
-float SumExp(const float* x, int64_t n, float m) {
-  V16 s{};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) s += ExpOrZero(Load(x + i) - m);
-  float out = Sum(s);
-  for (; i < n; ++i) out += x[i] == kNegInf ? 0.f : std::exp(x[i] - m);
-  return out;
-}
-
-// log(sum(exp(x))); -inf when every entry is -inf.
-float LogSumExp(const float* x, int64_t n) {
-  const float m = Max(x, n);
-  if (!(m > kNegInf) || m == kInf) return m;
-  return m + std::log(SumExp(x, n, m));
-}
-
-// The first index of the maximum.
-int64_t ArgmaxFirst(const float* x, int64_t n) {
-  const float m = Max(x, n);
-  for (int64_t i = 0; i < n; ++i)
-    if (x[i] == m) return i;
-  return 0;
-}
 
 struct Row {
   const float* logits;
@@ -187,30 +117,6 @@ bool CandidateKeep(const float* vals, int64_t num, int32_t top_k,
   return k_on || cum >= top_p || exhaustive;
 }
 
-// Float order as unsigned order (filters.sortable / unsortable).
-uint32_t Sortable(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u >> 31 ? ~u : u | 0x80000000u;
-}
-
-float Unsortable(uint32_t k) {
-  const uint32_t u = k >> 31 ? k & 0x7fffffffu : ~k;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// The total of q over the entries of x above t.
-float MassAbove(const float* x, const float* q, int64_t V, float t) {
-  V16 m{};
-  int64_t i = 0;
-  for (; i + 16 <= V; i += 16) m += Load(x + i) > t ? Load(q + i) : V16{};
-  float out = Sum(m);
-  for (; i < V; ++i) out += x[i] > t ? q[i] : 0.f;
-  return out;
-}
-
 // filters.top_p_keep_mask_full: the exact nucleus over the vocabulary, for
 // rows whose nucleus does not fit in the candidates. As there, a bisection
 // over the float bit patterns finds the threshold value t (at most 32
@@ -257,37 +163,6 @@ void FullNucleus(const float* x, int64_t V, float log_norm, float top_p,
 float Masked(const float* x, const uint8_t* keep, int64_t V, float* y) {
   for (int64_t i = 0; i < V; ++i) y[i] = keep[i] ? x[i] : kNegInf;
   return LogSumExp(y, V);
-}
-
-// q = softmax(y) (0 for -inf); returns its entropy. lse: y's normaliser.
-float ProbsAndEntropy(const float* y, int64_t V, float lse, float* q) {
-  V16 h{};
-  int64_t i = 0;
-  for (; i + 16 <= V; i += 16) {
-    V16 v = Load(y + i);
-    V16 lp = v == kNegInf ? V16{} : v - lse;
-    V16 e = ExpOrZero(v == kNegInf ? v : lp);
-    Store(q + i, e);
-    h -= e * lp;
-  }
-  float out = Sum(h);
-  for (; i < V; ++i) {
-    const float lp = y[i] == kNegInf ? 0.f : y[i] - lse;
-    q[i] = y[i] == kNegInf ? 0.f : std::exp(lp);
-    out -= q[i] * lp;
-  }
-  return out;
-}
-
-// The total of q over the entries whose score is at most t.
-float MassUpTo(const float* score, const float* q, int64_t V, float t) {
-  V16 m{};
-  int64_t i = 0;
-  for (; i + 16 <= V; i += 16)
-    m += Load(score + i) <= t ? Load(q + i) : V16{};
-  float out = Sum(m);
-  for (; i < V; ++i) out += score[i] <= t ? q[i] : 0.f;
-  return out;
 }
 
 // entropy_filters.typical_mask, epsilon_mask and eta_mask, in HF's order,
