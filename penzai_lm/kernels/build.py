@@ -6,10 +6,10 @@ against the XLA FFI headers that ship with jaxlib, built into one library
 once per machine with the system C++ compiler (``-O3 -march=native``:
 the vector width and the F16C instructions matter) and loaded with
 ctypes. A cold build is one g++ process compiling the sources one after
-the other (`sampler.cc` adds about 4 s of CPU time): four cold builds (g++ 12.2) on this project's
-2-core development machine took 25-37 s of CPU time each, and 85-149 s of
-wall time, as other processes shared the cores (load average 11-15); an
-idle core needs about the CPU time.
+the other (`sampler.cc` adds about 4 s of CPU time): four cold builds
+(g++ 12.2) on this project's 2-core development machine took 25-37 s of
+CPU time each, and 85-149 s of wall time, as other processes shared the
+cores (load average 11-15); an idle core needs about the CPU time.
 
 The library lives in ``$PENZAI_LM_KERNEL_CACHE`` if set, else
 ``$PENZAI_LM_CACHE/kernels`` (`penzai_lm.fetch.cache_dir`), named by a
