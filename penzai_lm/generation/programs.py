@@ -13,10 +13,11 @@
    the head of the row's forced-token queue if any, else
    `penzai_lm.sampling.sample_next` with the row's own seed and step (so a
    row never depends on its batch slot or its neighbours; on one CPU
-   device, in one call of its kernel: ``DecodeShape.cpu_sampler``). Tokens, log-probs,
-   top-n alternatives and a forced flag are recorded per row. A row finishes
-   on a stop token (``stop``), at its ``max_new_tokens`` (``length``), or
-   when the cache has no free slot (``cache_full``); finished rows feed
+   device, in one call of its kernel: ``DecodeShape.cpu_sampler``).
+   Tokens, log-probs, top-n alternatives and a forced flag are recorded
+   per row. A row finishes on a stop token (``stop``), at its
+   ``max_new_tokens`` (``length``), or when the cache has no free slot
+   (``cache_full``); finished rows feed
    padding from then on, which no row attends to. The loop exits as soon as
    no row needs another token, when a row waits for the host (a tool call
    marker, or its forced queue continues on the host), or when ``t`` reaches

@@ -169,8 +169,7 @@ def sample(logits: jax.Array, settings, counts: jax.Array, seen: jax.Array,
   batch = logits.shape[0]
   params = jnp.stack([jnp.asarray(getattr(settings, name), jnp.float32)
                       for name in SAMPLE_PARAMS], axis=1)
-  none_f32 = jnp.zeros((batch, 0), jnp.float32)
-  bias = (none_f32 if settings.logit_bias is None
+  bias = (jnp.zeros((batch, 0), jnp.float32) if settings.logit_bias is None
           else settings.logit_bias.astype(jnp.float32))
   bans = jnp.zeros((batch, 0), bool) if banned is None else banned
   out = (jax.ShapeDtypeStruct((batch,), jnp.int32),

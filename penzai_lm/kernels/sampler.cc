@@ -52,8 +52,9 @@ struct Row {
 };
 
 struct Scratch {
-  std::vector<float> x, y, q, score;
-  std::vector<uint8_t> keep;
+  std::vector<float> x, y, q, score;  // [V]
+  std::vector<float> vals, vk;        // [num]: the candidates
+  std::vector<uint8_t> keep, ck;      // [V] and [num]
   std::vector<int32_t> ids;
 };
 
@@ -99,12 +100,11 @@ void TopCandidates(const float* x, int64_t V, int64_t num,
 // filters.candidate_keep_mask for one row; returns `covered`.
 bool CandidateKeep(const float* vals, int64_t num, int32_t top_k,
                    float top_p, float min_p, float full_log_norm,
-                   bool exhaustive, uint8_t* keep) {
+                   bool exhaustive, float* vk, uint8_t* keep) {
   const bool k_on = top_k > 0;
-  std::vector<float> vk(num);
   for (int64_t j = 0; j < num; ++j)
     vk[j] = (!k_on || j < top_k) ? vals[j] : kNegInf;
-  const float log_norm = k_on ? LogSumExp(vk.data(), num) : full_log_norm;
+  const float log_norm = k_on ? LogSumExp(vk, num) : full_log_norm;
   const float min_cut = vals[0] + std::log(min_p);
   float cum = 0.f;
   for (int64_t j = 0; j < num; ++j) {
@@ -251,14 +251,14 @@ int64_t SampleRow(const Row& r, int64_t V, int64_t num, int64_t chunk,
   uint8_t* keep = s.keep.data();
   if (truncating) {
     TopCandidates(x, V, num, s.ids);
-    std::vector<float> vals(num);
+    float* vals = s.vals.data();
     for (int64_t j = 0; j < num; ++j) vals[j] = x[s.ids[j]];
     const float full_log_norm =
         r.top_k > 0 ? 0.f : LogSumExp(x, V);
-    std::vector<uint8_t> ck(num);
-    const bool covered = CandidateKeep(vals.data(), num, r.top_k, p[kTopP],
+    uint8_t* ck = s.ck.data();
+    const bool covered = CandidateKeep(vals, num, r.top_k, p[kTopP],
                                        p[kMinP], full_log_norm, num == V,
-                                       ck.data());
+                                       s.vk.data(), ck);
     if (covered && !entropy) {
       int64_t pos = 0;
       float best = kNegInf;
@@ -312,6 +312,8 @@ ffi::Error Sample(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
     thread_local Scratch s;  // Per thread: rows run on the workers.
     for (auto* v : {&s.x, &s.y, &s.q, &s.score}) v->resize(V);
     s.keep.resize(V);
+    for (auto* v : {&s.vals, &s.vk}) v->resize(num);
+    s.ck.resize(num);
     const Row r{logits.typed_data() + b * V,
                 params.typed_data() + b * kNumParams,
                 top_k.typed_data()[b],
