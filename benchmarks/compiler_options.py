@@ -6,7 +6,7 @@ This script measures greedy decode throughput of SmolLM2-135M-Instruct
 (float32, per-layer weights) with and without that option for several batch
 sizes and cache sizes, through two engines
 (``Engine(compiler_options=...)``); its figures are why
-`penzai_lm.generation.engine.default_compiler_options` is XLA's defaults.
+`penzai_lm.runtime.compiler_options.default_compiler_options` is XLA's defaults.
 
 How:
 

@@ -1,6 +1,6 @@
 """First-generate compile time with XLA:CPU's newer and older fusion emitters.
 
-`penzai_lm.generation.engine.default_compiler_options` compiles the prefill
+`penzai_lm.runtime.compiler_options.default_compiler_options` compiles the prefill
 and decode programs of models with at most ``FEW_BLOCKS`` transformer
 blocks with the older emitters (``xla_cpu_use_fusion_emitters: False``).
 This script measures why: for each block count, fresh processes build a

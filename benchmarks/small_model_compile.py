@@ -1,7 +1,7 @@
 """First-generate compile time and decode speed of small models, compiled
 as larger models are and with `small_model_options`.
 
-`penzai_lm.generation.engine.default_compiler_options` compiles the
+`penzai_lm.runtime.compiler_options.default_compiler_options` compiles the
 programs of models of at most ``SMALL_MODEL`` parameters with
 `small_model_options` (LLVM -O0 without its expensive passes, XLA:CPU's
 older fusion emitters). This script measures why: for each model below,
@@ -53,8 +53,8 @@ events = collections.defaultdict(float)
 monitoring.register_event_duration_secs_listener(
     lambda name, secs, **kw: events.__setitem__(name, events[name] + secs))
 from penzai_lm.generation import Engine
-from penzai_lm.generation.engine import default_compiler_options
-from penzai_lm.generation.engine import small_model_options
+from penzai_lm.runtime.compiler_options import default_compiler_options
+from penzai_lm.runtime.compiler_options import small_model_options
 from penzai_lm.model import TransformerConfig, build_transformer
 shape, small = json.loads(sys.argv[1]), sys.argv[2] == "small"
 model = build_transformer(TransformerConfig(family="llama", **shape), seed=0)

@@ -29,15 +29,18 @@ import sys
 import threading
 import time
 
+import jax
+
+import penzai_lm
+from penzai_lm import generation
+from penzai_lm.generation.chat import ChatSession
+from penzai_lm.paths import cache_dir
+
 DEFAULT_MAX_NEW_TOKENS = 128
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C.
 
 
 def _enable_compilation_cache() -> None:
-  import jax  # pylint: disable=g-import-not-at-top
-
-  from penzai_lm.fetch import cache_dir  # pylint: disable=g-import-not-at-top
-
   path = os.environ.get("PENZAI_LM_JAX_CACHE") or str(cache_dir() / "jax")
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -155,8 +158,6 @@ def _read_prompt(args) -> str:
 
 
 def _load(args):
-  import penzai_lm  # pylint: disable=g-import-not-at-top
-
   print(f"[loading {args.model or 'the default model'}]", file=sys.stderr,
         flush=True)
   start = time.perf_counter()
@@ -170,8 +171,6 @@ def _load(args):
 
 
 def cmd_generate(args) -> int:
-  from penzai_lm import generation  # pylint: disable=g-import-not-at-top
-
   prompt = _read_prompt(args)
   model, tokenizer = _load(args)
   request = [{"role": "user", "content": prompt}] if args.chat else prompt
@@ -213,8 +212,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-  from penzai_lm.generation.chat import ChatSession  # pylint: disable=g-import-not-at-top
-
   model, tokenizer = _load(args)
   chat = ChatSession(model, tokenizer, system=args.system,
                      min_cache_len=args.cache_len)

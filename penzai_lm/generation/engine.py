@@ -17,9 +17,11 @@ values, seeds, ``max_new_tokens``, stop ids, forced tokens -- is a traced
 array, so one compiled program serves every such request; the weights are
 arguments of the programs, never constants.
 
-An `Engine` owns its compiled programs and prepared models in bounded LRU
-caches and its compiler options; nothing is module-level state except the
-default engine the plain functions use (`default_engine()`). Make your own
+An `Engine` owns its prepared models in a bounded LRU cache and runs on a
+`penzai_lm.runtime.Runtime`, which owns the compiled programs and their
+compiler options; nothing is module-level state except the default engine
+the plain functions use (`default_engine()`, on the default runtime that
+top-level model calls use too). Make your own
 engine to bound memory differently, to try compiler options, or to keep
 programs apart::
 
@@ -30,155 +32,52 @@ programs apart::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import numpy as np
 
 from penzai_lm.generation import prepare as prepare_lib
 from penzai_lm.generation import request as request_lib
-from penzai_lm.generation.caches import IdentityCache
-from penzai_lm.generation.caches import Pending
-from penzai_lm.generation.caches import ProgramCache
-from penzai_lm.generation.program_store import auto_directory
-from penzai_lm.generation.program_store import ProgramStore
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.run import Run
-from penzai_lm.generation.variants import alias_weights
-from penzai_lm.generation.variants import Derivable
-from penzai_lm.generation.variants import derivable_tree
-from penzai_lm.generation.variants import Lineage
-from penzai_lm.generation.variants import variant_key
-from penzai_lm.model.transformer import check_tokens
-from penzai_lm.model.transformer import compiles
-from penzai_lm.model.transformer import positions_from_padding
-
-CompilerOptions = Callable[[str, Any], dict[str, Any]]
-
-
-# Prefill and decode programs of models with at most this many transformer
-# blocks are compiled with XLA:CPU's older fusion emitters (see
-# `default_compiler_options`).
-FEW_BLOCKS = 3
-
-# Programs of models with at most this many parameters are compiled with
-# `small_model_options` (see `default_compiler_options`).
-SMALL_MODEL = 1_000_000
-
-
-def default_compiler_options(program: str, shape, *,
-                             blocks: int | None = None,
-                             parameters: int | None = None
-                             ) -> dict[str, Any]:
-  """XLA's defaults, but for small models.
-
-  Fusion emitters: XLA:CPU's newer fusion emitters compile each distinct
-  kernel through MLIR (~15 ms of code generation each) and share identical
-  kernels, so the blocks of a deep model cost little; the older emitters
-  generate LLVM IR directly, faster per kernel, but once per fusion. A
-  program of a model with at most `FEW_BLOCKS` blocks has few kernels of
-  its blocks, so it compiles faster with the older ones. With the JAX
-  sampler (~110 distinct kernels) in the decode program (one fresh
-  process each, SmolLM2-shaped blocks, first generate's XLA seconds, new
-  -> old emitters): 1 block 4.9 -> 3.0 s, 2 blocks 5.5 -> 3.3 s, 4 blocks
-  5.6 -> 4.9 s, 8 blocks 5.0 -> 7.4 s (the 30-block decode program alone:
-  4.6 -> 7.5-8.6 s). With the CPU sampling kernel (one call), medians of
-  3 (`benchmarks/emitters_compile.py`), compile+trace new -> old: 1 block
-  1.61 -> 0.99 s, 2 blocks 1.68 -> 1.33 s, 3 blocks 1.75 -> 1.27 s, 4
-  blocks 1.71 -> 1.52 s; decode 321 -> 291, 215 -> 219, 207 -> 184 and
-  194 -> 211 tok/s.
-
-  Small models: the programs of a model of at most `SMALL_MODEL`
-  parameters (toy and test models: a grokking transformer has 0.3 M) take
-  `small_model_options`: the older emitters at any depth, at LLVM -O0
-  without its expensive passes. Their steps take a fraction of a
-  millisecond either way; the compile is the wait, and every new patch
-  structure, batch or cache bucket is a new one. Medians of 3 fresh
-  processes (`benchmarks/small_model_compile.py`; first generate's XLA
-  seconds at batch 1 and then 8, and decode tok/s at batch 1, as a larger
-  model is compiled -> small options): 34 k parameters, 3 blocks: 3.8 ->
-  1.5 s and 6.7 -> 1.6 s, 7,600 -> 5,800 tok/s; 80 k, 8 blocks: 5.8 ->
-  2.3 s and 5.2 -> 2.4 s; 0.29 M: 2.8 -> 1.2 s and 7.6 -> 1.2 s, 5,500 ->
-  4,600 tok/s. Past the bound the slower code starts to count: with
-  SmolLM2's vocabulary on 1.6 M parameters, the sampler decoded 2,700 ->
-  1,100 tok/s (batch 8: 820 -> 160).
-
-  Measured (`benchmarks/compiler_options.py`, SmolLM2-135M fp32, greedy):
-  turning XLA's YNNPACK fusions off for decode programs on CPU (our earlier
-  default) changed nothing at batch 1 (0.93-1.10x at 64-2048 cache slots)
-  and was 1.3-4x slower at batch 2-8 at every cache size (batch 2, 64
-  slots: 6.5 against 24.5 tok/s; batch 8, 2048 slots: 21.8 against 29.2),
-  so that 2 and 4 rows decoded slower in total than one.
-
-  Args:
-    program: "prefill", "decode" or "forward".
-    shape: The program's shape (unused).
-    blocks: The transformer blocks the program runs one after the other (a
-      layer stack counts once: its scan compiles one block), if known.
-    parameters: The model's parameters (array elements), if known.
-  """
-  del shape
-  if parameters is not None and parameters <= SMALL_MODEL:
-    return small_model_options()
-  if (program in ("prefill", "decode") and blocks is not None
-      and blocks <= FEW_BLOCKS and _cpu_accepts(_EMITTERS, False)):
-    return {_EMITTERS: False}
-  return {}
-
-
-def small_model_options() -> dict[str, Any]:
-  """XLA:CPU's options for the programs of small models (see
-  `default_compiler_options`), e.g. for ``jax.jit(..., compiler_options=)``;
-  those this jaxlib lacks are left out, and none off CPU."""
-  options = {}
-  if jax.default_backend() != "cpu":
-    return options
-  if _cpu_accepts(_EMITTERS, False):
-    options[_EMITTERS] = False
-  if _cpu_accepts(_OPT_LEVEL, 0):
-    options.update({_OPT_LEVEL: 0, "xla_llvm_disable_expensive_passes": True})
-  return options
-
-
-_EMITTERS = "xla_cpu_use_fusion_emitters"
-_OPT_LEVEL = "xla_backend_optimization_level"
-
-
-@functools.cache
-def _cpu_accepts(option: str, value: Any) -> bool:
-  """Whether this jaxlib's XLA:CPU knows the compile option (older ones
-  lack the emitter switch and refuse every program that names it). Asked
-  only while CPU is the default backend."""
-  try:
-    jax.jit(lambda x: x + 1).lower(
-        np.zeros((), np.float32)).compile({option: value})
-  except RuntimeError:  # INVALID_ARGUMENT: No such compile option.
-    return False
-  return True
+from penzai_lm.generation.stream import DEFAULT_CHUNK_SIZE
+from penzai_lm.generation.stream import GenerationStream
+from penzai_lm.runtime.derived import alias_weights
+from penzai_lm.runtime.derived import Derivable
+from penzai_lm.runtime.derived import derivable_tree
+from penzai_lm.runtime.derived import Lineage
+from penzai_lm.runtime.derived import variant_key
+from penzai_lm.runtime.identity_cache import IdentityCache
+from penzai_lm.runtime.program_cache import Pending
+from penzai_lm.runtime.program_store import ProgramStore
+from penzai_lm.runtime.runtime import CompilerOptions
+from penzai_lm.runtime.runtime import default_runtime
+from penzai_lm.runtime.runtime import Runtime
+from penzai_lm.runtime.unstack import unstack_layers
 
 
 def _derivable_unstack(model, leaves, values) -> Derivable:
   lineage = Lineage()
-  unstacked = prepare_lib.unstack_layers(model, lineage)
+  unstacked = unstack_layers(model, lineage)
   made = derivable_tree(unstacked, leaves, values, lineage)
   return dataclasses.replace(made, value=alias_weights(unstacked, leaves,
                                                        values))
 
 
 class Engine:
-  """Compiles, caches and runs generation programs.
+  """Prepares models and runs generation on a `Runtime`'s programs.
 
   Attributes:
-    programs: The `ProgramCache` (``programs.compilations`` counts
-      compilations): "prefill" and "decode" programs of `generate`, and
-      "forward" programs of top-level model calls and `run_with_cache`
-      (`forward`).
+    runtime: The `penzai_lm.runtime.Runtime` that compiles and caches the
+      programs ("prefill" and "decode" of `generate`, "forward" of
+      `forward` and `run_with_cache`).
+    programs: Its `ProgramCache` (``programs.compilations`` counts
+      compilations).
     unstack_layer_stacks: Decode layer stacks as per-layer blocks (see
-      `penzai_lm.generation.prepare`); False decodes the stacks as they are
+      `penzai_lm.runtime.unstack`); False decodes the stacks as they are
       (slow on CPU; for comparisons).
     prompt_attention: How prompts attend over the KV caches where a layer's
       attention chain is plain (`penzai_lm.model.prompt_attention`):
@@ -192,7 +91,8 @@ class Engine:
                compiler_options: CompilerOptions | None = None,
                unstack_layer_stacks: bool = True,
                program_store: ProgramStore | str | os.PathLike | None = "auto",
-               prompt_attention: str | None = "auto"):
+               prompt_attention: str | None = "auto",
+               runtime: Runtime | None = None):
     """Creates an engine.
 
     Args:
@@ -200,72 +100,62 @@ class Engine:
       max_models: Prepared models kept (each holds the arrays of one model
         in decode layout, per batch and cache bucket).
       compiler_options: ``fn(program_name, shape) -> dict`` of XLA options
-        for programs compiled on CPU ("prefill" with a `PrefillShape`,
-        "decode" with a `DecodeShape`, "forward" with the tokens' named
-        shape), asked once per compilation; default
-        `default_compiler_options`.
+        for programs compiled on CPU (see `Runtime`).
       unstack_layer_stacks: See the class attribute.
-      program_store: Where compiled programs' exported forms are kept, so
-        that a new process skips tracing them (`ProgramStore`): a store, a
-        directory, None (off), or "auto": ``penzai_lm_programs`` inside
-        JAX's persistent compilation cache directory while one is set
-        (``jax_compilation_cache_dir``; the CLI sets one).
+      program_store: A `ProgramStore`, a directory, None or "auto" (see
+        `Runtime`).
       prompt_attention: See the class attribute.
+      runtime: Run on this runtime (e.g. `default_runtime()`, shared with
+        top-level model calls) instead of a new one made from
+        ``max_programs``, ``compiler_options`` and ``program_store``, which
+        must then keep their defaults.
+
+    Raises:
+      ValueError / TypeError: for a bad argument, naming it.
     """
-    for name, value in (("max_programs", max_programs),
-                        ("max_models", max_models)):
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    if compiler_options is not None and not callable(compiler_options):
-      raise TypeError(
-          "compiler_options must be a function (program name, shape) ->"
-          f" dict, got {type(compiler_options).__name__}.")
+    if not isinstance(max_models, int) or isinstance(max_models, bool) or (
+        max_models < 1):
+      raise ValueError(
+          f"max_models must be a positive integer, got {max_models!r}.")
     if prompt_attention not in prepare_lib.PROMPT_ATTENTION:
       raise ValueError(
           f"prompt_attention must be one of {prepare_lib.PROMPT_ATTENTION},"
           f" got {prompt_attention!r}.")
+    if runtime is None:
+      runtime = Runtime(max_programs=max_programs,
+                        compiler_options=compiler_options,
+                        program_store=program_store)
+    elif not isinstance(runtime, Runtime):
+      raise TypeError("runtime must be a penzai_lm.runtime.Runtime, got"
+                      f" {type(runtime).__name__}.")
+    elif (max_programs, compiler_options, program_store) != (32, None, "auto"):
+      raise ValueError(
+          "give either runtime= or max_programs / compiler_options /"
+          " program_store (the runtime's own), not both.")
+    self.runtime = runtime
+    self.programs = runtime.programs
     self.prompt_attention = prompt_attention
-    if isinstance(program_store, (str, os.PathLike)) and (
-        program_store != "auto"):
-      program_store = ProgramStore(program_store)
-    elif program_store is not None and program_store != "auto" and (
-        not isinstance(program_store, ProgramStore)):
-      raise TypeError(
-          "program_store must be a ProgramStore, a directory, None or"
-          f' "auto", got {type(program_store).__name__}.')
-    self._program_store = program_store
-    self._auto_store: ProgramStore | None = None
-    self.programs = ProgramCache(max_programs, store=self.program_store)
     self.unstack_layer_stacks = bool(unstack_layer_stacks)
-    self._compiler_options = compiler_options
     self._prepared = IdentityCache(max_models)
     # Unstacked models are shared by every bucket of one model (one copy of
     # the weights in decode layout, not one per bucket).
     self._unstacked = IdentityCache(2)
 
   def program_store(self) -> ProgramStore | None:
-    """The `ProgramStore` programs are compiled through now (None: off)."""
-    if self._program_store != "auto":
-      return self._program_store
-    directory = jax.config.jax_compilation_cache_dir
-    if not directory or "://" in str(directory):
-      return None  # No cache, or a remote one (gs://...).
-    if self._auto_store is None or self._auto_store.directory != (
-        auto_directory(directory)):
-      self._auto_store = ProgramStore(auto_directory(directory))
-    return self._auto_store
+    """The runtime's `ProgramStore` now (None: off)."""
+    return self.runtime.program_store()
 
   @property
   def compilations(self) -> int:
-    return self.programs.compilations
+    return self.runtime.compilations
 
   def program_count(self, name: str | None = None) -> int:
-    """Compiled programs held ("prefill", "decode" or all)."""
-    return len(self.programs.items(name))
+    """Compiled programs held ("prefill", "decode", "forward" or all)."""
+    return self.runtime.program_count(name)
 
   def clear(self) -> None:
     """Drops every compiled program and prepared model."""
-    self.programs.clear()
+    self.runtime.clear()
     self._prepared.clear()
     self._unstacked.clear()
 
@@ -302,43 +192,12 @@ class Engine:
   def stream(self, model, prompts: Any, *, chunk_size: int = 8,
              cancel: threading.Event | None = None, **options):
     """`stream` on this engine."""
-    from penzai_lm.generation.stream import GenerationStream  # pylint: disable=g-import-not-at-top
     return GenerationStream(self.start(model, prompts, **options),
                             chunk_size=chunk_size, cancel=cancel)
 
-  def forward(self, model, tokens, *, token_positions=None, padding=None,
-              return_logits: bool = True, **side_inputs):
-    """``model(tokens, ...)`` as a compiled program of this engine (a
-    top-level model call uses the default engine's;
-    `penzai_lm.generation.forward`).
-
-    Args:
-      model: An uncached `TransformerLM` on concrete arrays.
-      tokens: Named token ids with a ``seq`` axis.
-      token_positions: As in `TransformerLM.__call__`.
-      padding: A named mask of padding tokens (True), from which the
-        positions are computed inside the program when ``token_positions``
-        is None.
-      return_logits: With False the program returns None instead of the
-        logits, so XLA leaves out whatever only they need (the output
-        projection, the blocks after the last state variable written);
-        state variables (captures) still get their values.
-      **side_inputs: Forwarded to the model.
-    """
-    from penzai_lm.generation.forward import compiled_forward  # pylint: disable=g-import-not-at-top
-    check_tokens(tokens, model.config.vocab_size)
-    if compiles(tokens, token_positions, side_inputs):
-      logits = compiled_forward(model, tokens, engine=self,
-                                token_positions=token_positions,
-                                padding=padding,
-                                return_logits=return_logits, **side_inputs)
-      if logits is not NotImplemented:
-        return logits
-    # Traced, eager, or an unhashable non-array side input: the plain call.
-    if token_positions is None and padding is not None:
-      token_positions = positions_from_padding(padding)
-    logits = model(tokens, token_positions=token_positions, **side_inputs)
-    return logits if return_logits else None
+  def forward(self, model, tokens, **kwargs):
+    """`Runtime.forward` on this engine's runtime."""
+    return self.runtime.forward(model, tokens, **kwargs)
 
   def prepare(self, model, request) -> prepare_lib.PreparedModel:
     """The model ready for ``request``'s programs (cached).
@@ -346,7 +205,7 @@ class Engine:
     Cached per model structure, weights and shape: a patched variant of a
     prepared model (same weights, other patch values) gets the prepared
     model with only its patch's arrays replaced
-    (`penzai_lm.generation.variants`); nothing is unstacked again.
+    (`penzai_lm.runtime.derived`); nothing is unstacked again.
     """
     cached = request_lib.is_cached_model(model)
     shape = request.decode
@@ -389,44 +248,20 @@ class Engine:
                 shape.cache_len, self.unstack_layer_stacks, index,
                 request.capture, self.prompt_attention), make)
 
-  def program(self, name: str, fn, static, args, *, shape, donate=(),
-              blocks: int | None = None, parameters: int | None = None):
-    """``(compiled program, compile seconds)`` for ``fn`` (cached).
-    ``blocks`` and ``parameters``: the model's transformer blocks and
-    parameters, for the default compiler options."""
-    return self.lower(name, fn, static, args, shape=shape, donate=donate,
-                      blocks=blocks, parameters=parameters).compile()
+  def program(self, name: str, fn, static, args, **kwargs):
+    """`Runtime.program` on this engine's runtime."""
+    return self.runtime.program(name, fn, static, args, **kwargs)
 
-  def lower(self, name: str, fn, static, args, *, shape, donate=(),
-            blocks: int | None = None, parameters: int | None = None
-            ) -> Pending:
-    """``fn``'s program traced (or cached): see `ProgramCache.lower`."""
-    return self.programs.lower(
-        name, fn, static, args,
-        self._options_for(name, shape, blocks, parameters), donate)
+  def lower(self, name: str, fn, static, args, **kwargs) -> Pending:
+    """`Runtime.lower` on this engine's runtime."""
+    return self.runtime.lower(name, fn, static, args, **kwargs)
 
-  def compile_ahead(self, name: str, fn, static, args, *, shape, donate=(),
-                    blocks: int | None = None,
-                    parameters: int | None = None) -> float:
-    """Traces ``fn``'s program and compiles it in the background (see
-    `ProgramCache.compile_ahead`); returns the seconds spent tracing."""
-    return self.programs.compile_ahead(
-        name, fn, static, args,
-        self._options_for(name, shape, blocks, parameters), donate)
-
-  def _options_for(self, name: str, shape, blocks: int | None,
-                   parameters: int | None):
-    def options():
-      if jax.default_backend() != "cpu":
-        return {}
-      if self._compiler_options is not None:
-        return self._compiler_options(name, shape)
-      return default_compiler_options(name, shape, blocks=blocks,
-                                      parameters=parameters)
-    return options
+  def compile_ahead(self, name: str, fn, static, args, **kwargs) -> float:
+    """`Runtime.compile_ahead` on this engine's runtime."""
+    return self.runtime.compile_ahead(name, fn, static, args, **kwargs)
 
 
-_DEFAULT_ENGINE = Engine()
+_DEFAULT_ENGINE = Engine(runtime=default_runtime())
 
 
 def default_engine() -> Engine:
@@ -511,3 +346,29 @@ def generate(model, prompts: Any, *, engine: Engine | None = None,
   """
   return resolve_engine(engine).generate(
       model, prompts, cancel=cancel, chunk_size=chunk_size, **options)
+
+
+def stream(model, prompts, *, engine: Engine | None = None,
+           chunk_size: int = DEFAULT_CHUNK_SIZE,
+           cancel: threading.Event | None = None,
+           **options) -> GenerationStream:
+  """Streams generated tokens; options as in `generate`.
+
+  The request is validated here (errors raise immediately); the prefill runs
+  on the first ``next()``.
+
+  Args:
+    model: As in `generate`.
+    prompts: As in `generate`.
+    engine: The `Engine` to run on (default: `default_engine()`).
+    chunk_size: Decode steps per compiled call after the first token (the
+      host sees tokens every ``chunk_size`` steps; 8 keeps the per-chunk host
+      work to a few percent of the step time on a 135M model).
+    cancel: Optional ``threading.Event`` that stops generation when set.
+    **options: Any option of `generate`.
+
+  Returns:
+    A `GenerationStream` yielding `StreamEvent` objects.
+  """
+  return resolve_engine(engine).stream(
+      model, prompts, chunk_size=chunk_size, cancel=cancel, **options)

@@ -4,9 +4,9 @@
 stacks unstacked (see below), converted to cached mode for the request's
 batch and cache size (an uncached `TransformerLM`), frozen, split into
 stateless layers and state, and flattened. The `Engine` caches the results
-per model structure, weights and shape (`penzai_lm.generation.caches`).
+per model structure, weights and shape (`penzai_lm.runtime.program_cache`).
 
-Layer stacks are unstacked for decoding (`penzai_lm.generation.unstack`).
+Layer stacks are unstacked for decoding (`penzai_lm.runtime.unstack`).
 """
 
 from __future__ import annotations
@@ -20,25 +20,25 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.generation.placement import placement_of
-from penzai_lm.generation.shared_traces import share_block_traces
 from penzai_lm.generation.state import CacheLabels
 from penzai_lm.generation.state import LeafSpec
 from penzai_lm.generation.state import StateLayout
-from penzai_lm.generation.unstack import host_view
-from penzai_lm.generation.unstack import unstack_layers  # pylint: disable=unused-import
-from penzai_lm.generation.variants import Lineage
-from penzai_lm.interp.cache import CaptureSpec
-from penzai_lm.interp.cache import insert_captures
 from penzai_lm.kernels import on_one_cpu
 from penzai_lm.kernels import ops as kernel_ops
 from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import KVCachingTransformerLM
+from penzai_lm.model.captures import CaptureSpec
+from penzai_lm.model.captures import insert_captures
 from penzai_lm.model.prompt_attention import on_gpus
 from penzai_lm.model.prompt_attention import on_one_gpu
 from penzai_lm.model.prompt_attention import with_fused_prompt_attention
 from penzai_lm.model.stateless import stateless_call
-from penzai_lm.model.transformer import TransformerBlock
+from penzai_lm.runtime.compiler_options import count_blocks
+from penzai_lm.runtime.compiler_options import count_parameters
+from penzai_lm.runtime.derived import Lineage
+from penzai_lm.runtime.placement import placement_of
+from penzai_lm.runtime.shared_traces import share_block_traces
+from penzai_lm.runtime.unstack import host_view
 
 
 def per_row_size(model, batch_axis: str) -> int | None:
@@ -236,18 +236,8 @@ def _prepare_runnable(runnable, user_labels, batch_axis, batch,
   layout = StateLayout(state_treedef, tuple(specs), labels,
                        frozenset(user_labels), placement)
   return PreparedModel(model_leaves, treedef, layout, args,
-                       blocks=_count_blocks(stateless),
+                       blocks=count_blocks(stateless),
                        parameters=count_parameters(model_leaves))
-
-
-def count_parameters(leaves) -> int:
-  """Array elements of a model's leaves (its size, for compiler options)."""
-  return sum(int(np.size(x)) for x in leaves if hasattr(x, "shape"))
-
-
-def _count_blocks(model) -> int:
-  return sum(isinstance(x, TransformerBlock) for x in jax.tree_util.tree_leaves(
-      model, is_leaf=lambda x: isinstance(x, TransformerBlock)))
 
 
 def _frozen_params(model):

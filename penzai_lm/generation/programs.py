@@ -28,7 +28,7 @@ With ``use_cache=False`` the same loop recomputes the whole sequence with the
 uncached model at every step (a reference for the cached path).
 
 Both programs take the weights as arguments (never constants) and a static
-``(shape, treedef, layout)`` triple; see `penzai_lm.generation.caches`.
+``(shape, treedef, layout)`` triple; see `penzai_lm.runtime.program_cache`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import jax.numpy as jnp
 from penzai import pz
 
 from penzai_lm import sampling
-from penzai_lm.generation.placement import constrain
 from penzai_lm.generation.shapes import DecodeShape
 from penzai_lm.generation.shapes import PrefillShape
 from penzai_lm.generation.state import CACHE_FULL
@@ -52,9 +51,10 @@ from penzai_lm.generation.state import Outputs
 from penzai_lm.generation.state import PADDING_ROW
 from penzai_lm.generation.state import RecomputeState
 from penzai_lm.generation.state import RUNNING
-from penzai_lm.generation.state import STOP
 from penzai_lm.generation.state import StateLayout
+from penzai_lm.generation.state import STOP
 from penzai_lm.model.stateless import stateless_call
+from penzai_lm.runtime.placement import constrain
 
 
 def _map_batch_arrays(tree, axis: str, fn):

@@ -40,10 +40,10 @@ from penzai_lm.generation.row_options import min_new_rows
 from penzai_lm.generation.row_options import row_seeds
 from penzai_lm.generation.row_options import token_lists
 from penzai_lm.generation.state import Continuation
-from penzai_lm.interp.points import parse_point
 from penzai_lm.model import KVCachingTransformerLM
-from penzai_lm.model import TransformerLM
 from penzai_lm.model import memory
+from penzai_lm.model import TransformerLM
+from penzai_lm.model.points import parse_point
 
 DEFAULT_MAX_NEW_TOKENS = 128
 # Rows (prompts x samples) of one request at most. The memory check

@@ -72,7 +72,7 @@ class StateLayout:
     user_labels: Labels of the state variables of the user's model (patch
       state), as opposed to the caches the engine adds.
     placement: Where the state lives on a sharded model's mesh
-      (`penzai_lm.generation.placement.Placement`); None on one device.
+      (`penzai_lm.runtime.placement.Placement`); None on one device.
   """
 
   treedef: Any

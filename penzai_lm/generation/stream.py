@@ -38,11 +38,10 @@ import dataclasses
 import threading
 from typing import Any, Callable, Iterator
 
-from penzai_lm.generation import engine as engine_lib
 from penzai_lm.generation.results import GenerationResult
-from penzai_lm.generation.run import Run
 from penzai_lm.generation.run import check_cancel
 from penzai_lm.generation.run import check_chunk_size
+from penzai_lm.generation.run import Run
 
 DEFAULT_CHUNK_SIZE = 8
 
@@ -257,29 +256,3 @@ def result_with_text(run: Run, text=None,
     text.fill(result, finished=run.finished if finished is None
               else finished)
   return result
-
-
-def stream(model, prompts, *, engine: engine_lib.Engine | None = None,
-           chunk_size: int = DEFAULT_CHUNK_SIZE,
-           cancel: threading.Event | None = None,
-           **options) -> GenerationStream:
-  """Streams generated tokens; options as in `generate`.
-
-  The request is validated here (errors raise immediately); the prefill runs
-  on the first ``next()``.
-
-  Args:
-    model: As in `generate`.
-    prompts: As in `generate`.
-    engine: The `Engine` to run on (default: `default_engine()`).
-    chunk_size: Decode steps per compiled call after the first token (the
-      host sees tokens every ``chunk_size`` steps; 8 keeps the per-chunk host
-      work to a few percent of the step time on a 135M model).
-    cancel: Optional ``threading.Event`` that stops generation when set.
-    **options: Any option of `generate`.
-
-  Returns:
-    A `GenerationStream` yielding `StreamEvent` objects.
-  """
-  return engine_lib.resolve_engine(engine).stream(
-      model, prompts, chunk_size=chunk_size, cancel=cancel, **options)

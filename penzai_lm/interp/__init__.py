@@ -23,14 +23,13 @@
   and backward pass) returning an `AttributionResult`.
 """
 
-from penzai_lm.interp.attribution import AttributionResult
+from penzai_lm.interp.activation_cache import ActivationCache
+from penzai_lm.interp.activation_cache import run_with_cache
 from penzai_lm.interp.attribution import attribution_patching
-from penzai_lm.interp.cache import ActivationCache
-from penzai_lm.interp.cache import Capture
-from penzai_lm.interp.cache import run_with_cache
-from penzai_lm.interp.control_vectors import ControlVector
+from penzai_lm.interp.attribution import AttributionResult
 from penzai_lm.interp.control_vector_files import load_control_vector
 from penzai_lm.interp.control_vector_files import save_control_vector
+from penzai_lm.interp.control_vectors import ControlVector
 from penzai_lm.interp.interventions import Ablate
 from penzai_lm.interp.interventions import AddVector
 from penzai_lm.interp.interventions import Clamp
@@ -40,17 +39,19 @@ from penzai_lm.interp.lens import embed
 from penzai_lm.interp.lens import logits_from_embeddings
 from penzai_lm.interp.lens import unembed
 from penzai_lm.interp.patching import LogitDiff
-from penzai_lm.interp.patching import PatchingResult
 from penzai_lm.interp.patching import patching_sweep
-from penzai_lm.interp.points import AtLayers
-from penzai_lm.interp.points import Point
-from penzai_lm.interp.points import insert_at
-from penzai_lm.interp.points import parse_point
-from penzai_lm.interp.points import point_names
+from penzai_lm.interp.patching import PatchingResult
 from penzai_lm.interp.token_rules import TokenRule
-from penzai_lm.model.hooks import HookPoint
+from penzai_lm.model.captures import Capture
 from penzai_lm.model.hooks import head_coordinates
 from penzai_lm.model.hooks import heads_mask
+from penzai_lm.model.hooks import HookPoint
+from penzai_lm.model.points import AtLayers
+from penzai_lm.model.points import insert_at
+from penzai_lm.model.points import Intervention
+from penzai_lm.model.points import parse_point
+from penzai_lm.model.points import Point
+from penzai_lm.model.points import point_names
 
 __all__ = [
     "Ablate",
@@ -62,6 +63,7 @@ __all__ = [
     "Clamp",
     "ControlVector",
     "HookPoint",
+    "Intervention",
     "LogitDiff",
     "PatchValue",
     "PatchingResult",

@@ -47,15 +47,14 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.interp import points as points_lib
-from penzai_lm.interp.patching import PatchingResult
 from penzai_lm.interp.patching import _default_metric
 from penzai_lm.interp.patching import _scalar
 from penzai_lm.interp.patching import _static
+from penzai_lm.interp.patching import PatchingResult
 from penzai_lm.interp.patching_inputs import check_tokens_arg
-from penzai_lm.model import TransformerLM
+from penzai_lm.model import points as points_lib
 from penzai_lm.model import positions_from_padding
-from penzai_lm.model.build import head_axes
+from penzai_lm.model import TransformerLM
 from penzai_lm.model.hooks import BLOCK_POINTS
 from penzai_lm.model.hooks import head_coordinates
 
@@ -91,7 +90,7 @@ class _Probe(pz.nn.Layer):
 def _scored_axes(config, point: str) -> dict[str, int]:
   """The unit axes that get a score each (the rest are summed over)."""
   if point == "attn.head_out":
-    common, query_only = head_axes(config)
+    common, query_only = config.head_axes
     return {**common, **query_only}
   if point == "mlp.neurons":
     return {"neurons": config.mlp_hidden_size}

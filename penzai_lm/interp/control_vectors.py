@@ -31,7 +31,7 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.interp import interventions
-from penzai_lm.interp import points as points_lib
+from penzai_lm.model import points as points_lib
 
 
 def _is_int(value) -> bool:

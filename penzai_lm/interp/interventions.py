@@ -8,7 +8,7 @@ Insert them with `penzai_lm.interp.insert_at`::
                         Ablate.heads(model.config, heads=[0, 5]))
 
 `insert_at` checks their arrays against the point before the model runs
-(`penzai_lm.interp.points.check_fits`): a vector of the wrong size, or one
+(`penzai_lm.model.points.check_fits`): a vector of the wrong size, or one
 over axes the point's value lacks, is an error naming the point and the
 expected size.
 
@@ -36,6 +36,7 @@ from penzai import pz
 from penzai_lm.interp.token_rules import as_rule
 from penzai_lm.interp.token_rules import TokenRule
 from penzai_lm.model.hooks import heads_mask
+from penzai_lm.model.points import Intervention
 
 
 def _check_axes(x, data, what: str) -> None:
@@ -95,7 +96,7 @@ def _feature_vector(vector, axis: str, what: str) -> pz.nx.NamedArray:
 
 
 @pz.pytree_dataclass
-class AddVector(pz.nn.Layer):
+class AddVector(Intervention):
   """Adds ``strength * vector`` to the value (steering).
 
   Attributes:
@@ -126,7 +127,7 @@ class AddVector(pz.nn.Layer):
 
 
 @pz.pytree_dataclass
-class Ablate(pz.nn.Layer):
+class Ablate(Intervention):
   """Replaces some units of the value (heads, neurons, residual dimensions)
   by zero or by given values (mean ablation).
 
@@ -186,7 +187,7 @@ class Ablate(pz.nn.Layer):
 
 
 @pz.pytree_dataclass
-class ZeroHeads(pz.nn.Layer):
+class ZeroHeads(Intervention):
   """Zeroes some heads of a per-head value (``attn.head_out``,
   ``attn.pattern``); `Ablate.heads` also mean-ablates.
 
@@ -212,7 +213,7 @@ class ZeroHeads(pz.nn.Layer):
 
 
 @pz.pytree_dataclass
-class Clamp(pz.nn.Layer):
+class Clamp(Intervention):
   """Clips the value to ``[low, high]`` (e.g. clamp a feature or neuron).
 
   Attributes:
@@ -253,7 +254,7 @@ class Clamp(pz.nn.Layer):
 
 
 @pz.pytree_dataclass
-class PatchValue(pz.nn.Layer):
+class PatchValue(Intervention):
   """Replaces the value at some token positions with the value from
   another run (activation patching).
 

@@ -40,9 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.interp import points as points_lib
-from penzai_lm.interp.cache import run_with_cache
-from penzai_lm.model import TransformerLM
+from penzai_lm.interp.activation_cache import run_with_cache
 from penzai_lm.interp.patching_inputs import check_batch_size
 from penzai_lm.interp.patching_inputs import check_layers
 from penzai_lm.interp.patching_inputs import check_point
@@ -50,6 +48,8 @@ from penzai_lm.interp.patching_inputs import check_positions
 from penzai_lm.interp.patching_inputs import check_tokens_arg
 from penzai_lm.interp.patching_inputs import Position
 from penzai_lm.interp.patching_inputs import SWEEP_AXIS
+from penzai_lm.model import points as points_lib
+from penzai_lm.model import TransformerLM
 
 
 @pz.pytree_dataclass

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.interp import points as points_lib
+from penzai_lm.model import points as points_lib
 from penzai_lm.model.hooks import BLOCK_POINTS
 from penzai_lm.model.hooks import MODEL_POINTS
 from penzai_lm.model.transformer import check_tokens

@@ -12,7 +12,7 @@ CPU time each, and 85-149 s of wall time, as other processes shared the
 cores (load average 11-15); an idle core needs about the CPU time.
 
 The library lives in ``$PENZAI_LM_KERNEL_CACHE`` if set, else
-``$PENZAI_LM_CACHE/kernels`` (`penzai_lm.fetch.cache_dir`), named by a
+``$PENZAI_LM_CACHE/kernels`` (`penzai_lm.paths.cache_dir`), named by a
 sha256 of everything it is built from: the sources and headers, the
 compiler (its resolved path and ``--version`` output), the flags, the
 jaxlib version (its FFI headers) and the CPU's flags. A sidecar
@@ -44,7 +44,7 @@ import warnings
 
 import jax
 
-from penzai_lm import fetch
+from penzai_lm import paths
 
 TARGETS = (
     "pzlm_matvec_out_f32", "pzlm_matvec_out_bf16", "pzlm_matvec_out_f16",
@@ -65,7 +65,7 @@ def _cache_dir() -> pathlib.Path:
   env = os.environ.get("PENZAI_LM_KERNEL_CACHE")
   if env:
     return pathlib.Path(env).expanduser()
-  return fetch.cache_dir() / "kernels"
+  return paths.cache_dir() / "kernels"
 
 
 def _cpu_fingerprint() -> str:
@@ -226,7 +226,7 @@ def cpu_kernels() -> ctypes.CDLL | None:
   """The compiled kernel library, registered with XLA; None if unavailable.
 
   Raises:
-    penzai_lm.fetch.CacheDirError: If the cache directory cannot be made.
+    penzai_lm.paths.CacheDirError: If the cache directory cannot be made.
   """
   if os.environ.get("PENZAI_LM_CPU_KERNELS", "1") == "0":
     return None

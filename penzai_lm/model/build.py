@@ -31,16 +31,6 @@ MASKED_OUT = -2.3819763e38
 GLOBAL_WINDOW = 2**30
 
 
-def head_axes(config: TransformerConfig) -> tuple[dict[str, int], dict[str, int]]:
-  """Head axes shared by q/k/v, and head axes of queries only."""
-  groups, per_group = config.num_kv_heads, config.num_heads // config.num_kv_heads
-  if per_group == 1:
-    return {"heads": groups}, {}
-  if groups == 1:
-    return {}, {"query_heads": per_group}
-  return {"head_groups": groups}, {"query_heads": per_group}
-
-
 def _linear(name, rng, config, input_axes, output_axes, bias=False):
   layers = [
       pz.nn.Linear.from_config(
@@ -161,7 +151,7 @@ def build_attention(name, rng, config, layer_type, mixed, layer=None
                     ) -> pz.nn.Attention:
   """One attention layer (hook points ``attn.pattern`` after the softmax and
   ``attn.head_out`` before the output projection)."""
-  common, query_only = head_axes(config)
+  common, query_only = config.head_axes
   embedding = {"embedding": config.hidden_size}
   kv_axes = {**common, "projection": config.head_dim}
   q_axes = {**common, **query_only, "projection": config.head_dim}

@@ -351,6 +351,19 @@ class TransformerConfig:
     return (kind,) * self.num_layers
 
   @property
+  def head_axes(self) -> tuple[dict[str, int], dict[str, int]]:
+    """``(axes shared by queries, keys and values, axes of queries only)``:
+    ``heads`` (multi-head), ``query_heads`` (multi-query), or
+    ``head_groups`` + ``query_heads`` (grouped-query), with their sizes."""
+    groups = self.num_kv_heads
+    per_group = self.num_heads // self.num_kv_heads
+    if per_group == 1:
+      return {"heads": groups}, {}
+    if groups == 1:
+      return {}, {"query_heads": per_group}
+    return {"head_groups": groups}, {"query_heads": per_group}
+
+  @property
   def query_scale(self) -> float:
     """Factor applied to queries before the query-key dot product."""
     scalar = self.query_pre_attn_scalar or self.head_dim

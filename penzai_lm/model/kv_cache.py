@@ -30,14 +30,13 @@ import jax
 import jax.numpy as jnp
 from penzai import pz
 
-from penzai_lm.model.build import head_axes
+from penzai_lm.model import memory
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
 from penzai_lm.model.cache_attention import write_at
-from penzai_lm.model import memory
 from penzai_lm.model.config import TransformerConfig
-from penzai_lm.model.transformer import TransformerLM
 from penzai_lm.model.transformer import check_tokens
 from penzai_lm.model.transformer import leading_padding
+from penzai_lm.model.transformer import TransformerLM
 
 RESERVED_AXES = (
     "seq", "kv_seq", "embedding", "heads", "head_groups", "query_heads",
@@ -239,7 +238,7 @@ class KVCachingTransformerLM(pz.nn.Layer):
           f"pad_id {pad_id} is outside the vocabulary [0, {config.vocab_size})."
       )
 
-    common_head_axes, _ = head_axes(config)
+    common_head_axes, _ = config.head_axes
     selection = pz.select(uncached.body).at_instances_of(pz.nn.Attention)
     cached = {}
     for index, (keypath, attention) in enumerate(

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.model import dispatch
 from penzai_lm.model.config import TransformerConfig
 
 
@@ -122,7 +123,8 @@ class TransformerLM(pz.nn.Layer):
     and shapes (new token or patch values reuse it); inside
     ``penzai_lm.eager()`` it runs op by op, and inside ``jax.jit``,
     ``jax.grad`` and the like it is traced as part of the caller's
-    program. See `penzai_lm.generation.forward`.
+    program. See `penzai_lm.runtime.forward` (reached through
+    `penzai_lm.model.dispatch`).
 
     Args:
       tokens: Integer named array with a ``seq`` axis and any batch axes.
@@ -143,9 +145,8 @@ class TransformerLM(pz.nn.Layer):
           f" {limit} learned positions (config.max_cache_len)."
       )
     if compiles(tokens, token_positions, side_inputs):
-      from penzai_lm.generation.forward import compiled_forward  # pylint: disable=g-import-not-at-top
-      logits = compiled_forward(self, tokens, token_positions=token_positions,
-                                **side_inputs)
+      logits = dispatch.compiled_forward(
+          self, tokens, token_positions=token_positions, **side_inputs)
       if logits is not NotImplemented:
         return logits
     if token_positions is None:
@@ -171,7 +172,7 @@ def eager(enabled: bool = True):
   """Runs `TransformerLM` calls op by op (no compiled program) inside.
 
   Top-level calls of a model (and `penzai_lm.interp.run_with_cache`) are
-  compiled by default (`penzai_lm.generation.forward`); use this to debug a
+  compiled by default (`penzai_lm.runtime.forward`); use this to debug a
   layer (breakpoints, prints on every call) or to compare::
 
       with penzai_lm.eager():

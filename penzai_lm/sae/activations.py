@@ -31,10 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.generation.shared_traces import share_block_traces
-from penzai_lm.interp import cache as cache_lib
-from penzai_lm.interp import points as points_lib
+from penzai_lm.model import points as points_lib
+from penzai_lm.model.captures import insert_captures
 from penzai_lm.model.stateless import stateless_call
+from penzai_lm.runtime.shared_traces import share_block_traces
+from penzai_lm.runtime.unstack import unstack_layers
 
 
 def token_windows(tokens, length: int, seed: int, *, cycle: bool = True
@@ -137,15 +138,13 @@ class PointActivations:
       # Per-block layers, so that XLA can drop the blocks after the point
       # (a layer stack's scan runs them all): twice as fast mid-model. On
       # CPU the blocks alias the stacked weights.
-      # pylint: disable-next=g-import-not-at-top
-      from penzai_lm.generation.prepare import unstack_layers
       model = unstack_layers(model)
     self.model = model
     self.point = point
     self.skip_positions = skip_positions
     self._programs = {}
     self.input_axes = tuple(
-        cache_lib._value_axes(model.config, parsed.point, 0).items())  # pylint: disable=protected-access
+        points_lib.point_value_axes(model.config, parsed.point, 0).items())
 
   @property
   def d_in(self) -> int:
@@ -160,7 +159,7 @@ class PointActivations:
       # of a per-block point must be concrete, so captures are inserted
       # here, outside the compiled function.
       rows, length = windows.shape
-      patched, captures = cache_lib.insert_captures(
+      patched, captures = insert_captures(
           self.model, [self.point], {"batch": rows, "seq": length})
       stateless, variables = pz.unbind_state_vars(patched, freeze=True)
       self._programs[windows.shape] = (stateless, variables,

@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.generation.shared_traces import share_block_traces
-from penzai_lm.interp import points as points_lib
+from penzai_lm.interp.activation_cache import token_batch
+from penzai_lm.model import points as points_lib
 from penzai_lm.model.stateless import stateless_call
 from penzai_lm.model.transformer import positions_from_padding
+from penzai_lm.runtime.shared_traces import share_block_traces
 from penzai_lm.sae.autoencoder import FEATURES
 
 
@@ -94,8 +95,6 @@ def feature_attribution(model, tokens, point: str,
   Raises:
     ValueError: for a point that is not a splice's features point.
   """
-  # pylint: disable-next=g-import-not-at-top
-  from penzai_lm.interp.cache import _token_batch
   parsed = points_lib.parse_point(model, point)
   if not parsed.point.endswith(".features"):
     raise ValueError(f"{point!r} is not an autoencoder's features point"
@@ -104,7 +103,7 @@ def feature_attribution(model, tokens, point: str,
   hook = next(h for h in points_lib.hook_points(model, parsed.point)
               .get_sequence() if int(h.layer.data_array) == parsed.layer)
   width = dict(hook.value_axes)[FEATURES]
-  ids, padding, lengths = _token_batch(model, tokens)
+  ids, padding, lengths = token_batch(model, tokens)
   positions = None if padding is None else positions_from_padding(padding)
   if "batch" not in ids.named_shape:
     ids = pz.nx.stack([ids], "batch")

@@ -35,6 +35,7 @@ from penzai import pz
 
 from penzai_lm.interp.token_rules import as_rule
 from penzai_lm.interp.token_rules import TokenRule
+from penzai_lm.model.points import Intervention
 from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 
@@ -109,7 +110,7 @@ def _values(value, batch_axis: str, what: str) -> pz.nx.NamedArray:
 
 
 @pz.pytree_dataclass
-class FeatureEdit(pz.nn.Layer):
+class FeatureEdit(Intervention):
   """``f -> f * scale + offset`` on the features ``mask`` selects, at the
   tokens ``where`` selects (see the module docstring).
 

@@ -33,9 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.generation.shared_traces import share_block_traces
-from penzai_lm.interp import points as points_lib
 from penzai_lm.interp.token_rules import TokenRule
+from penzai_lm.model import points as points_lib
+from penzai_lm.runtime.shared_traces import share_block_traces
+from penzai_lm.runtime.unstack import unstack_layers
 from penzai_lm.sae.activations import PointActivations
 from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import SparseAutoencoder
@@ -145,8 +146,6 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
   if pz.select(model).at_instances_of(pz.nn.LayerStack).count():
     # Per-block layers (as `splice` makes): the reconstruction runs in its
     # block only, not masked in every block of the stack's scan.
-    # pylint: disable-next=g-import-not-at-top
-    from penzai_lm.generation.prepare import unstack_layers
     model = unstack_layers(model)
   rule = TokenRule.positions(skip_positions, _FAR)
   limit = pz.nx.wrap(jnp.asarray(

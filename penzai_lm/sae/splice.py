@@ -53,8 +53,9 @@ import jax
 import jax.numpy as jnp
 from penzai import pz
 
-from penzai_lm.interp import points as points_lib
+from penzai_lm.model import points as points_lib
 from penzai_lm.model.hooks import HookPoint
+from penzai_lm.runtime.unstack import unstack_layers
 from penzai_lm.sae.autoencoder import contract
 from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import row_norms
@@ -208,8 +209,7 @@ def _default_name(sae: SparseAutoencoder) -> str:
 
 def _value_axes(model, point: points_lib.Point) -> dict[str, int]:
   """Axes of a block point's value besides the token axes."""
-  from penzai_lm.interp.cache import _value_axes as value_axes  # pylint: disable=g-import-not-at-top
-  return value_axes(model.config, point.point, 0)
+  return points_lib.point_value_axes(model.config, point.point, 0)
 
 
 def _check_axes(model, point: points_lib.Point, axes, what: str) -> None:
@@ -224,8 +224,6 @@ def _check_axes(model, point: points_lib.Point, axes, what: str) -> None:
 
 def _unstacked(model):
   if pz.select(model).at_instances_of(pz.nn.LayerStack).count():
-    # pylint: disable-next=g-import-not-at-top
-    from penzai_lm.generation.prepare import unstack_layers
     return unstack_layers(model)
   return model
 

@@ -148,7 +148,7 @@ class Tokenizer:
 
     Only ``tokenizer.*`` and ``general.architecture`` fields are read. The
     SentencePiece vocabularies (e.g. Gemma 3, slow to build) are cached
-    under `penzai_lm.fetch.cache_dir()`, keyed by a hash of those fields
+    under `penzai_lm.paths.cache_dir()`, keyed by a hash of those fields
     (see `vocab_cache`), for a path and an open reader alike.
 
     Args:

@@ -2,7 +2,7 @@
 
 Rebuilding a SentencePiece vocabulary's merges takes seconds (Gemma 3's
 262,144 tokens), so the built tokenizer is saved as a ``tokenizer.json``
-under ``fetch.cache_dir() / "tokenizers"`` and read from there next time
+under ``paths.cache_dir() / "tokenizers"`` and read from there next time
 (Gemma 3: about 1.5 s of CPU instead of 3.5 s). Byte-level vocabularies carry
 their merges and build fast, so they are not cached.
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import tokenizers
 
-from penzai_lm import fetch
+from penzai_lm import paths
 from penzai_lm.tokenizer import gguf_vocab
 
 __all__ = ["load_or_build"]
@@ -44,7 +44,7 @@ _DIGITS = 32  # Hex digits of each hash in an entry's name.
 
 
 def _directory() -> pathlib.Path:
-  return fetch.cache_dir() / "tokenizers"
+  return paths.cache_dir() / "tokenizers"
 
 
 def _entry_key(digest: str) -> str:

@@ -1,9 +1,7 @@
 """Engine: bounded program and model caches, compiler options, no module
 state."""
 
-import ast
 import gc
-import pathlib
 
 import jax
 import numpy as np
@@ -11,11 +9,8 @@ import pytest
 
 import penzai_lm
 from penzai_lm import interp
-from penzai_lm.generation import Engine
 from penzai_lm.generation import default_engine
-from penzai_lm.generation import engine as engine_lib
-from penzai_lm.generation.engine import default_compiler_options
-from penzai_lm.generation.engine import small_model_options
+from penzai_lm.generation import Engine
 from penzai_lm.generation import generate
 from penzai_lm.generation.shapes import DecodeShape
 from penzai_lm.generation.shapes import PrefillShape
@@ -105,54 +100,6 @@ def test_compiler_options_are_chosen_per_program_and_shape(model):
     assert seen == [("prefill", PrefillShape), ("decode", DecodeShape)]
 
 
-def test_few_block_models_compile_with_the_older_fusion_emitters():
-  older = {"xla_cpu_use_fusion_emitters": False}
-  large = engine_lib.SMALL_MODEL + 1
-  for program in ("prefill", "decode"):
-    assert default_compiler_options(program, None, blocks=3) == older
-    assert default_compiler_options(program, None, blocks=3,
-                                    parameters=large) == older
-    assert default_compiler_options(program, None, blocks=4) == {}
-    assert default_compiler_options(program, None) == {}
-  assert default_compiler_options("forward", None, blocks=1) == {}
-
-
-def test_small_models_compile_at_llvm_o0():
-  if jax.default_backend() != "cpu":
-    pytest.skip("XLA:CPU's options")
-  small = small_model_options()
-  assert small == {"xla_cpu_use_fusion_emitters": False,
-                   "xla_backend_optimization_level": 0,
-                   "xla_llvm_disable_expensive_passes": True}
-  for program in ("prefill", "decode", "forward"):
-    for blocks in (None, 1, 30):
-      assert default_compiler_options(
-          program, None, blocks=blocks,
-          parameters=engine_lib.SMALL_MODEL) == small
-    assert default_compiler_options(
-        program, None, blocks=30, parameters=engine_lib.SMALL_MODEL + 1) == {}
-
-
-def test_programs_are_compiled_for_the_models_size(model, monkeypatch):
-  """The engine counts the model's parameters (array elements) for every
-  program: generation's and a top-level call's (the cached model's arrays
-  add a few elements)."""
-  asked = []
-
-  def spy(program, shape, **kwargs):
-    asked.append((program, kwargs["parameters"]))
-    return default_compiler_options(program, shape, **kwargs)
-
-  monkeypatch.setattr(engine_lib, "default_compiler_options", spy)
-  engine = Engine()
-  engine.generate(model, prompts([4]), **GREEDY)
-  interp.run_with_cache(model, prompts([5])[0], names=[], engine=engine)
-  size = sum(x.size for x in jax.tree_util.tree_leaves(model))
-  assert 10_000 < size <= engine_lib.SMALL_MODEL
-  assert [name for name, _ in asked] == ["prefill", "decode", "forward"]
-  assert all(size <= n <= size * 1.01 for _, n in asked), (asked, size)
-
-
 def test_both_fusion_emitters_generate_the_same(model):
   """The tiny model's programs take the older emitters at LLVM -O0 by
   default (a small model); XLA's defaults (the newer emitters at -O2) must
@@ -175,25 +122,6 @@ def test_both_fusion_emitters_generate_the_same(model):
 def test_engine_arguments_are_checked(kwargs, message):
   with pytest.raises((ValueError, TypeError), match=message):
     Engine(**kwargs)
-
-
-def _module_level_mutables(path: pathlib.Path) -> list[str]:
-  """Module-level names bound to a mutable container or a call result."""
-  found = []
-  for node in ast.parse(path.read_text()).body:
-    if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(
-        node.value, (ast.Dict, ast.List, ast.Set, ast.Call)):
-      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-      found += [f"{path.name}:{t.id}" for t in targets
-                if isinstance(t, ast.Name) and t.id != "__all__"]
-  return found
-
-
-def test_no_module_level_mutable_state_but_the_default_engine():
-  package = pathlib.Path(penzai_lm.__file__).parent / "generation"
-  found = [name for path in sorted(package.glob("*.py"))
-           for name in _module_level_mutables(path)]
-  assert found == ["engine.py:_DEFAULT_ENGINE"]
 
 
 # --- Patched variants reuse the prepared model (issue 28) ------------------

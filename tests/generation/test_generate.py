@@ -9,9 +9,9 @@ from penzai import pz
 
 from penzai_lm.generation import default_engine
 from penzai_lm.generation import Engine
-from penzai_lm.generation.prepare import unstack_layers
 from penzai_lm.generation import generate
 from penzai_lm.model import KVCachingTransformerLM
+from penzai_lm.runtime.unstack import unstack_layers
 from tests.generation import conftest
 from tests.generation.conftest import MAX_NEW
 from tests.generation.conftest import prompts

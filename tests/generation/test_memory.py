@@ -69,7 +69,7 @@ def test_decode_weights_share_the_stacked_buffers(model):
   import jax  # pylint: disable=g-import-not-at-top
   from penzai import pz  # pylint: disable=g-import-not-at-top
 
-  from penzai_lm.generation import prepare  # pylint: disable=g-import-not-at-top
+  from penzai_lm.runtime import unstack  # pylint: disable=g-import-not-at-top
 
   stacked = [p.value.data_array for p in pz.select(model).at_instances_of(
       pz.ParameterValue).get_sequence() if "blocks" in p.value.named_shape]
@@ -81,7 +81,7 @@ def test_decode_weights_share_the_stacked_buffers(model):
     return any(lo <= start and start + array.nbytes <= lo + n
                for lo, n in spans)
 
-  unstacked = prepare.unstack_layers(model)
+  unstacked = unstack.unstack_layers(model)
   weights = [p.value.data_array for p in pz.select(unstacked)
              .at_instances_of(pz.ParameterValue).get_sequence()
              if "/blocks/" in p.label]

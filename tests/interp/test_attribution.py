@@ -13,7 +13,7 @@ from penzai import pz
 
 import penzai_lm
 from penzai_lm import interp
-from penzai_lm.generation.prepare import unstack_layers
+from penzai_lm.runtime.unstack import unstack_layers
 from tests.model.configs import config
 
 CLEAN = [5, 6, 7, 8, 9, 10]

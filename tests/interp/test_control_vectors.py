@@ -12,8 +12,8 @@ from penzai import pz
 import penzai_lm
 from penzai_lm import generation
 from penzai_lm import interp
-from penzai_lm.generation.prepare import unstack_layers
 from penzai_lm.interp import ControlVector
+from penzai_lm.runtime.unstack import unstack_layers
 from tests.interp.conftest import HIDDEN
 from tests.interp.conftest import make_cv
 from tests.interp.conftest import vec

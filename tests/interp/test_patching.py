@@ -12,7 +12,7 @@ from penzai import pz
 
 import penzai_lm
 from penzai_lm import interp
-from penzai_lm.generation.prepare import unstack_layers
+from penzai_lm.runtime.unstack import unstack_layers
 from tests import real_models
 from tests.model.configs import config
 

@@ -12,7 +12,7 @@ from penzai import pz
 import penzai_lm
 from penzai_lm import interp
 from penzai_lm.generation import Engine
-from penzai_lm.generation.prepare import unstack_layers
+from penzai_lm.runtime.unstack import unstack_layers
 from tests.model.configs import config
 
 NAMES = ["embed", "blocks.1.resid_post", "blocks.0.attn.pattern",

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from penzai import pz
 
-from penzai_lm.generation.engine import small_model_options
+from penzai_lm.runtime.compiler_options import small_model_options
 
 
 # Small test models: compiled as the engine compiles theirs (LLVM -O0).

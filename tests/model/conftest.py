@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from penzai import pz
 
-from penzai_lm.generation.engine import small_model_options
 from penzai_lm.model import build_transformer
+from penzai_lm.runtime.compiler_options import small_model_options
 from tests.model.configs import CONFIGS
 from tests.model.configs import config
 

@@ -14,8 +14,8 @@ from penzai import pz
 
 from penzai_lm import interp
 from penzai_lm import sae as sae_lib
-from penzai_lm.generation.prepare import unstack_layers
-from penzai_lm.interp.cache import insert_captures
+from penzai_lm.model.captures import insert_captures
+from penzai_lm.runtime.unstack import unstack_layers
 from penzai_lm.sae.splice import Splice
 from tests.sae.test_splice import _logits
 from tests.sae.test_splice import _model

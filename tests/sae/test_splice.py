@@ -12,7 +12,7 @@ import penzai_lm
 from penzai_lm import generation
 from penzai_lm import interp
 from penzai_lm import sae as sae_lib
-from penzai_lm.generation.prepare import unstack_layers
+from penzai_lm.runtime.unstack import unstack_layers
 from tests.model.configs import config
 
 POINT = "blocks.1.resid_post"

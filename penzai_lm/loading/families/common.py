@@ -13,7 +13,7 @@ output's weights as one contiguous run (SmolLM2 decode at batch 1, against
 the input-major order: fp32 39.3 -> 41.2 tok/s, bf16 60.5 -> 66.2; batch
 8: +13% / +17%). Named axes make the order invisible to everything else.
 Head axes follow
-`penzai_lm.model.build.head_axes`: query head h = group * per_group + q, as
+`penzai_lm.model.TransformerConfig.head_axes`: query head h = group * per_group + q, as
 in Hugging Face's ``repeat_kv``.
 """
 
@@ -26,7 +26,6 @@ import numpy as np
 
 from penzai_lm.model import RopeScaling
 from penzai_lm.model import TransformerConfig
-from penzai_lm.model.build import head_axes
 
 # One named array to bind: (data, axis names).
 Tensor = tuple[np.ndarray, tuple[str, ...]]
@@ -104,7 +103,7 @@ def head_layout(
     config: TransformerConfig, for_queries: bool
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
   """Names and sizes of the head axes of queries (or of keys and values)."""
-  common, query_only = head_axes(config)
+  common, query_only = config.head_axes
   names = (*common, *(query_only if for_queries else {}))
   sizes = tuple({**common, **query_only}[n] for n in names)
   return names, sizes

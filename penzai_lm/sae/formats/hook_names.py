@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import re
 
-from penzai_lm.model.build import head_axes
 from penzai_lm.model.hooks import BLOCK_POINTS
 from penzai_lm.model.hooks import MODEL_POINTS
 from penzai_lm.sae.formats.errors import SAEFormatError
@@ -157,7 +156,7 @@ def point_axes(point: str | None, size: int, config, where: str
           f"{where}: an SAE on attention head outputs (attn.hook_z) reads"
           " the query head axes, which depend on the model: pass model="
           " (or its config), or input_axes=.")
-    common, query = head_axes(config)
+    common, query = config.head_axes
     axes = (*common.items(), *query.items(), ("projection", config.head_dim))
   elif kind == "mlp.neurons":
     axes = (("neurons", config.mlp_hidden_size if config else size),)

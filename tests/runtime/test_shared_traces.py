@@ -12,12 +12,12 @@ import pytest
 from penzai import pz
 
 from penzai_lm.generation import Engine
-from penzai_lm.generation.prepare import unstack_layers
-from penzai_lm.generation.shared_traces import SharedTrace
-from penzai_lm.generation.shared_traces import share_block_traces
 from penzai_lm.interp import insert_at
-from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model import build_transformer
+from penzai_lm.model import KVCachingTransformerLM
+from penzai_lm.runtime.shared_traces import share_block_traces
+from penzai_lm.runtime.shared_traces import SharedTrace
+from penzai_lm.runtime.unstack import unstack_layers
 from tests.generation.conftest import prompts
 from tests.generation.conftest import tiny_model
 from tests.model.configs import config

@@ -11,8 +11,8 @@ from penzai import pz
 
 import penzai_lm
 from penzai_lm import interp
-from penzai_lm.generation import Engine
 from penzai_lm.generation import default_engine
+from penzai_lm.generation import Engine
 from tests.generation import conftest
 
 

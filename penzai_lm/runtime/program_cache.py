@@ -1,6 +1,6 @@
-"""Bounded caches an `Engine` keeps: compiled programs and prepared models.
+"""The compiled-program cache of a `Runtime`.
 
-* `ProgramCache`: compiled programs keyed on (name, static shapes and
+`ProgramCache`: compiled programs keyed on (name, static shapes and
   layout, argument structure and shapes), least recently used evicted past
   ``size``. A compiled decode program of a 135M model holds ~1 MB of code,
   so the bound is about notebooks that patch and generate many times.
@@ -8,21 +8,10 @@
   settings; XLA's compile (`Pending.compile`) may run on another
   (`ProgramCache.compile_ahead`: a request's decode program compiles while
   its prefill does).
-* `IdentityCache`: values derived from a model (its unstacked or prepared
-  form) keyed on the model's structure and the identity of its weights, so
-  a re-bound parameter is a new key, while a patched variant of a cached
-  model (other steering values, same weights) reuses its value with the
-  patch's arrays replaced (`penzai_lm.generation.variants`). Entries hold
-  weak references to the model's leaves, and the values made hold other
-  array objects over the same buffers (`variants.alias_weights`): when the
-  user drops the model, its entries are dropped at once, so the cache
-  never keeps an old model's memory.
-
-Both are thread-safe (an `Engine`, the default one included, is shared by
-every thread that generates): a lock guards each LRU, and concurrent misses
-of one key wait for the first thread's value instead of each making their
-own (a compilation takes seconds, a prepared model holds a copy of the
-weights).
+It is thread-safe (a runtime, the default one included, is shared by
+every thread that generates): a lock guards the LRU, and concurrent misses
+of one key wait for the first thread's program instead of each compiling
+their own (a compilation takes seconds).
 """
 
 from __future__ import annotations
@@ -32,19 +21,15 @@ import functools
 import threading
 import time
 import warnings
-import weakref
 from typing import Any, Callable
 
 import jax
-from penzai import pz
 
-from penzai_lm.generation.program_store import aval_key
-from penzai_lm.generation.program_store import ProgramStore
-from penzai_lm.generation.variants import Derivable
-from penzai_lm.generation.variants import variant_key
+from penzai_lm.runtime.program_store import aval_key
+from penzai_lm.runtime.program_store import ProgramStore
 
 
-class _InFlight:
+class InFlight:
   """Keys being made, so that concurrent misses make each value once.
 
   Used under the cache's lock: `claim` says whether the caller makes the
@@ -103,7 +88,7 @@ class ProgramCache:
     self.compilations = 0
     self._programs: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
-    self._making = _InFlight()
+    self._making = InFlight()
     self._warned = False
 
   def get(self, name: str, fn: Callable, static: Any, args: tuple,
@@ -257,145 +242,3 @@ class Pending:
       self.compile()
     except Exception:  # pylint: disable=broad-except
       pass  # The next `get` compiles it again and raises.
-
-
-def model_key(model) -> tuple[Any, list]:
-  """A hashable key identifying a model's structure and current arrays.
-
-  Variables (parameters, state) are pytree leaves: their identity and the
-  identity of their current value are part of the key, so assigning a new
-  value to a parameter gives a new key. Returns ``(key, leaves)``; keep the
-  leaves alive as long as the key is used (ids are only unique then).
-  """
-  leaves, treedef = jax.tree_util.tree_flatten(model)
-  ids = tuple((id(x), id(x.value)) if isinstance(x, pz.AbstractVariable)
-              else id(x) for x in leaves)
-  return (treedef, ids), leaves
-
-
-class _Entry:
-  """A cached `Derivable` and, weakly, the model leaves it was made (or
-  last derived) for; ``values`` index the non-weight arrays among them."""
-
-  def __init__(self, made: Derivable, leaves, values, on_dead=None):
-    self.made, self.values = made, frozenset(values)
-    self.refs = _refs(leaves, self.values, on_dead)
-
-  def alive(self, leaves=None) -> bool:
-    """Whether its weights (every leaf but the values) are alive (and,
-    given ``leaves``, those very objects)."""
-    for i, ref in enumerate(self.refs):
-      if i not in self.values and (
-          ref() is None if leaves is None else ref() is not leaves[i]):
-        return False
-    return True
-
-  def changed(self, leaves) -> dict[int, Any]:
-    """The values of ``leaves`` that are not those of the entry."""
-    return {i: leaves[i] for i in self.values
-            if self.refs[i]() is not leaves[i]}
-
-
-class IdentityCache:
-  """Values derived from models, LRU-bounded, keyed by
-  `variants.variant_key`: a model's structure and the identity of its
-  weights. A model that differs from a cached one in other arrays only (a
-  patched variant: another steering vector or strength) gets the cached
-  value with those arrays' parts recomputed, where the value was made as a
-  `variants.Derivable` with recipes; otherwise it is made anew."""
-
-  def __init__(self, size: int):
-    self.size = size
-    self._entries: collections.OrderedDict = collections.OrderedDict()
-    self._lock = threading.Lock()
-    self._making = _InFlight()
-    self.made = 0  # Values made (not found or derived): tests count these.
-    self.derived = 0  # Values derived for a variant.
-
-  def get_or_make(self, model, extra: Any, make: Callable[[], Any]) -> Any:
-    """The cached value for ``(model, extra)``, made with ``make()`` on a
-    miss (which may return a `variants.Derivable`)."""
-    return self.get(model, extra, make).value
-
-  def get(self, model, extra: Any, make: Callable[[], Any]) -> Derivable:
-    """Like `get_or_make`, but returns the `variants.Derivable`."""
-    key, leaves, values = variant_key(model)
-    key = (key, extra)
-    while True:
-      with self._lock:
-        entry = self._entries.get(key)
-        if entry is not None and entry.alive(leaves):
-          self._entries.move_to_end(key)
-          changed = entry.changed(leaves)
-          if not changed:
-            return entry.made
-          if entry.made.recipes is not None:
-            break  # Derived below, outside the lock.
-        event = self._making.claim(key)
-        entry = None
-      if event is None:
-        break  # This thread makes it.
-      event.wait()
-    if entry is not None:
-      made = entry.made.derive(changed)
-      with self._lock:
-        self.derived += 1
-        self._store(key, _Entry(made, leaves, values, self._drop_dead))
-      return made
-    try:
-      made = make()
-      if not isinstance(made, Derivable):
-        made = Derivable(made)
-      with self._lock:
-        self.made += 1
-        self._store(key, _Entry(made, leaves, values, self._drop_dead))
-    finally:
-      with self._lock:
-        self._making.release(key)
-    return made
-
-  def _store(self, key, entry: _Entry) -> None:
-    """Under the lock."""
-    self._drop_dead_locked()
-    self._entries[key] = entry
-    self._entries.move_to_end(key)
-    while len(self._entries) > self.size:
-      self._entries.popitem(last=False)
-
-  def _drop_dead(self) -> None:
-    """A weight of an entry was freed (a weak reference's callback, on any
-    thread, maybe inside this cache's own code): drops the dead entries
-    now, so their values (the prepared weights) go with the model, unless
-    the lock is held (the next `_store` drops them)."""
-    if self._lock.acquire(blocking=False):
-      try:
-        self._drop_dead_locked()
-      finally:
-        self._lock.release()
-
-  def _drop_dead_locked(self) -> None:
-    for k in [k for k, e in self._entries.items() if not e.alive()]:
-      del self._entries[k]
-
-  def __len__(self) -> int:
-    with self._lock:
-      return len(self._entries)
-
-  def clear(self) -> None:
-    with self._lock:
-      self._entries.clear()
-
-
-def _refs(leaves, values=frozenset(), on_dead=None):
-  """Weak references to ``leaves``; ``on_dead()`` runs when a weight (a
-  leaf not in ``values``) goes."""
-  refs = []
-  for i, x in enumerate(leaves):
-    callback = None if on_dead is None or i in values else (
-        lambda _, on_dead=on_dead: on_dead())
-    try:
-      refs.append(weakref.ref(x, callback))
-    except TypeError:
-      refs.append(lambda x=x: x)
-  return refs
-

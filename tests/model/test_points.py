@@ -9,8 +9,8 @@ from penzai import pz
 
 import penzai_lm
 from penzai_lm import interp
-from penzai_lm.generation.prepare import unstack_layers
 from penzai_lm.model.hooks import BLOCK_POINTS
+from penzai_lm.runtime.unstack import unstack_layers
 from tests.model.configs import config
 
 FAMILIES = ["llama_gqa", "gemma3", "gpt2"]

@@ -1,8 +1,8 @@
-"""Forward passes compiled through an `Engine`'s program cache.
+"""Forward passes compiled through a `Runtime`'s program cache.
 
 A call ``model(tokens)`` of an uncached `TransformerLM` at the top level
 (concrete arrays, outside any ``jax.jit`` / ``jax.grad`` / ``vmap`` trace)
-runs as one compiled program of the default engine (`compiled_forward`);
+runs as one compiled program of the default runtime (`compiled_forward`);
 `penzai_lm.interp.run_with_cache` does the same. The program is
 ``jit(model(tokens, ...))`` with everything that varies between calls of
 one shape as an argument: the model's arrays (weights and patch values),
@@ -10,7 +10,8 @@ the values of its variables, the token ids, positions, a padding mask and
 array side inputs. So a new prompt, a new steering strength or a re-bound
 parameter reuses the program; a new shape, model structure or a non-array
 side input (part of the program's key) compiles another, cached in the
-engine's bounded LRU (``engine.compilations`` counts them).
+runtime's bounded LRU (``runtime.compilations`` counts them; the default
+`penzai_lm.Engine` shares the default runtime).
 
 Semantics are those of the eager call: state variables (penzai's
 ``SaveIntermediate``, `run_with_cache`'s captures) hold their new values
@@ -36,6 +37,7 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.model.transformer import positions_from_padding
+from penzai_lm.runtime.compiler_options import count_parameters
 
 
 def _split_side_inputs(side_inputs: dict):
@@ -89,16 +91,16 @@ def forward_program(static, model, variables, tokens, token_positions,
           [v.value for v in bound if isinstance(v, pz.StateVariable)])
 
 
-def compiled_forward(model, tokens, *, engine=None, token_positions=None,
+def compiled_forward(runtime, model, tokens, *, token_positions=None,
                      padding=None, return_logits: bool = True,
                      **side_inputs) -> Any:
-  """``model(tokens, ...)`` as a compiled program of ``engine`` (default:
-  the default engine); see the module docstring.
+  """``model(tokens, ...)`` as a compiled program of ``runtime``; see the
+  module docstring.
 
   Args:
+    runtime: The `Runtime` whose program cache holds the program.
     model: An uncached `TransformerLM` (patched or not), on concrete arrays.
     tokens: Named token ids (checked by the caller).
-    engine: The `Engine` whose program cache holds the program.
     token_positions: As in `TransformerLM.__call__`.
     padding: A named padding mask: positions are computed from it inside
       the program (`positions_from_padding`) unless ``token_positions`` is
@@ -112,8 +114,6 @@ def compiled_forward(model, tokens, *, engine=None, token_positions=None,
     the call cannot be compiled (an unhashable non-array side input): the
     caller then runs it eagerly.
   """
-  from penzai_lm.generation.engine import resolve_engine  # pylint: disable=g-import-not-at-top
-  from penzai_lm.generation.prepare import count_parameters  # pylint: disable=g-import-not-at-top
   split = _split_side_inputs(side_inputs)
   if split is None:
     return NotImplemented
@@ -124,7 +124,7 @@ def compiled_forward(model, tokens, *, engine=None, token_positions=None,
     model, variables = pz.unbind_variables(model)
   args = (model, [v.freeze() for v in variables], tokens, token_positions,
           padding, side_arrays)
-  program, _ = resolve_engine(engine).program(
+  program, _ = runtime.program(
       "forward", forward_program, (static, bool(return_logits)), args,
       shape=dict(tokens.named_shape),
       parameters=count_parameters(jax.tree_util.tree_leaves(model)))

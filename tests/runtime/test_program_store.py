@@ -16,9 +16,9 @@ from penzai import pz
 
 from penzai_lm import interp
 from penzai_lm.generation import Engine
-from penzai_lm.generation.program_store import describe
-from penzai_lm.generation.program_store import ProgramStore
-from penzai_lm.generation.program_store import Unnamed
+from penzai_lm.runtime.program_store import describe
+from penzai_lm.runtime.program_store import ProgramStore
+from penzai_lm.runtime.program_store import Unnamed
 from tests.generation.conftest import tiny_model
 from tests.model.configs import config
 
@@ -204,7 +204,7 @@ def test_programs_are_exported_for_the_platform_jax_lowers_for():
   "rocm": exported for "gpu", every stored program failed to load on an
   H200. (Checked on a GPU in docs/gpu.md; here on stand-in devices.)"""
   # pylint: disable-next=g-import-not-at-top
-  from penzai_lm.generation.program_store import _lowering_platform
+  from penzai_lm.runtime.program_store import _lowering_platform
 
   def device(platform, version=""):
     client = type("Client", (), {"platform_version": version})()

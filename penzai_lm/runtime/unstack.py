@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from penzai import pz
 
-from penzai_lm.generation.variants import Lineage
+from penzai_lm.runtime.derived import Lineage
 
 
 def host_view(data) -> np.ndarray | None:
@@ -42,7 +42,7 @@ def _take(x: pz.nx.NamedArrayBase, axis: str, index: int,
   (the view keeps the buffer alive). So the per-layer decode weights share
   memory with the user's stacked model instead of being a second copy of
   every weight (SmolLM2 fp32: 0.54 GB less during generate). Recorded in
-  ``lineage`` (`penzai_lm.generation.variants`).
+  ``lineage`` (`penzai_lm.runtime.derived`).
   """
   if lineage is not None:
     out = _take(x, axis, index)

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 from penzai import pz
 
-from penzai_lm.model.build import head_axes
 from penzai_lm.model.hooks import BLOCK_POINTS
 from penzai_lm.model.hooks import HookPoint
 from penzai_lm.model.hooks import MODEL_POINTS
@@ -140,6 +139,19 @@ def is_stacked(hook_point: HookPoint) -> bool:
       hook_point.layer.named_shape)
 
 
+class Intervention(pz.nn.Layer):
+  """Base of penzai_lm's intervention layers (`penzai_lm.interp`'s
+  `AddVector`, `Ablate`, `Clamp`, ..., `penzai_lm.sae`'s feature edits).
+
+  Contract: an identity-shaped layer that changes the value at the point it
+  is inserted at and works on that value's unit axes only, so every unit
+  axis of its arrays (``embedding``, ``neurons``, head axes, ...) must be
+  one of the value's (`check_fits` refuses it otherwise). A user's own
+  layer need not subclass it (it may hold arrays over other axes, e.g. an
+  encoder over ``embedding`` at a head point).
+  """
+
+
 @pz.pytree_dataclass
 class AtLayers(pz.nn.Layer):
   """Runs ``inner`` only in some blocks of a layer stack.
@@ -217,29 +229,20 @@ _UNIT_AXES = ("embedding", "neurons", "projection", "heads", "head_groups",
               "query_heads", "features")
 
 
-def point_value_axes(config, point: str) -> dict[str, int]:
+def point_value_axes(config, point: str,
+                     seq: int | None = None) -> dict[str, int]:
   """The unit axes of a point's value and their sizes (besides the token
-  axes; ``attn.pattern``'s ``kv_seq`` grows with the tokens, so is not
-  listed)."""
-  common, query_only = head_axes(config)
-  if point in ("attn.pattern", "attn.head_out"):
-    heads = {**common, **query_only}
-    return heads if point == "attn.pattern" else {
-        **heads, "projection": config.head_dim}
+  axes). ``attn.pattern``'s ``kv_seq`` grows with the tokens: it is listed
+  only when ``seq`` (the keys' length) is given."""
+  common, query_only = config.head_axes
+  heads = {**common, **query_only}
+  if point == "attn.pattern":
+    return heads if seq is None else {**heads, "kv_seq": seq}
+  if point == "attn.head_out":
+    return {**heads, "projection": config.head_dim}
   if point == "mlp.neurons":
     return {"neurons": config.mlp_hidden_size}
   return {"embedding": config.hidden_size}
-
-
-def _works_on_its_axes_only(layer) -> bool:
-  """Whether ``layer`` is one of penzai_lm's interventions, which need every
-  unit axis of their arrays in the value (a user's layer may hold other
-  arrays, e.g. an encoder over ``embedding`` at a head point)."""
-  from penzai_lm.interp import interventions  # pylint: disable=g-import-not-at-top
-  from penzai_lm.sae.edits import FeatureEdit  # pylint: disable=g-import-not-at-top
-  return isinstance(layer, (interventions.AddVector, interventions.Ablate,
-                            interventions.ZeroHeads, interventions.Clamp,
-                            interventions.PatchValue, FeatureEdit))
 
 
 def check_fits(model, point: Point, layer) -> None:
@@ -292,7 +295,7 @@ def check_fits(model, point: Point, layer) -> None:
             f" {point.name} has {axis!r} of size {expected[axis]}: give an"
             f" array of size {expected[axis]} (is it for another model?).")
       elif (axis in _UNIT_AXES and axis not in expected
-            and _works_on_its_axes_only(layer)):
+            and isinstance(layer, Intervention)):
         raise ValueError(
             f"{where} has axis {axis!r}, but the value at {point.name} has"
             f" unit axes {expected} (besides the token axes); insert it at a"

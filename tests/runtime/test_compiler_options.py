@@ -1,0 +1,63 @@
+"""Compiler options: XLA's defaults but for small models, chosen per
+program and model size."""
+
+import jax
+import pytest
+
+from penzai_lm import interp
+from penzai_lm.generation import Engine
+from penzai_lm.runtime import compiler_options
+from penzai_lm.runtime import runtime as runtime_lib
+from penzai_lm.runtime.compiler_options import default_compiler_options
+from penzai_lm.runtime.compiler_options import small_model_options
+from tests.generation.conftest import prompts
+
+GREEDY = dict(max_new_tokens=3, temperature=0.0, stop_tokens=[])
+
+
+def test_few_block_models_compile_with_the_older_fusion_emitters():
+  older = {"xla_cpu_use_fusion_emitters": False}
+  large = compiler_options.SMALL_MODEL + 1
+  for program in ("prefill", "decode"):
+    assert default_compiler_options(program, None, blocks=3) == older
+    assert default_compiler_options(program, None, blocks=3,
+                                    parameters=large) == older
+    assert default_compiler_options(program, None, blocks=4) == {}
+    assert default_compiler_options(program, None) == {}
+  assert default_compiler_options("forward", None, blocks=1) == {}
+
+
+def test_small_models_compile_at_llvm_o0():
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU's options")
+  small = small_model_options()
+  assert small == {"xla_cpu_use_fusion_emitters": False,
+                   "xla_backend_optimization_level": 0,
+                   "xla_llvm_disable_expensive_passes": True}
+  for program in ("prefill", "decode", "forward"):
+    for blocks in (None, 1, 30):
+      assert default_compiler_options(
+          program, None, blocks=blocks,
+          parameters=compiler_options.SMALL_MODEL) == small
+    assert default_compiler_options(
+        program, None, blocks=30, parameters=compiler_options.SMALL_MODEL + 1) == {}
+
+
+def test_programs_are_compiled_for_the_models_size(model, monkeypatch):
+  """The engine counts the model's parameters (array elements) for every
+  program: generation's and a top-level call's (the cached model's arrays
+  add a few elements)."""
+  asked = []
+
+  def spy(program, shape, **kwargs):
+    asked.append((program, kwargs["parameters"]))
+    return default_compiler_options(program, shape, **kwargs)
+
+  monkeypatch.setattr(runtime_lib, "default_compiler_options", spy)
+  engine = Engine()
+  engine.generate(model, prompts([4]), **GREEDY)
+  interp.run_with_cache(model, prompts([5])[0], names=[], engine=engine)
+  size = sum(x.size for x in jax.tree_util.tree_leaves(model))
+  assert 10_000 < size <= compiler_options.SMALL_MODEL
+  assert [name for name, _ in asked] == ["prefill", "decode", "forward"]
+  assert all(size <= n <= size * 1.01 for _, n in asked), (asked, size)
