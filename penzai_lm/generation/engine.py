@@ -42,6 +42,7 @@ import jax
 from penzai_lm.generation import prepare as prepare_lib
 from penzai_lm.generation import request as request_lib
 from penzai_lm.generation.results import GenerationResult
+from penzai_lm.generation.run import check_run_controls
 from penzai_lm.generation.run import Run
 from penzai_lm.generation.stream import DEFAULT_CHUNK_SIZE
 from penzai_lm.generation.stream import GenerationStream
@@ -177,6 +178,7 @@ class Engine:
     started = time.perf_counter()
     request = request_lib.build_request(model, prompts,
                                         continuation=continuation, **options)
+    prepare_lib.check_prompt_attention(self.prompt_attention, model)
     run = Run(self, self.prepare(model, request), request, tool=tool,
               continuation=continuation, started=started)
     run.timings.prepare_s = time.perf_counter() - started
@@ -186,12 +188,14 @@ class Engine:
                cancel: threading.Event | None = None, chunk_size: int = 8,
                **options) -> GenerationResult:
     """`generate` on this engine."""
+    check_run_controls(chunk_size, cancel)
     return self.start(model, prompts, **options).run_to_end(
         cancel=cancel, chunk_size=chunk_size)
 
   def stream(self, model, prompts: Any, *, chunk_size: int = 8,
              cancel: threading.Event | None = None, **options):
     """`stream` on this engine."""
+    check_run_controls(chunk_size, cancel)
     return GenerationStream(self.start(model, prompts, **options),
                             chunk_size=chunk_size, cancel=cancel)
 

@@ -29,6 +29,7 @@ from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model.captures import CaptureSpec
 from penzai_lm.model.captures import insert_captures
+from penzai_lm.model.points import Point
 from penzai_lm.model.prompt_attention import on_gpus
 from penzai_lm.model.prompt_attention import on_one_gpu
 from penzai_lm.model.prompt_attention import with_fused_prompt_attention
@@ -253,9 +254,22 @@ def _frozen_params(model):
 PROMPT_ATTENTION = ("auto", "cudnn", "xla", None)
 
 
+def check_prompt_attention(prompt_attention: str | None, model) -> None:
+  """Refuses ``prompt_attention="cudnn"`` for a model not on GPUs (checked
+  with the request, before anything is prepared).
+
+  Raises:
+    ValueError: saying which values work.
+  """
+  if prompt_attention == "cudnn" and not on_gpus(model):
+    raise ValueError(
+        'prompt_attention="cudnn" (cuDNN flash attention) needs a model on'
+        ' GPUs; this one is not. Use "auto", "xla" or None.')
+
+
 def prepare_model(model, *, cached_model: bool, use_cache: bool,
                   batch_axis: str, batch: int, cache_len: int,
-                  decoded=None, capture: tuple[str, ...] = (),
+                  decoded=None, capture: tuple[Point, ...] = (),
                   prompt_attention: str | None = "auto") -> PreparedModel:
   """Converts (cached mode, no overflow callback), freezes and flattens a
   model for a batch and cache size.
@@ -270,9 +284,10 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
     decoded: The model to decode with, if not ``model`` itself: with its
       layer stacks unstacked (`unstack_layers`) and/or its per-row values
       gathered to the decode rows (`rows_to_batch`).
-    capture: Point names to record for every token: `Capture` layers with
-      a per-slot buffer (like a KV cache) are inserted after them.
-    prompt_attention: See `Engine.prompt_attention`.
+    capture: Points to record for every token: `Capture` layers with a
+      per-slot buffer (like a KV cache) are inserted after them.
+    prompt_attention: See `Engine.prompt_attention` ("cudnn" checked by
+      `check_prompt_attention` before).
   """
   _check_bound(model)
   decoded = model if decoded is None else decoded
@@ -280,10 +295,6 @@ def prepare_model(model, *, cached_model: bool, use_cache: bool,
   one_cpu = on_one_cpu(decoded)
   if prompt_attention == "auto":
     prompt_attention = "cudnn" if on_one_gpu(decoded) else None
-  elif prompt_attention == "cudnn" and not on_gpus(decoded):
-    raise ValueError(
-        'prompt_attention="cudnn" (cuDNN flash attention) needs a model on'
-        ' GPUs; this one is not. Use "auto", "xla" or None.')
   specs = ()
   if capture:
     decoded, captures = insert_captures(

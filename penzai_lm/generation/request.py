@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model import memory
 from penzai_lm.model import TransformerLM
 from penzai_lm.model.points import parse_point
+from penzai_lm.model.points import Point
 
 DEFAULT_MAX_NEW_TOKENS = 128
 # Rows (prompts x samples) of one request at most. The memory check
@@ -70,7 +72,8 @@ class Request:
     logprobs_top_n: Top alternatives recorded per token (0: none).
     sampling: The sampling settings, one row per request row.
     prefill: The compile-time shapes (``prefill.decode`` for the loop).
-    capture: Point names whose values are recorded for every token.
+    capture: The points whose values are recorded for every token, parsed
+      (`penzai_lm.model.points.Point`).
   """
 
   prompts: tuple[np.ndarray, ...]
@@ -83,7 +86,7 @@ class Request:
   logprobs_top_n: int
   sampling: sampling.SamplingSettings
   prefill: shapes_lib.PrefillShape
-  capture: tuple[str, ...] = ()
+  capture: tuple[Point, ...] = ()
 
   @property
   def decode(self) -> shapes_lib.DecodeShape:
@@ -151,15 +154,15 @@ def _sampling(values: dict[str, Any], seeds, n: int, num_samples: int,
     raise ValueError(f"{e}{hint}") from None
 
 
-_OPTIONS = ("max_new_tokens", "min_new_tokens", "num_samples", "seed",
-            "stop_tokens", "forced_tokens", "logprobs_top_n", "use_cache",
-            "capture", "tokenizer_vocab_size")
-
-
 def _check_option_names(values: dict[str, Any]) -> None:
+  """Refuses a keyword that is neither `build_request`'s nor a sampling
+  field's, naming the closest one."""
   for name in values:
     if name not in sampling.FIELD_NAMES:
-      known = (*_OPTIONS, *sampling.FIELD_NAMES)
+      options = [p.name for p in inspect.signature(
+          build_request).parameters.values() if p.kind == p.KEYWORD_ONLY
+                 and p.name not in ("default_stop_tokens", "continuation")]
+      known = (*options, *sampling.FIELD_NAMES)
       close = difflib.get_close_matches(name, known, n=1)
       hint = f" (did you mean {close[0]!r}?)" if close else ""
       raise TypeError(
@@ -230,7 +233,7 @@ def build_request(
       _sampling(sampling_values, seeds, n, num_samples, vocab),
       tokenizer_vocab_size, vocab)
   check_min_new_reachable(settings, stops, min_new)
-  capture = _capture_names(model, capture)
+  capture = _capture_points(model, capture)
   info = shapes_lib.RowsInfo(
       num_prompts=n, num_samples=num_samples,
       prompt_lengths=tuple(len(p) for p in rows), max_new_tokens=max_new,
@@ -284,8 +287,8 @@ def _check_batch_early(model, cached: bool, prompts: Any,
       "Lower the batch (prompts x num_samples).")
 
 
-def _capture_names(model, capture: Any) -> tuple[str, ...]:
-  """Validated, de-duplicated point names (`penzai_lm.model.hooks`)."""
+def _capture_points(model, capture: Any) -> tuple[Point, ...]:
+  """The parsed, de-duplicated points (`penzai_lm.model.hooks`)."""
   if capture is None:
     return ()
   names = [capture] if isinstance(capture, str) else capture
@@ -294,9 +297,10 @@ def _capture_names(model, capture: Any) -> tuple[str, ...]:
     raise ValueError(
         "capture must be a point name or a list of them (e.g."
         f" ['blocks.3.resid_post']), got {capture!r}.")
-  for name in names:
+  points = []
+  for name in dict.fromkeys(names):
     try:
-      parse_point(model, name)
+      points.append(parse_point(model, name))
     except ValueError as e:
       raise ValueError(f"capture: {e}") from None
-  return tuple(dict.fromkeys(names))
+  return tuple(points)

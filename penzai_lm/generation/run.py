@@ -59,6 +59,17 @@ def _prompt_batch(request: Request):
 MAX_CHUNK_SIZE = 1 << 30  # Loop steps are int32 on device.
 
 
+def check_run_controls(chunk_size, cancel) -> None:
+  """Checks `generate`'s and `stream`'s ``chunk_size`` and ``cancel``; the
+  public functions call it before anything is prepared.
+
+  Raises:
+    ValueError / TypeError: naming the argument.
+  """
+  check_chunk_size(chunk_size)
+  check_cancel(cancel)
+
+
 def check_chunk_size(chunk_size) -> None:
   if (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
       or not 1 <= chunk_size <= MAX_CHUNK_SIZE):
@@ -141,9 +152,8 @@ class Run:
     The first decode call runs one step (so the time to first token is
     measured), the rest one call to the end, or chunks of ``chunk_size``
     steps between which ``cancel`` (a ``threading.Event``) is checked.
+    Both were checked by the caller (`check_run_controls`).
     """
-    check_chunk_size(chunk_size)
-    check_cancel(cancel)
     if cancel is not None and cancel.is_set():
       self.cancel()
       return self.result()
@@ -394,5 +404,5 @@ class Run:
       rows = [buffers.row(r, self._history, self._capture_end(r))
               for r in range(self.rows)]
       result.captures = {name: [row[name] for row in rows]
-                         for name in self.request.capture}
+                         for name in (p.name for p in self.request.capture)}
     return result

@@ -42,7 +42,7 @@ from penzai import pz
 from penzai_lm.generation import engine as engine_lib
 from penzai_lm.generation.prompts import token_list
 from penzai_lm.generation.results import GenerationResult
-from penzai_lm.generation.run import check_chunk_size
+from penzai_lm.generation.run import check_run_controls
 from penzai_lm.generation.run import Run
 from penzai_lm.generation.shapes import next_power_of_two
 from penzai_lm.generation.state import Continuation
@@ -50,8 +50,8 @@ from penzai_lm.generation.stream import GenerationStream
 from penzai_lm.generation.turns import SessionBusyError
 from penzai_lm.generation.turns import Turn
 from penzai_lm.generation.turns import TurnGate
-from penzai_lm.model import TransformerLM
 from penzai_lm.model import memory
+from penzai_lm.model import TransformerLM
 
 __all__ = ["Session", "SessionBusyError"]
 
@@ -146,7 +146,7 @@ class Session:
     Raises:
       SessionBusyError: if another thread's stream is open.
     """
-    check_chunk_size(chunk_size)
+    check_run_controls(chunk_size, cancel)
     turn = self._gate.begin("stream")
     run = None
     try:
@@ -171,7 +171,7 @@ class Session:
 
     Waits for a turn running in another thread (see the class docstring).
     """
-    check_chunk_size(chunk_size)
+    check_run_controls(chunk_size, cancel)
     turn = self._gate.begin("call")
     try:
       with self._gate.lock:

@@ -39,8 +39,6 @@ import threading
 from typing import Any, Callable, Iterator
 
 from penzai_lm.generation.results import GenerationResult
-from penzai_lm.generation.run import check_cancel
-from penzai_lm.generation.run import check_chunk_size
 from penzai_lm.generation.run import Run
 
 DEFAULT_CHUNK_SIZE = 8
@@ -89,8 +87,6 @@ class GenerationStream:
 
   def __init__(self, run: Run, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                cancel: threading.Event | None = None, text=None):
-    check_chunk_size(chunk_size)
-    check_cancel(cancel)
     self.run = run
     self.chunk_size = chunk_size
     self.text = text

@@ -45,8 +45,9 @@ from penzai_lm.generation import engine as engine_lib
 from penzai_lm.generation.forcing import CalculatorTool
 from penzai_lm.generation.prompts import is_int
 from penzai_lm.generation.results import GenerationResult
-from penzai_lm.generation.stop_strings import StopStringMatcher
+from penzai_lm.generation.run import check_run_controls
 from penzai_lm.generation.stop_strings import stop_string_rows
+from penzai_lm.generation.stop_strings import StopStringMatcher
 from penzai_lm.generation.stream import GenerationStream
 from penzai_lm.tokenizer import IncrementalDetokenizer
 from penzai_lm.tools import ToolCallParser
@@ -259,6 +260,7 @@ def default_stop_tokens(model, tokenizer) -> list[int]:
 def _text_stream(model, tokenizer, prompt_or_prompts, stop_strings,
                  skip_special_tokens, calculator, tool, chunk_size, cancel,
                  engine, options) -> GenerationStream:
+  check_run_controls(chunk_size, cancel)
   prompts = encode_prompts(tokenizer, prompt_or_prompts)
   check_vocabularies(model, tokenizer)
   options = text_options(model, tokenizer, options)

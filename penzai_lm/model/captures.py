@@ -69,13 +69,15 @@ class CaptureSpec:
 def insert_captures(model, names, token_shape: dict[str, int],
                     label_prefix: str = "capture"):
   """Inserts `Capture` layers with buffers of ``token_shape`` (the batch
-  axes and ``seq``) right after the named points.
+  axes and ``seq``) right after the named points (names, or `Point`s
+  already parsed against this model).
 
   Returns:
     ``(patched model, {name: (StateVariable, CaptureSpec)})``.
   """
   config = model.config
-  parsed = [points_lib.parse_point(model, n) for n in names]
+  parsed = [n if isinstance(n, points_lib.Point)
+            else points_lib.parse_point(model, n) for n in names]
   patched, out = model, {}
   for point in dict.fromkeys(p.point for p in parsed):
     hook_point = points_lib.hook_points(model, point).get_sequence()[0]

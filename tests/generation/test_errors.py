@@ -9,6 +9,8 @@ import pytest
 from penzai import pz
 
 from penzai_lm.generation import default_engine
+from penzai_lm.generation import Engine
+from penzai_lm.generation import Session
 from penzai_lm.generation import generate
 from penzai_lm.generation import generate_text
 from penzai_lm.generation import stream
@@ -202,3 +204,29 @@ def test_text_level_errors(text_model, tok, model):
                           output_end="<empty_output>")
   assert CalculatorTool(tok, parser).pause_token_id == tok.token_to_id(
       "<jupyter_output>")
+
+
+@pytest.mark.parametrize("entry", ["generate", "stream", "generate_text",
+                                   "session"])
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(chunk_size=0), ValueError, "chunk_size must be a positive"),
+    (dict(cancel="stop"), TypeError, "cancel must be a threading.Event"),
+])
+def test_run_controls_are_checked_before_the_model_is_prepared(
+    model, text_model, tok, entry, kwargs, exc, match):
+  """``chunk_size`` and ``cancel`` are refused at the boundary: no prepared
+  model, no program."""
+  engine = Engine()
+  calls = {
+      "generate": lambda: engine.generate(model, [1, 2], **kwargs),
+      "stream": lambda: engine.stream(model, [1, 2], **kwargs),
+      "generate_text": lambda: generate_text(
+          text_model, tok, "hi", engine=engine, **kwargs),
+      "session": lambda: Session(model, engine=engine).generate([1, 2],
+                                                               **kwargs),
+  }
+  with pytest.raises(exc, match=match):
+    calls[entry]()
+  assert engine.compilations == 0
+  assert len(engine._prepared) == 0  # pylint: disable=protected-access
+
