@@ -191,12 +191,9 @@ def _verify(target: pathlib.Path, spec: ModelSpec) -> bool:
   """Whether ``target`` is the spec's file; hashes it, writes nothing.
 
   Always hashed, never trusted by its metadata: a file edited in place
-  keeps its size, and its mtime can be set back. Hashing the 98 MB SmolLM2
-  file took 0.15-0.18 s at a load average of 3 and 0.36-0.39 s at 15
-  (hashlib, 1 MiB reads, warm page cache, this project's 2-core machine;
-  Gemma's 253 MB: about 2.6 times that), against 5.8 s for a warm
-  `penzai_lm.load` of it at a load average of 3, which then reads the file
-  from the page cache the hash filled.
+  keeps its size, and its mtime can be set back. A hash costs a small
+  fraction of a load of the file, which then reads it from the page cache
+  the hash filled.
   """
   try:
     before = os.stat(target)

@@ -29,7 +29,7 @@ def _fast_reader_class():
 
     GGUFReader makes a few numpy views per metadata value (two per token of a
     262k-token vocabulary); views of an ``np.memmap`` go through Python-level
-    ``__array_finalize__``, which makes opening ~3x slower. The parsed fields
+    ``__array_finalize__``, which slows opening down. The parsed fields
     and tensors are identical; tensor ``data`` are plain ndarray views of the
     same read-only mapping.
 

@@ -37,10 +37,8 @@ from penzai_lm.checkpoints.tensor_io import read_at
 from penzai_lm.checkpoints.validation import check_finite
 
 # Values dequantized per gguf-py call (16 MiB of float32). gguf-py's
-# dequantizers make several temporaries of their input's size: one call on
-# Gemma 3 270M's Q8_0 262,144 x 640 embedding peaked 2.19 GB above the start
-# for a 0.67 GB result; in chunks of this many values, 0.72 GB (float32
-# result) or 0.38 GB (bfloat16), and 2.7x faster.
+# dequantizers make several temporaries of their input's size; chunks of
+# this many values bound them (see docs/design.md).
 _CHUNK_VALUES = 1 << 22
 
 _TOP_LEVEL_NAMES = {

@@ -4,20 +4,16 @@ Two conventions that keep a load's host memory at the size of the weights:
 
 * Tensor data is read with ``readinto`` at the tensor's offset, into a
   buffer made for it, never through a memory map. Pages of a mapping that
-  were touched count in the process's RSS for as long as the mapping lives:
-  copying every tensor of a 2.2 GB two-shard checkpoint out of
-  ``np.memmap`` views peaked at 3.26 GB RSS (a 1.1 GB shard's pages stayed
-  resident until its mapping closed), reading them with ``readinto`` at
-  2.19 GB. Pages read that way stay in the kernel's page cache, outside
-  the process.
+  were touched count in the process's RSS for as long as the mapping lives
+  (a whole shard's pages until its mapping closes). Pages read with
+  ``readinto`` stay in the kernel's page cache, outside the process.
 * Buffers are 64-byte aligned (`aligned_empty`; large ones are anonymous
   mappings, see `_MAP_MIN_BYTES`). On the CPU backend,
   ``jax.device_put`` of a C-contiguous numpy array whose data is 64-byte
-  aligned aliases it instead of copying it (measured with jax 0.10.2: a
-  512 MiB array put with +0 MiB RSS; the same array at a 16- or 32-byte
-  offset, where numpy's allocator leaves large arrays, costs a 512 MiB
-  copy). ``jnp.asarray`` copies in both cases. So a buffer filled here
-  becomes the device array itself.
+  aligned aliases it instead of copying it (at a 16- or 32-byte offset,
+  where numpy's allocator leaves large arrays, it is copied).
+  ``jnp.asarray`` copies in both cases. So a buffer filled here becomes the
+  device array itself.
 """
 
 from __future__ import annotations
@@ -35,19 +31,16 @@ from penzai_lm.checkpoints.checkpoint import CheckpointError
 ALIGNMENT = 64
 # Values per step of `all_finite`. Its temporaries then stay in cache and are
 # allocated once per call; whole-tensor temporaries are fresh pages on every
-# call, whose faults made the check ~20x slower (16M bfloat16 values: 0.55 s
-# on first touch, 0.025 s warm).
+# call, whose faults slow the check many times over (see docs/design.md).
 _FINITE_CHUNK = 1 << 16
-# Tile edge of `copy_into`'s transposing copies. Transposing a 8192 x 2048
-# bfloat16 matrix: 0.56 s with one np.copyto, 0.13 s in 128 x 128 tiles
-# (0.17 s in 64s, 0.13 s in 256s; best of 5 on a loaded 2-core machine).
+# Tile edge of `copy_into`'s transposing copies (see docs/design.md).
 _TILE = 128
 # Buffers from this size up are anonymous mappings populated when made
 # (MAP_POPULATE), not numpy allocations. numpy asks for transparent huge
 # pages, whose first-touch faults stall in memory compaction on a busy
-# host: making and touching 4 x 512 MiB took 3.6-5.0 s that way, 1.2-1.8 s
-# with plain 4 KiB faults and 0.93-0.99 s populated (a 2-core VM). Mappings
-# are page-aligned, and unmapped when the last array using them goes.
+# host; populating a mapping when it is made faults fastest (see
+# docs/design.md). Mappings are page-aligned, and unmapped when the last
+# array using them goes.
 _MAP_MIN_BYTES = 1 << 20
 # One read() call moves at most this much (Linux caps a read at ~2 GiB).
 _MAX_READ = 1 << 30

@@ -50,7 +50,7 @@ from penzai_lm.generation.stream import StreamEvent
 from penzai_lm.generation.text import generate_text
 from penzai_lm.generation.text import stream_text
 from penzai_lm.generation.text import TextView
-from penzai_lm.runtime.program_store import ProgramStore
+from penzai_lm.runtime.program_store import ProgramStore  # Documented in runtime.
 
 __all__ = [
     "CalculatorTool",
@@ -59,7 +59,6 @@ __all__ = [
     "FINISH_REASONS",
     "GenerationResult",
     "GenerationStream",
-    "ProgramStore",
     "Session",
     "SessionBusyError",
     "StopStringMatcher",

@@ -149,8 +149,7 @@ def _constant_fill(x):
   """The value of a constant array (all elements equal), else None.
 
   Arrays on one CPU device are read in place with numpy: eager ``jnp``
-  compiles two small programs per shape (0.3 s for SmolLM2's 63 state
-  leaves).
+  would compile two small programs per shape.
   """
   view = host_view(x)
   xp, x = (np, view) if view is not None else (jnp, jnp.asarray(x))
@@ -243,8 +242,8 @@ def _prepare_runnable(runnable, user_labels, batch_axis, batch,
 
 def _frozen_params(model):
   """``pz.freeze_params(model)``, skipped when no parameter is mutable (as
-  `penzai_lm.load` returns models): its selection walks the whole tree,
-  ~0.15 s for SmolLM2, where a flatten takes 7 ms."""
+  `penzai_lm.load` returns models): its selection rebuilds the whole tree,
+  where one flatten tells whether there is any."""
   if any(isinstance(x, pz.Parameter) for x in jax.tree_util.tree_leaves(model)):
     return pz.freeze_params(model)
   return model

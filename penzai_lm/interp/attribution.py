@@ -192,8 +192,8 @@ def _attribute(probed, tokens, positions, metric, seed):
   ``seed`` is the backward pass's starting cotangent, 1.0, as an argument:
   with `jax.grad`'s constant 1.0 the gradient of a metric that indexes the
   logits (`LogitDiff`) is a constant scatter over (runs, seq, vocabulary),
-  which XLA constant-folds at compile time (80 s for SmolLM2's 49k-token
-  vocabulary)."""
+  which XLA constant-folds at compile time, slowly for a large
+  vocabulary."""
   probes = pz.select(probed).at_instances_of(_Probe)
   side = {} if positions is None else {"token_positions": positions}
 

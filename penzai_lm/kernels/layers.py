@@ -34,12 +34,9 @@ from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
 from penzai_lm.model.devices import devices_of
 
 # Weight dtypes whose products go to the kernels. For 16-bit weights XLA
-# first writes a float32 copy (35 ms against 6 ms for 30 products of
-# 576x1536). float32 went to XLA's dot until decode attention moved to a
-# kernel; since then SmolLM2 fp32 decodes faster on the kernels end to end
-# (two interleaved runs each: batch 1 34.2-35.0 -> 39.7-42.4 tok/s, batch 8
-# 16.1-16.6 -> 21.9-22.6 tok/s per row), although the products alone are
-# 0.86x XLA's at one row (`benchmarks/cpu_kernels.py --formats f32`).
+# first writes a float32 copy. float32 weights decode faster end to end on
+# the kernels (with decode attention in a kernel too), although the
+# products alone are slower than XLA's at one row. See docs/design.md.
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                  jnp.dtype(jnp.float32))
 
@@ -50,12 +47,10 @@ MAX_ROWS = 16
 # Larger bfloat16 and float32 products (prefill) are written as one matrix
 # product with float32 results and the rows first. In bfloat16 XLA:CPU then
 # runs them on YNNPACK's bf16 dot (AVX512-BF16 where the CPU has it) instead
-# of converting both operands to float32 first: 30 products of 127x576 by
-# 576x1536, 52 ms -> 12 ms (2.4x faster than float32). For float32 weights
-# in the loaders' output-major order, penzai's contraction let XLA copy
-# every weight transposed (SmolLM2 prefill 176 -> 210 ms); this product
-# reads them as they lie. float16 gains nothing (51 -> 53 ms) and keeps
-# penzai's contraction.
+# of converting both operands to float32 first. For float32 weights in the
+# loaders' output-major order, penzai's contraction lets XLA copy every
+# weight transposed; this product reads them as they lie. float16 gains
+# nothing and keeps penzai's contraction. See docs/design.md.
 WIDE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
@@ -139,11 +134,10 @@ class KernelEmbeddingLookup(pz.nn.EmbeddingLookup):
   penzai's lookup indexes the table per token (a vmapped index) and returns
   the embedding axes first. For a bfloat16 table XLA:CPU compiles that
   gather as a float32, transposed copy of the whole table, hoisted out of
-  the decode loop: SmolLM2 paid ~100 ms (two 113 MB copies) per decode
-  call (integer bitcasts, which help cache writes, do not: XLA copies the
-  bitcast table). This one copies the rows it needs in a kernel
-  (`ops.rows`) and returns the token axes first, as the blocks lay out the
-  residual stream.
+  the decode loop but made on every decode call (integer bitcasts, which
+  help cache writes, do not: XLA copies the bitcast table). This one copies
+  the rows it needs in a kernel (`ops.rows`) and returns the token axes
+  first, as the blocks lay out the residual stream.
   """
 
   def __call__(self, token_index, **side_inputs):
@@ -185,8 +179,7 @@ def with_cpu_kernels(model):
            .where(lambda layer: type(layer) is InPlaceKVCachingAttention)
            .apply(KernelCachedAttention.swap))
   # One pass over the tree for the layer swaps (each whole-tree selection
-  # of SmolLM2 took 0.09-0.22 s: four were 0.64 s of a first generate's
-  # preparation). None of these layers holds another.
+  # rebuilds the model). None of these layers holds another.
   return (pz.select(model).at_subtrees_where(
       lambda x: (type(x) in _SWAPS
                  or getattr(x, "use_cpu_kernel", None) is False))

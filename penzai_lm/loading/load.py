@@ -277,8 +277,8 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
     if checkpoint.gguf_reader is None:
       raise ValueError(f"quantize='keep' keeps a GGUF file's blocks, and"
                        f" {path} is not a GGUF file; use quantize='int8'.")
-    # The float weights keep replaces are not read at all (Gemma 3 270M:
-    # peak RSS 2.2 GB when they were, for 0.3 GB of blocks).
+    # The float weights keep replaces are not read at all: reading them
+    # would raise peak RSS far above the kept blocks' size.
     shape_only = quantization.kept_tensor_names(checkpoint)
     quantize = quantization.kept_weights(checkpoint, config.num_layers)
   total = checkpoint.num_parameters * np.dtype(dtype).itemsize

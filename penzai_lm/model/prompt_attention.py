@@ -4,11 +4,9 @@ NVIDIA GPUs).
 
 penzai's chain of layers (`penzai_lm.model.attention_chain`) materializes
 the scores of every query against every cache slot, in float32 after the
-softmax: for an 8k-token prompt on a Llama-3.2-1B-shaped model that is
-32 x 8k x 8k x 4 bytes = 8 GiB per layer, written and read several times;
-at ~3 TB/s that traffic alone would be most of the 348 ms its first token
-took on an H100 (an estimate; `benchmarks/gpu_decode.py` measures both). A flash attention keeps the
-scores in on-chip memory. The engine swaps layers whose chain
+softmax: per layer, a tensor quadratic in the prompt's length, written
+and read several times. A flash attention keeps the scores in on-chip
+memory. The engine swaps layers whose chain
 `plain_chain` recognizes for this subclass on a GPU
 (`with_fused_prompt_attention`); calls with one token per row (decode
 steps) and anything the fused call does not compute exactly (Gemma 2's

@@ -5,8 +5,8 @@ and the parameter label), which avoids compiling an initialisation program:
 norm scales start at 1, biases at 0, token embeddings at N(0, 1/hidden),
 position embeddings at N(0, 0.02^2) and other weights at N(0, 1/fan_in).
 With ``on_device=True`` the same distributions are drawn by `jax.random` on
-the default device, in the parameters' dtype (other values): numpy took
-~170 s of host time for an 8B model, which a GPU draws in seconds.
+the default device, in the parameters' dtype (other values), for models
+too large to draw on the host in reasonable time.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Why it exists: Penzai 0.2.5's ``LayerStack.__call__`` calls
 ``jax.lax.scan(..., unroll=True)``, which unrolls every block into the
-compiled program: a 30-layer cached decode step then compiles in ~15 s
-instead of ~2.5 s as a loop. `ScannedLayerStack` implements the same call
-with a configurable ``unroll`` (default 1, a real loop).
+compiled program, so its compile time grows with the depth.
+`ScannedLayerStack` implements the same call with a configurable ``unroll``
+(default 1, a real loop).
 
 Its ``__call__`` follows penzai's step for step (same checks, same treatment
 of variables), using penzai's variable and selector helpers:

@@ -4,10 +4,9 @@ penzai's method first freezes every variable left in the layer with
 ``pz.select(...).at_instances_of(AbstractVariable)``, which rebuilds the
 whole tree through penzai's selection machinery even when there is nothing
 to freeze. The engine's programs call it on models whose parameters are
-already frozen, once per program and once per shared block trace: on
-SmolLM2 (30 blocks) those selections were 0.7 s of a first ``generate``'s
-tracing. Here one flatten finds the mutable variables, and the tree is only
-rebuilt when there are some.
+already frozen, once per program and once per shared block trace. Here
+one flatten finds the mutable variables, and the tree is only rebuilt when
+there are some.
 """
 
 from __future__ import annotations

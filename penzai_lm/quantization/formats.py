@@ -115,10 +115,11 @@ def quantize(w, format: str) -> QuantizedWeight:  # pylint: disable=redefined-bu
   """Quantizes an out-major ``[N, K]`` float weight.
 
   A numpy weight (or one on the CPU) is quantized with numpy on the host,
-  a few million values at a time: the temporaries of a whole 49152 x 576
-  table were ~3x its float32 size. A weight on a GPU is quantized there,
-  in one compiled program with the same formulas (numpy on the host took
-  minutes for an 8B model); its results stay on that device.
+  a few million values at a time, which bounds its temporaries (a whole
+  table's would be several times its float32 size). A weight on a GPU is
+  quantized there, in one compiled program with the same formulas (far
+  faster than numpy on the host for a large model); its results stay on
+  that device.
 
   Raises:
     ValueError: for an unknown format, or a block format whose K is not a

@@ -129,8 +129,8 @@ class QuantizedLinear(pz.nn.Layer):
     # A prefill on CPU: XLA's GEMM on the rows (WIDE_DTYPES). The weight is
     # dequantized from a scale copied once the input is ready: left free,
     # XLA:CPU's scheduler dequantized every layer's weights up front, all
-    # alive at once (SmolLM2 int8 prefill: 393 MB of temporaries, faulted
-    # in afresh on every call; with the order, 6 MB and 266 -> 207 ms).
+    # alive at once, their pages faulted in afresh on every call (see
+    # docs/design.md).
     qs, scale, mins = self._arrays()
     w = self._named(qs, ops.after(x.data_array, scale), mins, x.dtype)
     y = kernel_contract(in_names, x, w)

@@ -116,8 +116,7 @@ def _quantized_layer(param, in_names, out_names, choice, base):
       return wrap(value=pz.nx.wrap(data).tag(*stack, "quant_out", second),
                   label=f"{base}.{suffix}")
     # One copy, into an aligned buffer that the device array then aliases
-    # on CPU (np.stack + jnp.asarray made two: Gemma 3 270M's kept table
-    # is 0.19 GB).
+    # on CPU (np.stack + jnp.asarray would make two).
     first = np.asarray(arrays[0])
     data = aligned_empty((len(arrays), *first.shape), first.dtype)
     for i, a in enumerate(arrays):

@@ -185,7 +185,7 @@ def alias_weights(tree, model_leaves: Sequence, values: Sequence[int]):
   The engine's caches hold what they made from a model, but know the model
   only through weak references to its weights: a value holding those very
   objects kept them, and so the whole model, alive after the user dropped
-  it. An alias costs no copy (~15 us).
+  it. An alias costs no copy.
   """
   skip = set(values)
   weights = set()

@@ -2,8 +2,8 @@
 
 `ProgramCache`: compiled programs keyed on (name, static shapes and
   layout, argument structure and shapes), least recently used evicted past
-  ``size``. A compiled decode program of a 135M model holds ~1 MB of code,
-  so the bound is about notebooks that patch and generate many times.
+  ``size``. A compiled program is small next to the model, so the bound
+  is about notebooks that patch and generate many times.
   Tracing (`ProgramCache.lower`) runs on the caller's thread, under its JAX
   settings; XLA's compile (`Pending.compile`) may run on another
   (`ProgramCache.compile_ahead`: a request's decode program compiles while

@@ -3,8 +3,7 @@
 The engine's programs run the model's blocks one after the other (layer
 stacks are unstacked for decoding, see `penzai_lm.generation.prepare`), and
 JAX traces each block anew: every named-axis op of penzai (``nmap``, nested
-``vmap``s) is traced 30 times for SmolLM2's 30 blocks. That was 2.2 s of the
-5.7 s a first ``generate`` spent in compile+trace.
+``vmap``s) is traced once per block.
 
 `share_block_traces` wraps every `TransformerBlock` outside a layer stack in
 a `SharedTrace`, which calls its block through one ``jax.jit`` whose static
@@ -12,14 +11,13 @@ key is the block's structure, with the labels of its parameters and state
 replaced by their positions. Blocks of the same structure (all of
 SmolLM2's; the sliding and the global ones of Gemma 3) then share one trace,
 and the program calls the one traced function once per block. XLA inlines
-those calls, so the compiled program computes what it did before and runs
-as fast; only tracing is shorter (SmolLM2, first generate: trace 2.2 s ->
-0.7 s, compile+trace 5.7 s -> 4.1 s).
+those calls, so the compiled program computes the same values and runs as
+fast as with a trace per block; only tracing is shorter.
 
 Per-block values -- weights, KV caches, capture buffers, a hook point's
 layer index, a patch's per-block strength -- are arrays, hence arguments of
 the shared function, not part of its key. A block that differs in structure
-(a patch in one block only) is traced on its own, as before.
+(a patch in one block only) is traced on its own.
 """
 
 from __future__ import annotations
@@ -66,8 +64,8 @@ def _positional_labels(block, state_labels: dict[str, str]):
   """``block`` with its state slots and parameters labelled by position, so
   that blocks that differ only in labels have one structure.
 
-  One ``tree_map`` (parameters numbered in flattening order): two
-  ``pz.select`` passes here cost SmolLM2's first generate 0.2 s.
+  One ``tree_map`` (parameters numbered in flattening order), not
+  ``pz.select`` passes, which would rebuild the tree twice.
   """
   params = itertools.count()
 

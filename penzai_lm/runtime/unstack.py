@@ -2,12 +2,11 @@
 
 A scanned LayerStack slices every stacked weight inside its loop body, and
 XLA on CPU materializes each slice: every decode step copies all the weights
-once more (SmolLM2-sized, batch 1: 8 tok/s stacked against 34 unstacked),
-and the per-layer caches are sliced and re-stacked too. Decoding therefore
-runs on an equivalent model whose stacks are replaced by a Sequential of
-per-layer blocks (per-layer state variables get one variable per layer). On
-CPU those blocks' weights alias the stacked buffers (`_take`), so decoding
-holds one copy of the weights.
+once more, and the per-layer caches are sliced and re-stacked too.
+Decoding therefore runs on an equivalent model whose stacks are replaced by
+a Sequential of per-layer blocks (per-layer state variables get one
+variable per layer). On CPU those blocks' weights alias the stacked buffers
+(`_take`), so decoding holds one copy of the weights.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ def _take(x: pz.nx.NamedArrayBase, axis: str, index: int,
   ``jax.device_put`` of a numpy view of a JAX-owned CPU buffer aliases it
   (the view keeps the buffer alive). So the per-layer decode weights share
   memory with the user's stacked model instead of being a second copy of
-  every weight (SmolLM2 fp32: 0.54 GB less during generate). Recorded in
-  ``lineage`` (`penzai_lm.runtime.derived`).
+  every weight. Recorded in ``lineage`` (`penzai_lm.runtime.derived`).
   """
   if lineage is not None:
     out = _take(x, axis, index)
@@ -63,8 +61,8 @@ def _is_named(node) -> bool:
 
 
 def _slice_axis(tree, axis: str, index: int, lineage: Lineage | None):
-  # tree_map rather than pz.select: the selection rebuilt each block's tree
-  # twice over (SmolLM2: 30 blocks, 0.2 s of every first generate).
+  # tree_map rather than pz.select, which would rebuild each block's tree
+  # twice over.
   return jax.tree_util.tree_map(
       lambda x: (_take(x, axis, index, lineage)
                  if _is_named(x) and axis in x.named_shape else x),

@@ -185,7 +185,7 @@ class PointActivations:
 def _values_at(stateless, variables, ids, *, spec, axes, skip):
   # Only the captured value is returned: XLA drops the unembedding (and,
   # on per-block layers, the blocks after the point). Blocks of one
-  # structure share one trace (SmolLM2's 30 blocks: 2.7 s of tracing).
+  # structure share one trace.
   _, new = stateless_call(share_block_traces(stateless), variables, ids)
   (value,) = [spec.take(v.value) for v in new if v.label == spec.label]
   flat = value.unwrap("batch", "seq", *axes)[:, skip:]

@@ -189,7 +189,7 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
 def _ce_sum(model, ids, skip):
   """Summed next-token cross-entropy of the predictions made at positions
   ``skip .. length - 2`` (``skip`` traced: one program for any). Blocks
-  of one structure share one trace (SmolLM2's 30 blocks: 2.7 s)."""
+  of one structure share one trace."""
   logits = share_block_traces(model)(ids).unwrap("batch", "seq", "vocabulary")
   logits = logits.astype(jnp.float32)
   tokens = ids.unwrap("batch", "seq")

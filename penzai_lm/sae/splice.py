@@ -38,10 +38,9 @@ spliced" metrics).
 When nothing records the splice's points and its features are only edited
 by `FeatureEdit`s (steering), the change is computed from the edited
 features alone: their encoder columns and decoder rows, not the whole
-dictionary (`_sparse_change`). SmolLM2's decode with a 9,216-feature SAE
-steering one feature went from 19% slower than an `AddVector` at batch 8
-to the same speed (`benchmarks/sae_overhead.py`). With no edit at all, the
-splice returns the value as it came.
+dictionary (`_sparse_change`), so steering costs about what an
+`AddVector` does (`benchmarks/sae_overhead.py` compares them). With no
+edit at all, the splice returns the value as it came.
 """
 
 from __future__ import annotations

@@ -15,9 +15,8 @@ naming the template's source and the limit:
 * source: longer than ``max_template_chars`` is refused before compiling;
 * time: a wall-clock deadline checked for every token parsed, every node
   compiled and every step below. Only Python's own ``compile()`` of the
-  generated code is not interrupted: linear in the bounded source, it
-  overran the deadline by up to 2 s at the size limit on a loaded 2-core
-  machine;
+  generated code is not interrupted: linear in the bounded source, it may
+  overrun the deadline by the time that compile takes;
 * loop iterations: every ``for`` loop's iterable is wrapped (by the code
   generator) in a counter, which also charges the loop body's literal text
   to the output budget;

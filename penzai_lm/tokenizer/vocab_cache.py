@@ -1,10 +1,10 @@
 """The on-disk cache of tokenizers built from GGUF vocabularies.
 
-Rebuilding a SentencePiece vocabulary's merges takes seconds (Gemma 3's
-262,144 tokens), so the built tokenizer is saved as a ``tokenizer.json``
-under ``paths.cache_dir() / "tokenizers"`` and read from there next time
-(Gemma 3: about 1.5 s of CPU instead of 3.5 s). Byte-level vocabularies carry
-their merges and build fast, so they are not cached.
+Rebuilding a SentencePiece vocabulary's merges is slow for a large
+vocabulary (Gemma 3's 262,144 tokens), so the built tokenizer is saved as a
+``tokenizer.json`` under ``paths.cache_dir() / "tokenizers"`` and read from
+there next time, which is faster. Byte-level vocabularies carry their
+merges and build fast, so they are not cached.
 
 An entry is named ``<key>-<check>.json``, both hex digests:
 

@@ -9,9 +9,8 @@ Llama-like decoders (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3).
 Hugging Face stores projections as (out, in), and so does GGUF; penzai_lm
 keeps that order (every projection's output axes first, its input axes
 last), so loading copies no transposes and the CPU kernels read each
-output's weights as one contiguous run (SmolLM2 decode at batch 1, against
-the input-major order: fp32 39.3 -> 41.2 tok/s, bf16 60.5 -> 66.2; batch
-8: +13% / +17%). Named axes make the order invisible to everything else.
+output's weights as one contiguous run (they decode faster than in the
+input-major order). Named axes make the order invisible to everything else.
 Head axes follow
 `penzai_lm.model.TransformerConfig.head_axes`: query head h = group * per_group + q, as
 in Hugging Face's ``repeat_kv``.
