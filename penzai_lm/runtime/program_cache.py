@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import jax
 
-from penzai_lm.runtime.program_store import aval_key
+from penzai_lm.runtime.program_keys import aval_key
 from penzai_lm.runtime.program_store import ProgramStore
 
 

@@ -1,178 +1,102 @@
 """Generation programs kept on disk as exported StableHLO.
 
 With JAX's persistent compilation cache a new process skips XLA's compile,
-but not tracing: tracing penzai's named-axis layers (nested ``vmap``s) is
-most of a program's cost once XLA's is cached. Measured on SmolLM2-135M
-(CPU, float32, first ``generate`` in a new process): prefill trace 1.3 s +
-decode trace 1.2 s + XLA 0.5 s (cache hits); with the exported programs
-read back from here, 0.42 s + 0.33 s of lowering and cache hits.
+but not tracing, which is most of a program's cost once XLA's is cached
+(measurements: docs/design.md, "Measurements behind the code"). A
+`ProgramStore` keeps each program's `jax.export` form so that a new
+process skips tracing too.
 
-A `ProgramStore` keys each program on a fingerprint of everything it is
-traced from: the program's name and static shapes, the model's structure
-with every static field (layer types, axis names, configs, functions), the
-arguments' structure and shapes, the compiler options, and the versions of
-jax, penzai and penzai_lm's own sources. A fingerprint is only made of
-values it can name exactly: types and functions importable from penzai,
-penzai_lm, jax or numpy, dataclasses, enums, numbers, strings and
-containers. A model with anything else in its structure (a layer class
-defined in a notebook, a lambda) has no fingerprint and its programs are
-traced as usual, as are programs of sharded models.
+Keys. A program is keyed on a fingerprint of everything it is traced from:
+the program's name and static shapes, the model's structure with every
+static field (layer types, axis names, configs, functions), the arguments'
+structure and shapes, the compiler options, the device kind, the JAX flags
+that change tracing, and the versions of jax, jaxlib, penzai and
+penzai_lm's own sources. A fingerprint is only made of values it can name
+exactly: types and functions importable from penzai, penzai_lm, jax or
+numpy, dataclasses, enums, numbers, strings and containers. A model with
+anything else in its structure (a layer class defined in a notebook, a
+lambda) has no fingerprint and its programs are traced as usual, as are
+programs of sharded models. The sources enter as one digest of every
+``.py``, ``.cc`` and ``.h`` file of penzai_lm (read once per process): a
+program runs the code of whatever penzai_lm functions it calls, directly
+or not, and no narrower set of files is known to contain all of them, so
+any edit retires every stored program (never a stale one served). The
+programs an edit retires are left behind under keys no process asks for;
+the size bound below removes them.
+
+Format. A file is a header line -- ``PZLM-PROGRAM <format> <payload size>
+<payload sha256>`` -- then the payload: one line of JSON describing the
+outputs' pytree structure, then the bytes of ``Exported.serialize()``
+(flatbuffers). Nothing read back can run code: the JSON is parsed by
+`json` and rebuilt by `_decode_tree`, which names pytree node types only
+by ``module:qualname`` of types already imported from penzai, penzai_lm,
+jax or numpy (never importing anything) and builds their metadata from
+plain values (numbers, strings, containers, dtypes, enums, types, and
+penzai's `StructStaticMetadata`); the exported program is read by
+`jax.export.deserialize`. Files of another format (format 2 was a pickle)
+are never deserialized. A program whose output structure holds anything
+else is served but not written (a warning says so).
+
+Trust. The programs read back are compiled and run with the user's
+rights, so the directory must be the user's own: it is created ``0700``
+(files ``0600``), and an existing one that another user owns or that is
+group- or world-writable is refused with `UnsafeDirectory` (when the
+store is made, and before each read or write). A file whose header, size
+or hash does not match (a flipped bit, a truncation), that is of another
+format, or that does not deserialize or lower is damaged: a warning names
+it, it is removed, and the program is traced again and written over it.
+
+Bound. The programs kept take at most ``max_bytes`` (default
+`DEFAULT_MAX_BYTES`, 1 GiB) of files: after each write the least recently
+used ones are removed until the rest fit (recency is the file's
+modification time, refreshed on every load), never the file just written
+(a single program larger than the bound is kept alone). Files are written
+to a temporary name and renamed, so concurrent processes see a program
+whole or not at all; one removed while another process reads it is
+traced again there.
 
 Every program the store serves, stored or just traced, is compiled from
 its exported form (``jax.jit(exported.call)``), so a new process asks XLA's
 persistent cache for exactly the module the first process compiled.
-
-Files are pickles next to XLA's compiled executables; the directory must be
-as trusted as that cache (both hold code that runs). Each file starts with
-a header line recording the pickle's size and sha256 at write time; a file
-whose header, size or hash does not match (a flipped bit, a truncation) or
-that does not lower is damaged: it is never read, a warning names it, and
-the program is traced again and written over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import functools
 import hashlib
-import importlib
+import json
 import os
 import pathlib
-import pickle
 import shutil
+import stat
 import tempfile
-import types
+import time
 from typing import Any
 import warnings
 
 import jax
-import numpy as np
 
 from penzai_lm.kernels.build import TARGETS as KERNEL_TARGETS
+from penzai_lm.runtime.program_keys import aval_key
+from penzai_lm.runtime.program_keys import describe
+from penzai_lm.runtime.program_keys import the_device
+from penzai_lm.runtime.program_keys import TRACE_FLAGS
+from penzai_lm.runtime.program_keys import Unnamed
+from penzai_lm.runtime.program_keys import versions
+from penzai_lm.runtime.program_trees import decode_tree
+from penzai_lm.runtime.program_trees import encode_tree
 
-_FORMAT = 2
+# Format 2 was a pickle; 3 is JSON (the output tree) and jax.export's bytes.
+_FORMAT = 3
 _SUFFIX = ".pzlm-program"
 _MAGIC = b"PZLM-PROGRAM"  # Header: magic, format, payload size, sha256.
-# Modules whose types and functions may appear in a fingerprint: their code
-# is pinned by the versions (jax, penzai) or the source digest (penzai_lm).
-_KNOWN_MODULES = ("penzai_lm", "penzai", "jax", "jaxlib", "numpy",
-                  "ml_dtypes", "builtins", "functools", "collections",
-                  "types", "typing", "enum")
-
-# JAX settings that change what tracing produces.
-_TRACE_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision",
-                "jax_threefry_partitionable", "jax_default_prng_impl",
-                "jax_numpy_dtype_promotion", "jax_enable_custom_prng")
-
-
-class Unnamed(Exception):
-  """A value a fingerprint cannot name exactly."""
-
-
-def _known(module: str | None) -> bool:
-  return module is not None and module.split(".")[0] in _KNOWN_MODULES
-
-
-def _importable_name(obj) -> str:
-  """``module:qualname`` of a type or function that resolves back to it."""
-  module = getattr(obj, "__module__", None)
-  qualname = getattr(obj, "__qualname__", None)
-  if not (_known(module) and isinstance(qualname, str)) or "<" in qualname:
-    raise Unnamed(obj)
-  try:
-    found = importlib.import_module(module)
-    for part in qualname.split("."):
-      found = getattr(found, part)
-  except (ImportError, AttributeError) as e:
-    raise Unnamed(obj) from e
-  if found is not obj:
-    raise Unnamed(obj)
-  return f"{module}:{qualname}"
-
-
-def describe(obj) -> str:
-  """A canonical text for ``obj``, equal across processes exactly when the
-  values are (for what it accepts).
-
-  Raises:
-    Unnamed: for a value it cannot name (see the module docstring).
-  """
-  if isinstance(obj, np.generic):  # Before float: np.float64 is one.
-    return f"scalar:{obj.dtype.str}:{obj.tobytes().hex()}"
-  if obj is None or isinstance(obj, (bool, int, str, bytes)):
-    return f"{type(obj).__name__}:{obj!r}"
-  if isinstance(obj, float):
-    return f"float:{obj.hex()}"
-  if isinstance(obj, jax.tree_util.PyTreeDef):
-    node = obj.node_data()
-    head = "leaf" if node is None else describe(node)
-    return f"tree({head};{','.join(describe(c) for c in obj.children())})"
-  if isinstance(obj, np.dtype):
-    return f"dtype:{obj.str}:{obj.name}"
-  if isinstance(obj, enum.Enum):
-    return f"enum:{_importable_name(type(obj))}.{obj.name}"
-  if obj is type(None):  # Pytree nodes of None; not named in builtins.
-    return "name:NoneType"
-  if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):
-    return f"name:{_importable_name(obj)}"
-  if isinstance(obj, functools.partial):
-    return (f"partial({describe(obj.func)};{describe(obj.args)};"
-            f"{describe(obj.keywords)})")
-  if isinstance(obj, (tuple, list)):
-    items = ",".join(describe(x) for x in obj)
-    return f"{type(obj).__name__}[{items}]"
-  if isinstance(obj, (frozenset, set)):
-    return f"{type(obj).__name__}{{{','.join(sorted(map(describe, obj)))}}}"
-  if isinstance(obj, (dict, types.MappingProxyType)):
-    items = ",".join(f"{describe(k)}={describe(v)}" for k, v in obj.items())
-    return f"{type(obj).__name__}{{{items}}}"
-  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-    fields = ",".join(f"{f.name}={describe(getattr(obj, f.name))}"
-                      for f in dataclasses.fields(obj))
-    return f"{_importable_name(type(obj))}({fields})"
-  if callable(obj) and _known(getattr(obj, "__module__", None)):
-    # Wrapped functions (jax.jit's, custom_jvp's) are named like functions.
-    return f"name:{_importable_name(obj)}"
-  raise Unnamed(obj)
-
-
-def _source_digest() -> str:
-  """A digest of penzai_lm's sources (Python and the kernels')."""
-  root = pathlib.Path(__file__).resolve().parents[1]
-  digest = hashlib.sha256()
-  for path in sorted(root.rglob("*")):
-    if path.suffix in (".py", ".cc", ".h") and path.is_file():
-      digest.update(str(path.relative_to(root)).encode())
-      digest.update(path.read_bytes())
-  return digest.hexdigest()
-
-
-@functools.cache  # The code this process runs, not files edited since.
-def _versions() -> str:
-  import jaxlib  # pylint: disable=g-import-not-at-top
-  import penzai  # pylint: disable=g-import-not-at-top
-  return describe((
-      _FORMAT, jax.__version__, jaxlib.__version__,
-      getattr(penzai, "__version__", "?"), _source_digest()))
-
-
-def aval_key(x) -> tuple:
-  """(shape, dtype, weak type) of an array, scalar or ShapeDtypeStruct."""
-  dtype = x.dtype if hasattr(x, "dtype") else np.result_type(type(x))
-  return (np.shape(x), np.dtype(dtype), bool(getattr(x, "weak_type", False)))
-
-
-def _the_device(leaves) -> jax.Device | None:
-  """The one device the arguments are on (the default one for host
-  values); None if they span several."""
-  devices = set()
-  for x in leaves:
-    if isinstance(x, jax.Array):
-      devices |= x.sharding.device_set
-  if len(devices) > 1:
-    return None
-  return devices.pop() if devices else jax.devices()[0]
+# 1 GiB. Weights are a program's arguments, not its constants, so a file
+# holds code alone (a 3-layer test model's: 30-50 kB).
+DEFAULT_MAX_BYTES = 1 << 30
+# Temporary files of a write older than this were left by a killed process.
+_STALE_TMP_SECONDS = 3600
+class UnsafeDirectory(ValueError):
+  """A store directory another user owns or could write to."""
 
 
 class StoredProgram:
@@ -228,6 +152,7 @@ class StoreStats:
   unnamed: int = 0   # Programs traced as usual: no fingerprint.
   unexported: int = 0  # Programs jax.export refused (traced as usual).
   damaged: int = 0   # Files that failed their check: traced, rewritten.
+  evicted: int = 0   # Files removed to keep the store under its bound.
 
 
 class ProgramStore:
@@ -235,21 +160,38 @@ class ProgramStore:
 
   Attributes:
     directory: Where the programs are kept.
+    max_bytes: The most bytes of program files kept (least recently used
+      removed first).
     stats: Counts of loads, saves and programs without a fingerprint.
   """
 
-  def __init__(self, directory: str | os.PathLike):
+  def __init__(self, directory: str | os.PathLike, *,
+               max_bytes: int = DEFAULT_MAX_BYTES):
+    """Makes a store; its directory is created on the first write.
+
+    Raises:
+      ValueError: for an empty path or a ``max_bytes`` that is not a
+        positive integer.
+      UnsafeDirectory: if the directory exists and is not the user's own
+        (see the module docstring).
+    """
     if not str(directory):
       raise ValueError("ProgramStore needs a directory, got an empty path.")
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or (
+        max_bytes < 1):
+      raise ValueError("ProgramStore's max_bytes must be a positive integer"
+                       f" (bytes), got {max_bytes!r}.")
     self.directory = pathlib.Path(directory).expanduser()
+    self.max_bytes = max_bytes
     self.stats = StoreStats()
     self._warned = False
+    self._check_directory()
 
   def key(self, name: str, static: Any, args: tuple, options: dict,
           donate: tuple[int, ...]) -> str | None:
     """The program's file key, or None where it has no fingerprint."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    device = _the_device(leaves)
+    device = the_device(leaves)
     if device is None:
       return None
     avals = tuple(aval_key(x) for x in leaves)
@@ -258,11 +200,11 @@ class ProgramStore:
                        device.device_kind,
                        tuple(sorted(options.items())), donate, tuple(
                            str(getattr(jax.config, flag, None))
-                           for flag in _TRACE_FLAGS)))
+                           for flag in TRACE_FLAGS)))
     except Unnamed:
       self.stats.unnamed += 1
       return None
-    return hashlib.sha256((_versions() + text).encode()).hexdigest()
+    return hashlib.sha256((versions(_FORMAT) + text).encode()).hexdigest()
 
   def lower(self, key: str, fn, static, args: tuple,
             donate: tuple[int, ...]) -> "LoweredProgram | None":
@@ -287,10 +229,11 @@ class ProgramStore:
         self._discard(self._path(key), f"it does not lower ({e})")
       else:
         self.stats.loaded += 1
+        _touch(self._path(key))
         return LoweredProgram(lowered, in_tree, out_tree)
     try:
       exported, out_tree = _export(fn, static, in_tree, leaves,
-                                   _lowering_platform(_the_device(leaves)))
+                                   _lowering_platform(the_device(leaves)))
     except Exception as e:  # pylint: disable=broad-except
       # E.g. a patch with a host callback, which jax.export refuses.
       self.stats.unexported += 1
@@ -299,8 +242,10 @@ class ProgramStore:
     try:
       self._write(key, exported, out_tree)
       self.stats.saved += 1
-    except (OSError, ImportError, ValueError) as e:
-      self._warn(f"it could not be written to {self.directory} ({e})")
+    except UnsafeDirectory:
+      raise
+    except (OSError, ValueError, Unnamed) as e:
+      self._warn(f"it could not be written to {self.directory} ({e!r})")
     lowered = jax.jit(exported.call, donate_argnums=flat_donate).lower(*leaves)
     return LoweredProgram(lowered, in_tree, out_tree)
 
@@ -328,8 +273,41 @@ class ProgramStore:
     except OSError:
       pass  # A read-only store: the fresh program is not written either.
 
+  def _check_directory(self) -> bool:
+    """Whether the directory exists (a directory of the user's own).
+
+    Raises:
+      UnsafeDirectory: if it is not the user's own.
+    """
+    try:
+      st = os.stat(self.directory)
+    except FileNotFoundError:
+      return False
+    except OSError:
+      return False  # Reported by the read or write that follows.
+    why, fix = None, ""
+    if not stat.S_ISDIR(st.st_mode):
+      why = "not a directory"
+    elif hasattr(os, "getuid") and st.st_uid != os.getuid():
+      why = f"owned by user id {st.st_uid}, not by you ({os.getuid()})"
+    elif hasattr(os, "getuid") and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+      who = "others" if st.st_mode & stat.S_IWOTH else "its group"
+      why = f"writable by {who} (mode {stat.S_IMODE(st.st_mode):o})"
+      fix = f"run `chmod 700 {self.directory}` if only you use it, or "
+    if why is None:
+      return True
+    raise UnsafeDirectory(
+        f"penzai_lm: refusing the program store directory {self.directory}:"
+        f" it is {why}. Programs read back from it are compiled and run, so"
+        f" it must be a directory of your own that only you can write: {fix}"
+        "choose another directory (Engine(program_store=...), or another"
+        " jax_compilation_cache_dir for the \"auto\" store), or turn the"
+        " store off (program_store=None).")
+
   def _read(self, key: str):
     """The stored ``(exported, out_tree)``, or None (missing or damaged)."""
+    if not self._check_directory():
+      return None
     path = self._path(key)
     try:
       data = path.read_bytes()
@@ -342,20 +320,37 @@ class ProgramStore:
     if why is not None:
       self._discard(path, why)
       return None
+    # Only json and jax.export read the payload: nothing in it can run.
+    tree, newline, blob = payload.partition(b"\n")
     try:
-      blob, out_tree = pickle.loads(payload)
-      return jax.export.deserialize(bytearray(blob)), out_tree
+      if not newline:
+        raise ValueError("no output structure")
+      out_tree = decode_tree(json.loads(tree))
+      exported = jax.export.deserialize(bytearray(blob))
+      if out_tree.num_leaves != len(exported.out_avals):
+        raise ValueError(f"{out_tree.num_leaves} outputs in its structure,"
+                         f" {len(exported.out_avals)} in its program")
     except Exception as e:  # pylint: disable=broad-except
       self._discard(path, f"it does not deserialize ({e})")
       return None
+    return exported, out_tree
 
   def _write(self, key: str, exported, out_tree) -> None:
-    payload = pickle.dumps((bytes(exported.serialize()), out_tree))
+    tree = json.dumps(encode_tree(out_tree), separators=(",", ":"))
+    if decode_tree(json.loads(tree)) != out_tree:  # Else never read back.
+      raise ValueError(f"its output structure does not survive JSON: {tree}")
+    payload = tree.encode() + b"\n" + bytes(exported.serialize())
     header = b"%s %d %d %s\n" % (_MAGIC, _FORMAT, len(payload),
                                  hashlib.sha256(payload).hexdigest().encode())
-    self.directory.mkdir(parents=True, exist_ok=True)
+    if not self._check_directory():
+      self.directory.parent.mkdir(parents=True, exist_ok=True)
+      try:
+        self.directory.mkdir(mode=0o700)
+      except FileExistsError:
+        pass  # Made by another process meanwhile: checked below.
+      self._check_directory()
     fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.",
-                               suffix=".tmp")
+                               suffix=".tmp")  # Mode 0600.
     try:
       with os.fdopen(fd, "wb") as f:
         f.write(header + payload)
@@ -363,6 +358,53 @@ class ProgramStore:
     except BaseException:
       os.unlink(tmp)
       raise
+    self._evict(keep=self._path(key))
+
+  def _evict(self, keep: pathlib.Path) -> None:
+    """Removes the least recently used program files (not ``keep``) until
+    the rest take at most ``max_bytes``, and temporary files left by killed
+    writers. Safe against other processes doing the same."""
+    files, total, now = [], 0, time.time()
+    try:
+      entries = list(os.scandir(self.directory))
+    except OSError:
+      return
+    for entry in entries:
+      try:
+        if not entry.is_file(follow_symlinks=False):
+          continue
+        st = entry.stat(follow_symlinks=False)
+      except OSError:
+        continue  # Removed meanwhile.
+      if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+        if now - st.st_mtime > _STALE_TMP_SECONDS:
+          _remove(entry.path)
+      elif entry.name.endswith(_SUFFIX):
+        total += st.st_size
+        if entry.name != keep.name:
+          files.append((st.st_mtime_ns, entry.name, st.st_size))
+    for _, name, size in sorted(files):
+      if total <= self.max_bytes:
+        break
+      if _remove(self.directory / name):
+        self.stats.evicted += 1
+      total -= size  # Gone either way (or removed by another process).
+
+
+def _touch(path: pathlib.Path) -> None:
+  """Marks ``path`` as just used (its modification time)."""
+  try:
+    os.utime(path)
+  except OSError:
+    pass  # Removed meanwhile, or a read-only store.
+
+
+def _remove(path) -> bool:
+  try:
+    os.unlink(path)
+  except OSError:
+    return False
+  return True
 
 
 def _check(data: bytes) -> tuple[str | None, bytes]:

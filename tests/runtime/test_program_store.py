@@ -1,9 +1,15 @@
 """Programs kept on disk (`ProgramStore`): a new process reads them back
 instead of tracing, gets the same tokens, and never a wrong program."""
 
+import collections
 import dataclasses
+import enum
+import hashlib
+import json
 import os
 import pathlib
+import pickle
+import stat
 import subprocess
 import sys
 import textwrap
@@ -13,12 +19,15 @@ import jax
 import numpy as np
 import pytest
 from penzai import pz
+from penzai.nn import layer_stack
 
 from penzai_lm import interp
 from penzai_lm.generation import Engine
-from penzai_lm.runtime.program_store import describe
+from penzai_lm.runtime import program_trees
+from penzai_lm.runtime.program_keys import describe
+from penzai_lm.runtime.program_keys import Unnamed
 from penzai_lm.runtime.program_store import ProgramStore
-from penzai_lm.runtime.program_store import Unnamed
+from penzai_lm.runtime.program_store import UnsafeDirectory
 from tests.generation.conftest import tiny_model
 from tests.model.configs import config
 
@@ -218,3 +227,197 @@ def test_programs_are_exported_for_the_platform_jax_lowers_for():
   assert _lowering_platform(cpu) in jax.export.export(
       jax.jit(lambda x: x + 1), platforms=[_lowering_platform(cpu)])(
           np.float32(1)).platforms
+
+
+class _Marker:
+  """Unpickled, creates a file: a stand-in for code a pickle runs."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def __reduce__(self):
+    return (open, (str(self.path), "w"))
+
+
+def _header(fmt: int, payload: bytes) -> bytes:
+  return b"PZLM-PROGRAM %d %d %s\n" % (
+      fmt, len(payload), hashlib.sha256(payload).hexdigest().encode())
+
+
+def test_a_pickle_is_never_unpickled(tmp_path):
+  """Format 2 files were pickles, which run code when read. A pickle in a
+  store file, under the old header or the current one with a matching
+  hash, is discarded as damaged and never unpickled."""
+  store_dir = tmp_path / "programs"
+  expected = _run(Engine(program_store=store_dir))[0]
+  files = sorted(store_dir.glob("*.pzlm-program"))
+  assert len(files) == 2
+  live = tmp_path / "live"
+  pickle.loads(pickle.dumps(_Marker(live))).close()
+  assert live.exists()  # The payload below does run code if unpickled.
+  marker = tmp_path / "marker"
+  payload = pickle.dumps(_Marker(marker))
+  files[0].write_bytes(_header(2, payload) + payload)
+  files[1].write_bytes(_header(3, payload) + payload)
+  engine = Engine(program_store=store_dir)
+  with pytest.warns(UserWarning, match="damaged stored program") as record:
+    assert _run(engine)[0] == expected
+  messages = " ".join(str(w.message) for w in record)
+  assert "its format is b'2', expected 3" in messages
+  assert "does not deserialize" in messages
+  assert engine.program_store().stats.damaged == 2
+  assert not marker.exists()
+
+
+def test_output_structures_round_trip_through_json():
+  named = pz.nx.wrap(np.zeros((2, 3))).tag("x", "y")
+  trees = [
+      {"a": (1, None), "b": [named], "c": collections.OrderedDict(z=1)},
+      named.untag("x"),  # A NamedArrayView.
+      (),
+      PROMPTS,
+      np.linalg.svd(np.eye(2)),  # A namedtuple.
+  ]
+  for tree in trees:
+    treedef = jax.tree_util.tree_structure(tree)
+    text = json.dumps(program_trees.encode_tree(treedef))
+    assert "\n" not in text
+    assert program_trees.decode_tree(json.loads(text)) == treedef
+  metadata = [None, True, 1, -0.0, 0.1, float("nan"), "s", (1, [2]),
+              {"b": 1, 2: "a"}, collections.OrderedDict(z=(), a=None),
+              np.dtype("bfloat16"), jax.numpy.float32, pz.nx.NamedArray,
+              enum.Enum, list(layer_stack.LayerStackVarBehavior)[-1]]
+  decoded = program_trees._decode_value(
+      json.loads(json.dumps(program_trees._encode_value(metadata))))
+  assert describe(decoded) == describe(metadata)
+  for unknown in (_Doubler, 1j, np.float32(1), {1, 2}, b"bytes", object()):
+    with pytest.raises(Unnamed):
+      program_trees._encode_value(unknown)
+
+
+@pytest.mark.parametrize("data", [
+    ["posix:system", None, []],                    # not a known package
+    ["builtins:eval", None, ["*"]],                # not a type
+    ["builtins:type", None, ["*"]],                # not a pytree node
+    ["builtins:tuple", None, ["*", "*", {}]],       # not a tree
+    ["builtins:dict", {"list": ["a"]}, ["*", "*"]],  # metadata that misfits
+    ["builtins:tuple", {"metadata": ["builtins:open", []]}, []],
+    ["builtins:tuple", {"type": "jax.experimental.jax2tf:Something"}, []],
+    ["builtins:tuple", {"type": "builtins:object.__subclasses__"}, []],
+])
+def test_decoding_refuses_what_it_never_writes(data):
+  """Only types of loaded modules of known packages are named; nothing is
+  imported or called."""
+  with pytest.raises(ValueError):
+    program_trees.decode_tree(data)
+  assert "jax.experimental.jax2tf" not in sys.modules
+
+
+def _plus(static, x):
+  return x + static
+
+
+def _lower(store, key):
+  return store.lower(key, _plus, 1.0, (np.zeros(4, np.float32),), ())
+
+
+def test_least_recently_used_programs_are_evicted(tmp_path):
+  keys = [c * 64 for c in "abc"]
+  paths = [tmp_path / f"{key}.pzlm-program" for key in keys]
+  store = ProgramStore(tmp_path)
+  _lower(store, keys[0])
+  _lower(store, keys[1])
+  size = paths[0].stat().st_size
+  assert paths[1].stat().st_size == size
+  os.utime(paths[0], (1000, 1000))  # The older one ...
+  os.utime(paths[1], (2000, 2000))
+  stale = tmp_path / f".{keys[2]}.x.tmp"  # Left by a killed writer.
+  stale.write_bytes(b"partial")
+  os.utime(stale, (1000, 1000))
+
+  store = ProgramStore(tmp_path, max_bytes=2 * size + size // 2)
+  program = _lower(store, keys[0])  # ... is loaded: now the newer one.
+  assert store.stats.loaded == 1
+  assert paths[0].stat().st_mtime > paths[1].stat().st_mtime
+  np.testing.assert_array_equal(
+      program.compile()(np.ones(4, np.float32)), np.full(4, 2.0))
+  _lower(store, keys[2])
+  assert (store.stats.saved, store.stats.evicted) == (1, 1)
+  assert sorted(tmp_path.iterdir()) == [paths[0], paths[2]]
+  assert sum(p.stat().st_size for p in paths if p.exists()) <= (
+      store.max_bytes)
+
+
+def test_the_program_just_written_is_kept(tmp_path):
+  """A bound below one program's size keeps the newest program alone."""
+  store = ProgramStore(tmp_path, max_bytes=1)
+  for key in ("d" * 64, "e" * 64):
+    _lower(store, key)
+  assert [p.name for p in tmp_path.iterdir()] == ["e" * 64 + ".pzlm-program"]
+  assert (store.stats.saved, store.stats.evicted) == (2, 1)
+
+
+@pytest.mark.parametrize("max_bytes", [0, -1, 1.5, True, "1G", None])
+def test_bad_max_bytes(tmp_path, max_bytes):
+  with pytest.raises(ValueError, match="max_bytes must be a positive"):
+    ProgramStore(tmp_path, max_bytes=max_bytes)
+
+
+def test_the_directory_is_made_private(tmp_path):
+  store_dir = tmp_path / "new" / "programs"
+  store = ProgramStore(store_dir)
+  _lower(store, "f" * 64)
+  assert stat.S_IMODE(store_dir.stat().st_mode) == 0o700
+  (path,) = store_dir.iterdir()
+  assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o1777])
+def test_a_directory_others_can_write_is_refused(tmp_path, mode):
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  shared.chmod(mode)
+  with pytest.raises(UnsafeDirectory, match="chmod 700") as error:
+    ProgramStore(shared)
+  assert str(shared) in str(error.value)
+  with pytest.raises(UnsafeDirectory, match="writable by"):
+    Engine(program_store=shared)
+  # One made unsafe after the store was made is refused when used.
+  shared.chmod(0o700)
+  store = ProgramStore(shared)
+  shared.chmod(mode)
+  with pytest.raises(UnsafeDirectory):
+    _lower(store, "a" * 64)
+  assert not list(shared.iterdir())
+
+
+def test_a_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+  store = ProgramStore(tmp_path)
+  monkeypatch.setattr(os, "getuid", lambda: tmp_path.stat().st_uid + 1)
+  with pytest.raises(UnsafeDirectory, match="owned by user id"):
+    ProgramStore(tmp_path)
+  with pytest.raises(UnsafeDirectory, match="choose another directory"):
+    _lower(store, "a" * 64)
+
+
+def test_a_file_is_not_a_store_directory(tmp_path):
+  path = tmp_path / "file"
+  path.write_text("")
+  with pytest.raises(UnsafeDirectory, match="not a directory"):
+    ProgramStore(path)
+
+
+def _defaultdict_of(static, x):
+  return collections.defaultdict(list, y=x + static)
+
+
+def test_an_output_structure_json_cannot_hold_is_served_not_written(
+    tmp_path):
+  store = ProgramStore(tmp_path)
+  with pytest.warns(UserWarning, match="could not be written"):
+    lowered = store.lower("a" * 64, _defaultdict_of, 1.0,
+                          (np.zeros(4, np.float32),), ())
+  out = lowered.compile()(np.zeros(4, np.float32))
+  np.testing.assert_array_equal(out["y"], np.ones(4))
+  assert store.stats.saved == 0
+  assert not list(tmp_path.iterdir())
