@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.generation.state import CacheLabels
 from penzai_lm.generation.state import LeafSpec
 from penzai_lm.generation.state import StateLayout
 from penzai_lm.kernels import on_one_cpu
@@ -230,9 +229,7 @@ def _prepare_runnable(runnable, user_labels, batch_axis, batch,
     args = placement.put(args, which)
   labels = None
   if cached:
-    labels = CacheLabels(end=runnable.cache_end_index.label,
-                         positions=runnable.kv_positions.label,
-                         tokens=runnable.previous_tokens.label)
+    labels = runnable.layout.labels
   layout = StateLayout(state_treedef, tuple(specs), labels,
                        frozenset(user_labels), placement)
   return PreparedModel(model_leaves, treedef, layout, args,

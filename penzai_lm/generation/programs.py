@@ -53,6 +53,7 @@ from penzai_lm.generation.state import RecomputeState
 from penzai_lm.generation.state import RUNNING
 from penzai_lm.generation.state import StateLayout
 from penzai_lm.generation.state import STOP
+from penzai_lm.model.cache_layout import CacheLayout
 from penzai_lm.model.stateless import stateless_call
 from penzai_lm.runtime.placement import constrain
 
@@ -96,24 +97,21 @@ def _continued_state(layout: StateLayout, state_args, start):
   ``start`` and their positions to -1, so no token attends to them and the
   next tokens overwrite them.
   """
-  out = []
-  for v in layout.unflatten(state_args):
-    if v.label == layout.labels.end:
-      v = dataclasses.replace(v, value=jnp.asarray(start, v.value.dtype))
-    elif v.label == layout.labels.positions:
-      slots = pz.nx.arange("seq", v.value.named_shape["seq"])
-      cut = pz.nx.nmap(jnp.where)(slots >= start, -1, v.value)
-      v = dataclasses.replace(v, value=pz.nx.order_like(cut, v.value))
-    out.append(v)
-  return out
+  state = layout.unflatten(state_args)
+  values = {v.label: v.value for v in state}
+  labels = layout.labels
+  end, positions = CacheLayout.cut(values[labels.end],
+                                   values[labels.positions], start)
+  cut = {labels.end: end, labels.positions: positions}
+  return [dataclasses.replace(v, value=cut[v.label]) if v.label in cut
+          else v for v in state]
 
 
 def _history(state, labels, axis):
   """(tokens, mask) of everything in the cache, for the sampler's penalties."""
   values = {v.label: v.value for v in state}
-  tokens = values[labels.tokens].unwrap(axis, "seq")
-  positions = values[labels.positions].unwrap(axis, "seq")
-  return tokens, positions >= 0
+  return CacheLayout.history(values[labels.tokens],
+                             values[labels.positions], axis)
 
 
 def _prefill_cache(shape: PrefillShape, model, state0, tokens, padding, src,

@@ -141,6 +141,12 @@ def check_cached_batch(model, num_prompts: int, num_samples: int) -> None:
 def _cached_model_shapes(model, rows: RowsInfo, gather: bool):
   """(axis, batch, prefill batch, prompt_len, cache_len) for a given
   `KVCachingTransformerLM` (its batch and cache size are fixed)."""
+  if model.per_row_end:
+    raise ValueError(
+        "generate() runs cached models with one end index for the batch;"
+        " this one has one per row (per_row_end=True, for stepping rows"
+        " yourself). Pass the uncached model, or build the cached one with"
+        " per_row_end=False.")
   end = model.cache_end_index.value
   if isinstance(end, jax.core.Tracer):
     raise ValueError("generate() cannot be called inside jax.jit.")

@@ -27,6 +27,8 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm import sampling
+from penzai_lm.model.cache_layout import CacheLabels
+from penzai_lm.model.cache_layout import CacheLayout
 
 # Row status codes on device.
 (RUNNING, STOP, LENGTH, CACHE_FULL, CANCELLED, PADDING_ROW,
@@ -50,15 +52,6 @@ class LeafSpec:
   shape: tuple[int, ...]
   dtype: np.dtype
   fill: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheLabels:
-  """Labels of a cached model's bookkeeping state variables."""
-
-  end: str
-  positions: str
-  tokens: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,9 +282,8 @@ class Continuation:
           "the previous state does not belong to this model (different"
           " structure or shapes); start a new session for this model.")
     else:
-      leaves = [x if tuple(x.shape) == s.shape else jnp.pad(
-          x, [(0, n - o) for o, n in zip(x.shape, s.shape)],
-          constant_values=s.fill) for x, s in zip(self.state, layout.leaves)]
+      leaves = [CacheLayout.grow(x, s.shape, s.fill)
+                for x, s in zip(self.state, layout.leaves)]
     # On a mesh, every turn passes the state in the same shardings (those
     # the prefill was compiled for).
     return leaves if layout.placement is None else layout.placement.put(

@@ -7,55 +7,18 @@ that scatter to a masked read-modify-write and copies the whole cache around
 it, several times per layer and step, so decoding slows down as the cache
 grows. This subclass computes exactly the same thing with one plain
 ``dynamic_update_slice`` on the cache's underlying array (the axes in the
-cache's own order, the sequence index at the cache end), which XLA performs
-in place.
+cache's own order, the sequence index at the cache end: `write_at`), which
+XLA performs in place. With one end per row (`CacheLayout.per_row_end`)
+each row is written at its own end.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from penzai import pz
 
-_AS_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16,
-            jnp.dtype(jnp.float16): jnp.uint16}
-
-
-def write_at(cache: pz.nx.NamedArray, new: pz.nx.NamedArray, axis: str,
-             index) -> pz.nx.NamedArray:
-  """``cache`` with ``new`` written at ``index`` along ``axis``.
-
-  Args:
-    cache: A NamedArray without positional axes.
-    new: The values, with the axes of ``cache`` (any order, and any length
-      along ``axis``).
-    axis: The axis to write along.
-    index: Scalar start index along ``axis``.
-  """
-  names = list(cache.named_shape)
-  data = cache.unwrap(*names)
-  update = new.unwrap(*names).astype(data.dtype)
-  # Size-1 dimensions are dropped for the write: XLA drops them anyway where
-  # the cache is read, and a write whose result is then reshaped is not done
-  # in place (the cache is copied first).
-  keep = [i for i, n in enumerate(data.shape) if n != 1 or names[i] == axis]
-  start = [index if names[i] == axis else 0 for i in keep]
-  base = data.reshape([data.shape[i] for i in keep])
-  update = update.reshape([update.shape[i] for i in keep])
-  if data.dtype in _AS_BITS:
-    # XLA:CPU writes into a 16-bit float array by converting all of it to
-    # float32 and back (two whole-cache conversions per layer and step);
-    # the same bits written as integers need no conversion.
-    bits = _AS_BITS[data.dtype]
-    written = jax.lax.bitcast_convert_type(jax.lax.dynamic_update_slice(
-        jax.lax.bitcast_convert_type(base, bits),
-        jax.lax.bitcast_convert_type(update, bits), start), data.dtype)
-  else:
-    written = jax.lax.dynamic_update_slice(base, update, start)
-  return pz.nx.wrap(written.reshape(data.shape)).tag(*names)
-
+from penzai_lm.model.cache_layout import write_at
 
 @pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # pytype: disable=wrong-keyword-args
 class InPlaceKVCachingAttention(pz.nn.KVCachingAttention):

@@ -22,7 +22,7 @@ import dataclasses
 from penzai import pz
 
 from penzai_lm.model import points as points_lib
-from penzai_lm.model.cache_attention import write_at
+from penzai_lm.model.cache_layout import write_at
 
 
 @pz.pytree_dataclass

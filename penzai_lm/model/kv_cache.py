@@ -9,15 +9,13 @@ Padding is known from the tokens given as prompt: only the run of ``pad_id``
 tokens at the very start of a row is padding (or an explicit ``is_padding``
 mask). A later token equal to ``pad_id`` is a real token.
 
-State variables (labels under ``variable_name_prefix``, default "sampler"):
-
-* ``cache_end_index``: number of cache slots written (a scalar, shared by the
-  batch).
-* ``previous_tokens``: the tokens written so far, ``{**batch_axes, "seq":
-  cache_len}``.
-* ``kv_positions``: the position of the token in each slot, -1 for padding
-  and for slots not yet written.
-* one key/value cache per attention layer.
+The state (the end index, the positions and tokens of the slots, one
+key/value cache per attention layer) is laid out by a `CacheLayout`
+(`penzai_lm.model.cache_layout`), which says what each variable holds. With
+``per_row_end=True`` each row has its own end index: rows of one batch may
+sit at different slots, a call's tokens may be padded at the end (a row
+moves on only by its real tokens), and `KVCachingTransformerLM.reset_rows`
+empties some rows while the others keep their caches.
 """
 
 from __future__ import annotations
@@ -32,7 +30,8 @@ from penzai import pz
 
 from penzai_lm.model import memory
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
-from penzai_lm.model.cache_attention import write_at
+from penzai_lm.model.cache_layout import CacheLayout
+from penzai_lm.model.cache_layout import write_at
 from penzai_lm.model.config import TransformerConfig
 from penzai_lm.model.transformer import check_tokens
 from penzai_lm.model.transformer import leading_padding
@@ -71,7 +70,8 @@ class KVCachingTransformerLM(pz.nn.Layer):
   Attributes:
     body: The uncached model's body with every attention layer swapped for a
       caching one; patches made to the uncached model are kept.
-    cache_end_index: Number of cache slots written so far.
+    cache_end_index: The next cache slot to write: a scalar, or one per row
+      (an int32 array over the batch axes) with ``per_row_end``.
     previous_tokens: Tokens written so far (``pad_id`` where unwritten).
     kv_positions: Position of the token in each cache slot; -1 for padding.
     config: The architecture.
@@ -82,6 +82,7 @@ class KVCachingTransformerLM(pz.nn.Layer):
       with a host callback. Programs with callbacks cannot be stored in JAX's
       persistent compilation cache, so a driver that never overflows by
       construction (the generation engine) turns this off.
+    per_row_end: One end index per row (see the module docstring).
   """
 
   body: pz.nn.Layer
@@ -95,6 +96,16 @@ class KVCachingTransformerLM(pz.nn.Layer):
   runtime_overflow_check: bool = dataclasses.field(
       default=True, metadata={"pytree_node": False}
   )
+  per_row_end: bool = dataclasses.field(
+      default=False, metadata={"pytree_node": False}
+  )
+
+  @property
+  def layout(self) -> CacheLayout:
+    """The `CacheLayout` of this model's caches."""
+    prefix = self.cache_end_index.label.rpartition("/")[0]
+    return CacheLayout.of(self.batch_axes, self.cache_len,
+                          per_row_end=self.per_row_end, prefix=prefix)
 
   def __call__(
       self,
@@ -114,7 +125,9 @@ class KVCachingTransformerLM(pz.nn.Layer):
 
     Returns:
       Logits with the axes of ``tokens`` plus ``vocabulary``. Logits at
-      padding positions are meaningless.
+      padding positions are meaningless. The end index moves by the call's
+      tokens (`CacheLayout.consumed`: per row, up to its last real token,
+      with ``per_row_end``).
 
     Raises:
       CacheOverflowError: if the tokens do not fit in the remaining cache
@@ -142,7 +155,7 @@ class KVCachingTransformerLM(pz.nn.Layer):
     positions = pz.nx.nmap(jnp.where)(real, next_position + count - 1, -1)
 
     def write(buffer, update):
-      return write_at(buffer, update, "seq", end)
+      return write_at(buffer, update, "seq", end)  # At each row's end.
 
     kv_positions = write(slots, positions.astype(jnp.int32))
     with jax.default_matmul_precision(self.config.matmul_precision):
@@ -157,10 +170,43 @@ class KVCachingTransformerLM(pz.nn.Layer):
     self.previous_tokens.value = write(
         self.previous_tokens.value, tokens.astype(jnp.int32)
     )
-    self.cache_end_index.value = end + new
+    self.cache_end_index.value = self.layout.consumed(is_padding, end)
     return logits
 
+  def reset_rows(self, rows) -> None:
+    """Empties the rows where ``rows`` is True (their end goes back to 0
+    and every slot is unwritten); the other rows keep their caches. The
+    next call then starts those rows' sequences anew, e.g. with a new
+    prompt while the other rows feed their next token (padded at the end).
+
+    Args:
+      rows: Booleans, one per row: a list or array over the flattened batch
+        axes, or a NamedArray over the batch axes.
+
+    Raises:
+      ValueError: without ``per_row_end``, or for a mask of another shape.
+    """
+    if not isinstance(rows, pz.nx.NamedArrayBase):
+      array = jnp.asarray(rows)
+      size = math.prod(self.batch_axes.values())
+      if array.dtype != jnp.bool_ or array.shape != (size,):
+        raise ValueError(
+            f"rows must be {size} booleans (one per row of batch axes"
+            f" {self.batch_axes}), got {rows!r:.200}.")
+      rows = pz.nx.wrap(array.reshape(tuple(self.batch_axes.values()))).tag(
+          *self.batch_axes)
+    elif dict(rows.named_shape) != self.batch_axes or rows.dtype != jnp.bool_:
+      raise ValueError(
+          f"rows must be a boolean NamedArray over the batch axes"
+          f" {self.batch_axes}, got {rows!r:.200}.")
+    (self.cache_end_index.value, self.kv_positions.value,
+     self.previous_tokens.value) = self.layout.reset_rows(
+         self.cache_end_index.value, self.kv_positions.value,
+         self.previous_tokens.value, rows, self.pad_id)
+
   def _check_room(self, end, new: int) -> None:
+    if isinstance(end, pz.nx.NamedArrayBase):
+      end = jnp.max(end.data_array)  # The row with the least room.
     if isinstance(end, jax.core.Tracer):
       if not self.runtime_overflow_check:
         return
@@ -182,6 +228,7 @@ class KVCachingTransformerLM(pz.nn.Layer):
       batch_axes: dict[str, int],
       pad_id: int | None = None,
       variable_name_prefix: str = "sampler",
+      per_row_end: bool = False,
   ) -> KVCachingTransformerLM:
     """Converts a `TransformerLM` to cached sampling mode.
 
@@ -198,6 +245,7 @@ class KVCachingTransformerLM(pz.nn.Layer):
       pad_id: Token id of left padding; defaults to the model's pad token (or
         0 if it has none).
       variable_name_prefix: Prefix of the state variable labels.
+      per_row_end: One end index per row (see the module docstring).
 
     Returns:
       The cached model, with empty caches.
@@ -238,6 +286,10 @@ class KVCachingTransformerLM(pz.nn.Layer):
           f"pad_id {pad_id} is outside the vocabulary [0, {config.vocab_size})."
       )
 
+    if not isinstance(per_row_end, bool):
+      raise ValueError(f"per_row_end must be True or False, got {per_row_end!r}.")
+    layout = CacheLayout.of(batch_axes, cache_len, per_row_end=per_row_end,
+                            prefix=variable_name_prefix)
     common_head_axes, _ = config.head_axes
     selection = pz.select(uncached.body).at_instances_of(pz.nn.Attention)
     cached = {}
@@ -262,44 +314,29 @@ class KVCachingTransformerLM(pz.nn.Layer):
           },
           cache_end_index_key="cache_end_index",
           cache_dtype=config.activation_dtype,
-          cache_label=f"{variable_name_prefix}/cache_{index}",
+          cache_label=layout.cache_label(index),
           layerstack_axes=stack_axes,
       )
       # A layer stack returns per-layer state with the stack axes first; start
       # in that layout so the state's pytree never changes between calls.
-      # The axis each attention product contracts comes last (keys:
-      # "projection", values: "seq"), so XLA reads the caches as they are
-      # instead of transposing them at every step.
-      shape = dict(caching.kv_cache.value[0].named_shape)
-      slots = shape.pop("seq")
-      projection = shape.pop("projection")
-      shape = {**stack_axes, **shape}
-      caching.kv_cache.value = (
-          pz.nx.zeros({**shape, "seq": slots, "projection": projection},
-                      dtype=config.activation_dtype),
-          pz.nx.zeros({**shape, "projection": projection, "seq": slots},
-                      dtype=config.activation_dtype),
-      )
+      caching.kv_cache.value = layout.empty_kv(
+          stack_axes, common_head_axes, config.head_dim,
+          config.activation_dtype)
       cached[keypath] = InPlaceKVCachingAttention.from_penzai(caching)
-    slots = {**batch_axes, "seq": cache_len}
+    labels = layout.labels
     return cls(
         body=selection.set_by_path(cached),
         cache_end_index=pz.StateVariable(
-            value=jnp.array(0, jnp.int32),
-            label=f"{variable_name_prefix}/cache_end_index",
-        ),
+            value=layout.empty_end(), label=labels.end),
         previous_tokens=pz.StateVariable(
-            value=pz.nx.full(slots, pad_id, jnp.int32),
-            label=f"{variable_name_prefix}/previous_tokens",
-        ),
+            value=layout.empty_tokens(pad_id), label=labels.tokens),
         kv_positions=pz.StateVariable(
-            value=pz.nx.full(slots, -1, jnp.int32),
-            label=f"{variable_name_prefix}/kv_positions",
-        ),
+            value=layout.empty_positions(), label=labels.positions),
         config=config,
         cache_len=cache_len,
         batch_axes=dict(batch_axes),
         pad_id=pad_id,
+        per_row_end=per_row_end,
     )
 
 

@@ -44,11 +44,11 @@ import jax
 import jax.numpy as jnp
 from penzai import pz
 
-from penzai_lm.model.attention_chain import PlainChain
 from penzai_lm.model.attention_chain import chain_window
 from penzai_lm.model.attention_chain import plain_chain
+from penzai_lm.model.attention_chain import PlainChain
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
-from penzai_lm.model.cache_attention import write_at
+from penzai_lm.model.cache_layout import write_at
 from penzai_lm.model.devices import devices_of
 
 Implementation = Literal["xla", "cudnn"]

@@ -83,8 +83,11 @@ def test_the_engine_chooses_the_prompt_attention():
   assert _prepared_layers(model, "auto") == 0
   assert _prepared_layers(model, None) == 0
   assert _prepared_layers(model, "xla") == model.config.num_layers
+  engine = Engine(prompt_attention="cudnn")
   with pytest.raises(ValueError, match="needs a model on GPUs"):
-    _prepared_layers(model, "cudnn")
+    engine.generate(model, [1, 2], max_new_tokens=2)  # With the request,
+  assert engine.compilations == 0  # before anything is prepared.
+  assert len(engine._prepared) == 0  # pylint: disable=protected-access
   with pytest.raises(ValueError, match="prompt_attention must be one of"):
     Engine(prompt_attention="flash")
 
