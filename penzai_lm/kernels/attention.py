@@ -33,6 +33,7 @@ from penzai_lm.model.attention_chain import PlainChain
 from penzai_lm.model.attention_chain import chain_window
 from penzai_lm.model.attention_chain import plain_chain
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
+from penzai_lm.model.cache_layout import CacheLayout
 
 
 @pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # pytype: disable=wrong-keyword-args
@@ -109,8 +110,8 @@ class KernelCachedAttention(InPlaceKVCachingAttention):
     slots = key_cache.named_shape["seq"]
     if per_group > 32 or kv_pos.named_shape["seq"] != slots:
       return None
-    k_order = (*batch, *kv, "seq", "projection")
-    v_order = (*batch, *kv, "projection", "seq")
+    k_order = CacheLayout.key_order((*batch, *kv))
+    v_order = CacheLayout.value_order((*batch, *kv))
     # The caches in their own axis order (no transpose; the kernel reads
     # them in k_order / v_order).
     if (tuple(key_cache.named_axes) != k_order

@@ -101,15 +101,29 @@ class CacheLayout:
     return pz.nx.full({**self.batch, "seq": self.cache_len}, pad_id,
                       jnp.int32)
 
+  @staticmethod
+  def key_order(lead) -> tuple[str, ...]:
+    """The axis order of a key cache whose other axes are ``lead`` (stack,
+    batch and head axes): ``seq`` then ``projection``, the axis the scores
+    contract, last."""
+    return (*lead, "seq", "projection")
+
+  @staticmethod
+  def value_order(lead) -> tuple[str, ...]:
+    """The axis order of a value cache: ``projection`` then ``seq``, the
+    axis the value sum contracts, last."""
+    return (*lead, "projection", "seq")
+
   def empty_kv(self, lead: Mapping[str, int], heads: Mapping[str, int],
                projection: int, dtype):
     """Empty ``(keys, values)`` in the layout's axis order: ``lead`` (stack
     axes), the batch axes, ``heads``, then ``seq``/``projection``."""
-    shape = {**lead, **self.batch, **heads}
-    return (pz.nx.zeros({**shape, "seq": self.cache_len,
-                         "projection": projection}, dtype=dtype),
-            pz.nx.zeros({**shape, "projection": projection,
-                         "seq": self.cache_len}, dtype=dtype))
+    sizes = {**lead, **self.batch, **heads, "seq": self.cache_len,
+             "projection": projection}
+    leading = [*lead, *self.batch, *heads]
+    return tuple(pz.nx.zeros({a: sizes[a] for a in order(leading)},
+                             dtype=dtype)
+                 for order in (self.key_order, self.value_order))
 
   # A call.
 
