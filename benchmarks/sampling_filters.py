@@ -62,6 +62,10 @@ CONFIGS = {
     "epsilon 3e-4": dict(temperature=0.8, epsilon_cutoff=3e-4),
     "eta 3e-4": dict(temperature=0.8, eta_cutoff=3e-4),
     "top-p + typical": dict(temperature=0.8, top_p=0.9, typical_p=0.9),
+    "xtc 0.5/0.1": dict(temperature=0.8, xtc_probability=0.5,
+                        xtc_threshold=0.1),
+    "top-k 50 + xtc": dict(temperature=0.8, top_k=50, xtc_probability=0.5,
+                           xtc_threshold=0.1),
 }
 
 

@@ -129,9 +129,9 @@ class PreparedModel:
     blocks: The transformer blocks the programs run one after the other (a
       layer stack counts once), for `engine.default_compiler_options`.
     parameters: The model's array elements, for the same.
-    cpu_sampler: Whether the decode loop picks tokens with the CPU kernel
-      (`penzai_lm.kernels.ops.sample`): the model is on one CPU device and
-      the kernels are available.
+    cpu_sampler: Whether the decode loop asks the CPU kernel to pick tokens
+      (`penzai_lm.kernels.ops.sample`; see `sampling.sample_next`): the
+      model is on one CPU device and the kernels are available.
   """
 
   model_leaves: list

@@ -5,7 +5,10 @@ Conventions (see `request`): rows are prompt-major, row ``r`` is sample
 
 * A per-row option is either one value (used for every row), a list with
   one value per prompt (each value is used for all samples of its prompt),
-  or a list with one value per row.
+  or a list with one value per row. Lists, tuples, numpy arrays and
+  concrete ``jax.Array`` values are all accepted (a 0-d array is one
+  value): JAX arrays are read onto the host first
+  (`penzai_lm.sampling.settings.host_value`; a traced value is refused).
 * Seeds: ``seed=None`` draws a fresh random seed per prompt (reported in the
   result). Sample 0 of a prompt uses the prompt's seed as is; sample ``j >
   0`` uses ``derive_seed(seed, j)``, so every sample is drawn independently
@@ -25,6 +28,7 @@ import numpy as np
 from penzai_lm.generation.prompts import is_int
 from penzai_lm.generation.prompts import is_sequence
 from penzai_lm.generation.prompts import token_list
+from penzai_lm.sampling.settings import host_value
 
 
 def derive_seed(seed: int, sample: int) -> int:
@@ -36,6 +40,7 @@ def derive_seed(seed: int, sample: int) -> int:
 def expand_rows(name: str, value: Any, num_prompts: int, num_samples: int,
                 is_row_value=lambda v: not is_sequence(v)) -> list[Any]:
   """Expands a per-row option to one value per row (see module docstring)."""
+  value = host_value(name, value)
   rows = num_prompts * num_samples
   if is_row_value(value):
     return [value] * rows
@@ -63,6 +68,7 @@ def token_lists(name: str, value: Any, num_prompts: int, num_samples: int,
                 ) -> tuple[tuple[int, ...], ...]:
   """A per-row list of token ids: one flat list for all rows, or a list of
   lists (per prompt or per row); None gives ``default``."""
+  value = host_value(name, value)
   if value is None:
     value = list(default)
   if not is_sequence(value):
@@ -93,6 +99,7 @@ def _check_seed(value: Any, index: int) -> int:
 def row_seeds(seed: Any, num_prompts: int, num_samples: int
               ) -> tuple[int, ...]:
   """Per-row u32 seeds (see module docstring)."""
+  seed = host_value("seed", seed)
   if seed is None or is_int(seed):
     per_prompt = [seed] * num_prompts
   elif is_sequence(seed):

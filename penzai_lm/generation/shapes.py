@@ -51,8 +51,10 @@ class DecodeShape:
     capture: Whether activations are captured: a finished row feeds its
       last token once more (its activations are recorded; its output is
       not), for which the cache has one more slot.
-    cpu_sampler: Whether tokens are picked by the CPU kernel
-      (``sample_next(kernel=True)``); set from the prepared model.
+    cpu_sampler: Whether the CPU kernel is asked to pick tokens
+      (``sample_next(kernel=True)``, which runs the JAX sampler instead
+      while the kernel lacks a sampling setting); set from the prepared
+      model.
   """
 
   use_cache: bool

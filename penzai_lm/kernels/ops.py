@@ -8,6 +8,9 @@ callers check `available()` and fall back to XLA's own ops.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,42 +143,72 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   return heads, kc.reshape(k.shape), vc.reshape(v.shape)
 
 
-# `sampler.cc`'s per-row parameters, in its order.
-SAMPLE_PARAMS = ("temperature", "top_p", "min_p", "typical_p",
-                 "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty")
+@functools.cache
+def kernel_sample_params() -> tuple[str, ...]:
+  """The names of the per-row parameters the built sampling kernel reads,
+  in its order (`sampler.cc`'s ``PZLM_SAMPLE_PARAMS``, as its
+  ``pzlm_sample_params`` returns them)."""
+  lib = cpu_kernels()
+  if lib is None:
+    raise RuntimeError("penzai_lm's CPU kernels are not available here;"
+                       " check ops.available() before calling them.")
+  names = ctypes.CFUNCTYPE(ctypes.c_char_p)(("pzlm_sample_params", lib))()
+  return tuple(n for n in (names or b"").decode().split(",") if n)
 
 
-def sample(logits: jax.Array, settings, counts: jax.Array, seen: jax.Array,
-           noise: jax.Array, banned: jax.Array | None, *, num: int,
+def sample(logits: jax.Array, params: jax.Array, top_k: jax.Array,
+           counts: jax.Array, seen: jax.Array, bias: jax.Array | None,
+           banned: jax.Array | None, noise: jax.Array, coin: jax.Array, *,
+           param_names: tuple[str, ...], num: int,
            chunk: int) -> tuple[jax.Array, jax.Array]:
   """`penzai_lm.sampling.sample_next`'s choice in one call (`sampler.cc`).
 
+  Call it through ``sample_next(..., kernel=True)``, which builds these
+  arguments from the settings and calls it only when the kernel
+  implements every setting.
+
   Args:
     logits: ``f32[B, V]`` raw logits.
-    settings: The rows' `penzai_lm.sampling.SamplingSettings`.
+    params: ``f32[B, P]`` the rows' settings named by ``param_names``.
+    top_k: ``int32[B]`` (0 = off).
     counts: ``int32[B, V]`` generated-token counts (penalties).
     seen: ``bool[B, V]`` prompt-or-generated tokens (penalties).
-    noise: ``f32[B, N]`` Gumbel noise (`penzai_lm.sampling.row_gumbels`).
+    bias: ``f32[B, V]`` logit bias, or None.
     banned: ``bool[B, V]`` banned tokens, or None.
+    noise: ``f32[B, N]`` Gumbel noise (`penzai_lm.sampling.row_gumbels`).
+    coin: ``f32[B]`` uniform draws in [0, 1) (XTC's).
+    param_names: Static: the settings in the columns of ``params``, in
+      order; they must be the kernel's (`kernel_sample_params`).
     num: Static candidates for top-k / top-p (``<= V``).
     chunk: Static tokens per chunk of the two-level draw.
 
   Returns:
     ``(token, logprob)``: ``int32[B]`` and ``f32[B]``, the chosen tokens and
     their log-probabilities under the raw logits.
+
+  Raises:
+    RuntimeError: If the kernels are unavailable.
+    ValueError: If ``param_names`` are not the parameters the kernel reads.
   """
   _require_kernels()
+  if tuple(param_names) != kernel_sample_params():
+    raise ValueError(
+        f"sampler.cc reads the parameters {kernel_sample_params()} but"
+        f" {tuple(param_names)} were passed: list the settings the kernel"
+        " implements (penzai_lm.sampling.settings.KERNEL_PARAMS, in FIELDS'"
+        " order) in sampler.cc's PZLM_SAMPLE_PARAMS, in the same order.")
   batch = logits.shape[0]
-  params = jnp.stack([jnp.asarray(getattr(settings, name), jnp.float32)
-                      for name in SAMPLE_PARAMS], axis=1)
-  bias = (jnp.zeros((batch, 0), jnp.float32) if settings.logit_bias is None
-          else settings.logit_bias.astype(jnp.float32))
+  if params.shape != (batch, len(param_names)):
+    raise ValueError(f"params has shape {params.shape}, expected"
+                     f" {(batch, len(param_names))}.")
+  bias = (jnp.zeros((batch, 0), jnp.float32) if bias is None
+          else bias.astype(jnp.float32))
   bans = jnp.zeros((batch, 0), bool) if banned is None else banned
   out = (jax.ShapeDtypeStruct((batch,), jnp.int32),
          jax.ShapeDtypeStruct((batch,), jnp.float32))
   return jax.ffi.ffi_call("pzlm_sample", out)(
-      logits.astype(jnp.float32), params,
-      jnp.asarray(settings.top_k, jnp.int32), counts.astype(jnp.int32),
+      logits.astype(jnp.float32), params.astype(jnp.float32),
+      jnp.asarray(top_k, jnp.int32), counts.astype(jnp.int32),
       seen.astype(bool), bias, bans.astype(bool), noise.astype(jnp.float32),
+      jnp.asarray(coin, jnp.float32),
       num=np.int64(num), chunk=np.int64(chunk))

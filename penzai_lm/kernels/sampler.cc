@@ -2,22 +2,29 @@
 //
 // pzlm_sample: for each row of logits f32[B, V], the same choice as the
 // JAX sampler (penzai_lm/sampling/sample.py) makes from the same Gumbel
-// noise: penalties, logit bias and bans; greedy rows (temperature < 1e-5)
-// take the first argmax; top-k / top-p / min-p rows draw over the top
-// `num` candidates (value descending, ties to the lower id), or over the
-// exact nucleus where it does not fit in them; typical, epsilon and eta
-// filter the vocabulary; the draw over the vocabulary is the two-level
-// Gumbel-max over chunks of `chunk` tokens. It also returns the chosen
-// token's log-probability under the raw logits.
+// noise and coins: penalties, logit bias and bans; greedy rows
+// (temperature < 1e-5) take the first argmax; top-k / top-p / min-p rows
+// draw over the top `num` candidates (value descending, ties to the lower
+// id), or over the exact nucleus where it does not fit in them; typical,
+// epsilon and eta filter the vocabulary; XTC acts on what is left (the
+// candidates or the vocabulary); the draw over the vocabulary is the
+// two-level Gumbel-max over chunks of `chunk` tokens. It also returns the
+// chosen token's log-probability under the raw logits.
 //
 // Why a kernel: XLA:CPU compiles every vocabulary-wide step of the JAX
 // sampler (and every branch of its conds) as a kernel of its own, about 116
 // of them: 1.4 s of every first decode program's compilation. This is one.
 //
-// Buffers, per row r: params[r] = temperature, top_p, min_p, typical_p,
-// epsilon, eta, repetition, presence, frequency (f32); top_k[r] (i32, 0 =
-// off); counts[r] (i32) and seen[r] (pred): the penalties' statistics;
-// bias f32[B, V] and bans pred[B, V], or [B, 0] for none; noise f32[B, N].
+// Buffers, per row r: params[r] (f32): the settings of PZLM_SAMPLE_PARAMS,
+// in its order; top_k[r] (i32, 0 = off); counts[r] (i32) and seen[r]
+// (pred): the penalties' statistics; bias f32[B, V] and bans pred[B, V], or
+// [B, 0] for none; noise f32[B, N]; coin f32[B]: XTC's uniform draws.
+//
+// A new sampling setting: add it to PZLM_SAMPLE_PARAMS at the place of its
+// field in penzai_lm/sampling/settings.py's FIELDS (the columns
+// sample_next passes are settings.KERNEL_PARAMS, in the table's order;
+// ops.sample and a test compare them), use it in SampleRow, and mark its
+// field kernel=True.
 
 #include <algorithm>
 #include <cmath>
@@ -35,10 +42,26 @@ using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 
 constexpr float kMinTemperature = 1e-5f;  // filters.MIN_TEMPERATURE
 
-enum Param {
-  kTemperature, kTopP, kMinP, kTypical, kEpsilon, kEta, kRepetition,
-  kPresence, kFrequency, kNumParams
-};
+// The per-row parameters: (enumerator, the SamplingSettings field), in the
+// order of penzai_lm.sampling.settings.KERNEL_PARAMS: FIELDS' order,
+// without the settings that have buffers of their own (top_k, logit_bias,
+// banned_tokens).
+#define PZLM_SAMPLE_PARAMS(X)               \
+  X(kRepetition, "repetition_penalty")      \
+  X(kPresence, "presence_penalty")          \
+  X(kFrequency, "frequency_penalty")        \
+  X(kTemperature, "temperature")            \
+  X(kTopP, "top_p")                         \
+  X(kMinP, "min_p")                         \
+  X(kTypical, "typical_p")                  \
+  X(kEpsilon, "epsilon_cutoff")             \
+  X(kEta, "eta_cutoff")                     \
+  X(kXtcProbability, "xtc_probability")     \
+  X(kXtcThreshold, "xtc_threshold")
+
+#define PZLM_ENUMERATOR(e, name) e,
+enum Param { PZLM_SAMPLE_PARAMS(PZLM_ENUMERATOR) kNumParams };
+#undef PZLM_ENUMERATOR
 
 struct Row {
   const float* logits;
@@ -49,6 +72,7 @@ struct Row {
   const float* bias;  // null: none
   const bool* bans;   // null: none
   const float* noise;
+  float coin;  // XTC's uniform draw in [0, 1).
 };
 
 struct Scratch {
@@ -214,6 +238,45 @@ void EntropyFilters(const float* x, int64_t V, const float* p, Scratch& s) {
   }
 }
 
+// filters.xtc_applies: whether XTC acts on this row at this step.
+bool XtcApplies(const float* p, float coin) {
+  return p[kXtcProbability] > 0.f && p[kXtcThreshold] <= 0.5f &&
+         coin <= p[kXtcProbability];
+}
+
+// filters.xtc_mask: of the kept entries of x[0, n) whose probability
+// (softmax over the kept ones, e / sum(e) with e = exp(x - max)) is >=
+// threshold, if there are at least two, drops all but the last in
+// candidate order (the lowest value; of equal values, the highest index).
+// y: n floats of scratch.
+void ExcludeTopChoices(const float* x, int64_t n, float threshold,
+                       uint8_t* keep, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = keep[i] ? x[i] : kNegInf;
+  const float m = Max(y, n);
+  if (!(m > kNegInf)) return;
+  const float sum = SumExp(y, n, m);
+  // p <= exp(y - m) (sum >= 1), so p >= threshold needs y >= m +
+  // log(threshold): entries below that (with a margin for rounding) are
+  // skipped without an exp.
+  const float floor =
+      threshold > 0.f ? m + std::log(threshold) - 1e-3f * (1.f + std::fabs(m))
+                      : kNegInf;
+  auto top = [&](int64_t i) {
+    return y[i] != kNegInf && y[i] >= floor &&
+           std::exp(y[i] - m) / sum >= threshold;
+  };
+  int64_t count = 0, last = -1;
+  float lowest = kInf;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!top(i)) continue;
+    ++count;
+    if (y[i] <= lowest) lowest = y[i], last = i;
+  }
+  if (count < 2) return;
+  for (int64_t i = 0; i < n; ++i)
+    if (i != last && top(i)) keep[i] = 0;
+}
+
 // sample.sample_full_vocab: the two-level Gumbel-max draw from softmax(y).
 int64_t DrawFromVocabulary(const float* y, int64_t V, int64_t chunk,
                            const float* noise) {
@@ -248,6 +311,7 @@ int64_t SampleRow(const Row& r, int64_t V, int64_t num, int64_t chunk,
   const bool truncating = r.top_k > 0 || p[kTopP] < 1.f;
   const bool entropy =
       p[kTypical] < 1.f || p[kEpsilon] > 0.f || p[kEta] > 0.f;
+  const bool xtc = XtcApplies(p, r.coin);
   uint8_t* keep = s.keep.data();
   if (truncating) {
     TopCandidates(x, V, num, s.ids);
@@ -260,6 +324,8 @@ int64_t SampleRow(const Row& r, int64_t V, int64_t num, int64_t chunk,
                                        p[kMinP], full_log_norm, num == V,
                                        s.vk.data(), ck);
     if (covered && !entropy) {
+      if (xtc)
+        ExcludeTopChoices(vals, num, p[kXtcThreshold], ck, s.vk.data());
       int64_t pos = 0;
       float best = kNegInf;
       for (int64_t j = 0; j < num; ++j) {
@@ -282,6 +348,7 @@ int64_t SampleRow(const Row& r, int64_t V, int64_t num, int64_t chunk,
     for (int64_t i = 0; i < V; ++i) keep[i] = x[i] >= cut;
   }
   if (entropy) EntropyFilters(x, V, p, s);
+  if (xtc) ExcludeTopChoices(x, V, p[kXtcThreshold], keep, s.y.data());
   float* y = s.y.data();
   for (int64_t i = 0; i < V; ++i) y[i] = keep[i] ? x[i] : kNegInf;
   return DrawFromVocabulary(y, V, chunk, r.noise);
@@ -292,7 +359,7 @@ ffi::Error Sample(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
                   ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::PRED> seen,
                   ffi::Buffer<ffi::F32> bias,
                   ffi::Buffer<ffi::PRED> bans, ffi::Buffer<ffi::F32> noise,
-                  int64_t num, int64_t chunk,
+                  ffi::Buffer<ffi::F32> coin, int64_t num, int64_t chunk,
                   ffi::Result<ffi::Buffer<ffi::S32>> token,
                   ffi::Result<ffi::Buffer<ffi::F32>> logprob) {
   auto d = logits.dimensions();
@@ -305,6 +372,7 @@ ffi::Error Sample(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
       top_k.element_count() != B || counts.element_count() != B * V ||
       seen.element_count() != B * V || num < 1 || num > V || chunk < 1 ||
       N < std::max(num, chunks + chunk) || noise.element_count() != B * N ||
+      coin.element_count() != B ||
       (bias.element_count() != 0 && bias.element_count() != B * V) ||
       (bans.element_count() != 0 && bans.element_count() != B * V))
     return ffi::Error::InvalidArgument("sample: inconsistent shapes");
@@ -321,7 +389,8 @@ ffi::Error Sample(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
                 seen.typed_data() + b * V,
                 bias.element_count() ? bias.typed_data() + b * V : nullptr,
                 bans.element_count() ? bans.typed_data() + b * V : nullptr,
-                noise.typed_data() + b * N};
+                noise.typed_data() + b * N,
+                coin.typed_data()[b]};
     const int64_t t = SampleRow(r, V, num, chunk, s);
     token->typed_data()[b] = static_cast<int32_t>(t);
     logprob->typed_data()[b] = r.logits[t] - LogSumExp(r.logits, V);
@@ -346,7 +415,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_sample, Sample,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num")
                                   .Attr<int64_t>("chunk")
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// The names of the per-row parameters, in their order, comma-separated
+// (penzai_lm.kernels.ops.kernel_sample_params reads them).
+#define PZLM_NAME(e, name) name ","
+extern "C" const char* pzlm_sample_params() {
+  static const char kNames[] = PZLM_SAMPLE_PARAMS(PZLM_NAME);
+  return kNames;
+}
+#undef PZLM_NAME

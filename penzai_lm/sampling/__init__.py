@@ -8,7 +8,8 @@ recompiles) and is meant to run once per token inside ``jax.lax.while_loop``.
 
 Filter order (HF ``generate()``): penalties (repetition, presence,
 frequency) -> logit bias -> banned tokens -> temperature -> top-k -> top-p ->
-min-p -> sample. Temperature 0 is greedy.
+min-p -> typical -> epsilon -> eta -> XTC (llama.cpp's, last) -> sample.
+Temperature 0 is greedy.
 
 Typical use::
 
@@ -34,6 +35,8 @@ from penzai_lm.sampling.settings import FIELD_NAMES
 from penzai_lm.sampling.settings import FIELDS
 from penzai_lm.sampling.settings import SamplingField
 from penzai_lm.sampling.settings import SamplingSettings
+from penzai_lm.sampling.settings import host_value
+from penzai_lm.sampling.settings import kernel_implements_all
 from penzai_lm.sampling.settings import top_k_cap_for
 
 __all__ = [
@@ -45,7 +48,9 @@ __all__ = [
     "SamplingField",
     "SamplingSettings",
     "apply_penalties",
+    "host_value",
     "init_sampler_state",
+    "kernel_implements_all",
     "penalize",
     "row_keys",
     "sample_next",

@@ -1,4 +1,4 @@
-"""Logit filters: bias/bans, temperature, top-k, top-p and min-p.
+"""Logit filters: bias/bans, temperature, top-k, top-p, min-p and XTC.
 
 Array conventions:
   * ``logits`` / ``scaled``: float32 ``(batch, vocab)``; ``-inf`` marks a
@@ -18,6 +18,8 @@ Semantics (HF ``generate()`` order and definitions):
   * min-p keeps tokens with ``p >= min_p * p_max``, i.e.
     ``logit >= max_logit + log(min_p)``; renormalising does not change this,
     so it commutes with the mask of the previous filters.
+  * XTC (llama.cpp's "exclude top choices", not an HF filter) comes last,
+    after the entropy filters (`entropy_filters`): see :func:`xtc_mask`.
 
 All functions are pure ``jnp`` and shape-static: values may change freely
 without recompiling. Nothing here sorts the whole vocabulary: top-k uses
@@ -247,3 +249,51 @@ def top_p_keep_mask_full(
 
   tied = jax.lax.cond(jnp.any(group_size > 1), first_of_group, lambda: group)
   return above | tied
+
+
+def xtc_applies(settings, coin: jax.Array) -> jax.Array:
+  """bool (batch,): the rows whose XTC step removes tokens this step, if
+  two or more of their tokens reach the threshold.
+
+  As llama.cpp: XTC acts when ``xtc_probability > 0``, ``xtc_threshold <=
+  0.5`` and the row's uniform draw ``coin`` (in [0, 1)) is ``<=
+  xtc_probability``. Greedy rows are left to the caller (they never
+  sample).
+  """
+  return ((settings.xtc_probability > 0) & (settings.xtc_threshold <= 0.5)
+          & (coin <= settings.xtc_probability))
+
+
+def xtc_mask(scaled: jax.Array, keep: jax.Array, threshold: jax.Array,
+             applies: jax.Array) -> jax.Array:
+  """XTC ("exclude top choices"), as llama.cpp's ``llama_sampler_xtc``.
+
+  Of the tokens ``keep`` leaves, those whose probability under
+  ``softmax(where(keep, scaled, -inf))`` is ``>= threshold`` are the top
+  choices; when a row ``applies`` and has at least two of them, all of them
+  but the last in candidate order (value descending, ties to the lower
+  index) are removed: the least likely top choice stays, with every token
+  below the threshold. Probabilities are ``e / sum(e)`` with ``e = exp(x -
+  max)``, as the CPU kernel computes them.
+
+  Args:
+    scaled: f32 (batch, n) temperature-scaled logits: the vocabulary, or
+      sorted candidates (then the index order is the candidate order).
+    keep: bool (batch, n) what the earlier filters kept (at least one
+      token per row).
+    threshold: f32 (batch,) ``xtc_threshold``.
+    applies: bool (batch,) :func:`xtc_applies` (and not greedy).
+
+  Returns:
+    bool (batch, n): a subset of ``keep`` with at least one token per row.
+  """
+  masked = jnp.where(keep, scaled, -jnp.inf)
+  e = jnp.exp(masked - jnp.max(masked, axis=-1, keepdims=True))
+  p = e / jnp.sum(e, axis=-1, keepdims=True)
+  top = keep & (p >= threshold[:, None])
+  lowest = jnp.min(jnp.where(top, masked, jnp.inf), axis=-1, keepdims=True)
+  index = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
+  last = jnp.max(jnp.where(top & (masked == lowest), index, -1), axis=-1,
+                 keepdims=True)
+  drop = applies & (jnp.sum(top, axis=-1) >= 2)
+  return keep & ~(drop[:, None] & top & (index != last))

@@ -6,16 +6,21 @@ Array conventions:
     tokens row ``r`` has generated so far; row r's random key is
     ``fold_in(key(seed[r]), step[r])``, so a row's samples never depend on
     its batch position or on the other rows (batch invariance) and a run is
-    reproducible from its seeds.
+    reproducible from its seeds. The key gives the row's Gumbel noise
+    (:func:`row_gumbels`) and its XTC coin (:func:`row_coins`).
   * Returns ``token`` int32 ``(batch,)`` and ``logprob`` float32 ``(batch,)``.
 
 Filter order (as in HF ``generate()``): (1) repetition, presence and
 frequency penalties, (2) logit bias, then banned tokens -> -inf,
 (3) temperature, (4) top-k, (5) top-p, (6) min-p, (7) typical, epsilon
-and eta (``entropy_filters``), then a categorical draw (Gumbel-max). Greedy
-rows (temperature 0) take the argmax of the logits after steps (1)-(2) and
-ignore (3)-(7); ties go to the lowest token id, as they do for ``top_k=1``
-and a tiny ``top_p``.
+and eta (``entropy_filters``), (8) XTC (``filters.xtc_mask``; not an HF
+filter: last, after every truncation, as in llama.cpp's default chain),
+then a categorical draw (Gumbel-max). Greedy rows (temperature 0) take the
+argmax of the logits after steps (1)-(2) and ignore (3)-(8); ties go to
+the lowest token id, as they do for ``top_k=1`` and a tiny ``top_p``.
+XTC's probabilities are those of the temperature-scaled, filtered logits
+(llama.cpp's default chain divides by the temperature after XTC, so there
+XTC sees temperature-1 probabilities).
 
 Cost: the batch decides, with ``jax.lax.cond``, which paths run (penalties
 only when some row uses them; each path only when some row needs it):
@@ -31,6 +36,9 @@ only when some row uses them; each path only when some row needs it):
     filters act on them and the draw is over them. A top-p-only row whose
     nucleus is larger than the candidates falls back to an exact bisection
     over the full vocabulary (``filters.top_p_keep_mask_full``).
+  * XTC acts on the kept candidates of a top-k / top-p row, on the kept
+    vocabulary of the other rows (a few masked passes, only at the steps
+    where some row's coin makes it act).
   * rows with typical, epsilon or eta sampling join the plain rows' draw:
     their top-k / top-p become a mask over the vocabulary (the typical set
     is not a prefix of the candidates; its threshold is a bisection). The
@@ -40,13 +48,17 @@ No path sorts the whole vocabulary. Do not ``jax.vmap`` ``sample_next`` over
 rows: it is already batched, and vmap turns its conds into selects that run
 every path.
 
-On CPU, ``kernel=True`` makes the same choices from the same Gumbel noise in
-one call of penzai_lm's sampling kernel (`penzai_lm.kernels.ops.sample`,
-``sampler.cc``); the engine's decode loop does this for models on one CPU
-device. XLA:CPU compiles each vocabulary-wide step above, and every branch
-of the conds, as a kernel of its own: the JAX sampler's loop compiles in
-1.4-1.7 s, the kernel's in 0.3-0.5 s, and the kernel's steps are as fast or
-faster (`benchmarks/sampling_filters.py`).
+On CPU, ``kernel=True`` makes the same choices from the same Gumbel noise
+and coins in one call of penzai_lm's sampling kernel
+(`penzai_lm.kernels.ops.sample`, ``sampler.cc``); the engine's decode loop
+does this for models on one CPU device. The kernel is used only when it
+implements every sampling setting (`settings.kernel_implements_all`, from
+each `SamplingField`'s ``kernel``): settings are traced values, so a
+setting the kernel lacks makes the whole program use the JAX sampler
+rather than be ignored. XLA:CPU compiles each vocabulary-wide step above,
+and every branch of the conds, as a kernel of its own: the JAX sampler's
+loop compiles in 1.4-1.7 s, the kernel's in 0.3-0.5 s, and the kernel's
+steps are as fast or faster (`benchmarks/sampling_filters.py`).
 """
 
 from __future__ import annotations
@@ -60,7 +72,15 @@ from penzai_lm.sampling import entropy_filters
 from penzai_lm.sampling import filters
 from penzai_lm.sampling import penalties
 from penzai_lm.sampling.penalties import SamplerState
+from penzai_lm.sampling.settings import FIELDS
+from penzai_lm.sampling.settings import KERNEL_PARAMS
+from penzai_lm.sampling.settings import kernel_implements_all
+from penzai_lm.sampling.settings import SamplingField
 from penzai_lm.sampling.settings import SamplingSettings
+
+# fold_in data of the key a row's XTC coin is drawn from (its Gumbel noise
+# uses the row's key itself).
+_COIN_STREAM = 1
 
 
 def row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -77,6 +97,23 @@ def row_gumbels(keys: jax.Array, num: int) -> jax.Array:
   key, and XLA compiles a single PRNG kernel.
   """
   return jax.vmap(lambda k: jax.random.gumbel(k, (num,), jnp.float32))(keys)
+
+
+def row_coins(keys: jax.Array) -> jax.Array:
+  """f32 (batch,) one uniform draw in [0, 1) per row (XTC's coin).
+
+  Drawn from ``fold_in(key, 1)``: independent of the row's Gumbel noise,
+  which is not changed by it.
+  """
+  return jax.vmap(lambda k: jax.random.uniform(
+      jax.random.fold_in(k, _COIN_STREAM), (), jnp.float32))(keys)
+
+
+def uses_kernel(kernel: bool,
+                fields: tuple[SamplingField, ...] = FIELDS) -> bool:
+  """Whether ``sample_next(kernel=kernel)`` calls the CPU kernel: asked
+  for, and every setting of ``fields`` implemented by it (static)."""
+  return bool(kernel) and kernel_implements_all(fields)
 
 
 def noise_size(vocab: int, top_k_cap: int) -> int:
@@ -172,7 +209,8 @@ def _no_candidates(batch: int, num: int) -> _Candidates:
 
 
 def _draw_over_vocabulary(noise, processed, settings, cand: _Candidates,
-                          masked: jax.Array, special: jax.Array) -> jax.Array:
+                          masked: jax.Array, special: jax.Array,
+                          xtc: jax.Array) -> jax.Array:
   """Draws for the rows that do not use the candidates.
 
   Args:
@@ -182,6 +220,7 @@ def _draw_over_vocabulary(noise, processed, settings, cand: _Candidates,
     cand: The candidates (valid for the top-k / top-p rows).
     masked: bool (batch,) rows whose top-k / top-p become a vocabulary mask.
     special: bool (batch,) rows that need more than temperature and min-p.
+    xtc: bool (batch,) rows whose XTC acts at this step.
   """
 
   def filtered():
@@ -193,6 +232,10 @@ def _draw_over_vocabulary(noise, processed, settings, cand: _Candidates,
                           _vocabulary_mask(scaled, settings, cand), keep),
         lambda: keep)
     keep = entropy_filters.apply(scaled, keep, settings)
+    keep = jax.lax.cond(
+        jnp.any(xtc),
+        lambda: filters.xtc_mask(scaled, keep, settings.xtc_threshold, xtc),
+        lambda: keep)
     return sample_full_vocab(noise, jnp.where(keep, scaled, -jnp.inf))
 
   def plain():
@@ -207,18 +250,20 @@ def _draw_over_vocabulary(noise, processed, settings, cand: _Candidates,
   return jax.lax.cond(jnp.any(special), filtered, plain)
 
 
-def _choose(processed, settings, noise):
-  """Token per row from penalised, biased logits (steps 3-7 + draw).
+def _choose(processed, settings, noise, coin):
+  """Token per row from penalised, biased logits (steps 3-8 + draw).
 
   Greedy rows take the argmax; rows with top-k / top-p draw over their
   candidates; all other rows (no top-k / top-p, a nucleus larger than the
-  candidates, typical / epsilon / eta) draw over the vocabulary.
+  candidates, typical / epsilon / eta, XTC without top-k / top-p) draw over
+  the vocabulary. ``coin``: f32 (batch,) the rows' XTC draws.
   """
   batch, vocab = processed.shape
   num = min(settings.top_k_cap, vocab)
   greedy = filters.is_greedy(settings.temperature)
   truncating = ~greedy & ((settings.top_k > 0) | (settings.top_p < 1))
   entropy = ~greedy & entropy_filters.any_active(settings)
+  xtc = ~greedy & filters.xtc_applies(settings, coin)
   zeros = jnp.zeros((batch,), jnp.int32)
 
   token = jax.lax.cond(jnp.any(greedy),
@@ -229,7 +274,12 @@ def _choose(processed, settings, noise):
           processed, settings.temperature), settings, truncating),
       lambda: _no_candidates(batch, num))
   by_candidates = truncating & ~entropy & ~cand.need_full
-  pos = jnp.argmax(jnp.where(cand.keep, cand.vals, -jnp.inf)
+  keep = jax.lax.cond(
+      jnp.any(by_candidates & xtc),
+      lambda: filters.xtc_mask(cand.vals, cand.keep, settings.xtc_threshold,
+                               by_candidates & xtc),
+      lambda: cand.keep)
+  pos = jnp.argmax(jnp.where(keep, cand.vals, -jnp.inf)
                    + noise[:, :num], axis=-1)
   token = jnp.where(
       by_candidates,
@@ -239,8 +289,9 @@ def _choose(processed, settings, noise):
   masked = by_vocabulary & truncating
   return jnp.where(by_vocabulary, jax.lax.cond(
       jnp.any(by_vocabulary),
-      lambda: _draw_over_vocabulary(noise, processed, settings, cand, masked,
-                                    masked | (by_vocabulary & entropy)),
+      lambda: _draw_over_vocabulary(
+          noise, processed, settings, cand, masked,
+          masked | (by_vocabulary & (entropy | xtc)), by_vocabulary & xtc),
       lambda: zeros), token)
 
 
@@ -288,12 +339,15 @@ def sample_next(
       tokens before a row's ``min_new_tokens``).
     kernel: Static: make the same choices in one call of penzai_lm's CPU
       kernel (`penzai_lm.kernels.ops.sample`; check
-      ``kernels.ops.available()``), for arrays on the CPU. XLA:CPU compiles
-      every vocabulary-wide step of this function, and every branch of its
-      conds, as a kernel of its own (about 116: 1.4 s of compilation in
-      every new decode program); the kernel call is one. Its
-      floating-point sums may round differently, so a choice within a few
-      ulps of a top-p, typical or cutoff boundary can differ.
+      ``kernels.ops.available()``), for arrays on the CPU, provided the
+      kernel implements every sampling setting (:func:`uses_kernel`);
+      otherwise this function's JAX sampler runs, so no setting is ever
+      ignored. XLA:CPU compiles every vocabulary-wide step of this
+      function, and every branch of its conds, as a kernel of its own
+      (about 116: 1.4 s of compilation in every new decode program); the
+      kernel call is one. Its floating-point sums may round differently,
+      so a choice within a few ulps of a top-p, typical, cutoff or XTC
+      threshold can differ.
 
   Returns:
     ``(token, logprob)``: int32 (batch,) chosen ids and float32 (batch,)
@@ -305,19 +359,24 @@ def sample_next(
   _check_shapes(logits, settings, state)
   batch, vocab = logits.shape
   step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), (batch,))
-  noise = row_gumbels(row_keys(settings.seed, step),
-                      noise_size(vocab, settings.top_k_cap))
+  keys = row_keys(settings.seed, step)
+  noise = row_gumbels(keys, noise_size(vocab, settings.top_k_cap))
+  coin = row_coins(keys)
   banned = settings.banned_tokens
   if extra_bans is not None:
     if extra_bans.shape != (batch, vocab):
       raise ValueError(f"extra_bans has shape {extra_bans.shape} but the "
                        f"logits have shape {(batch, vocab)}.")
     banned = extra_bans if banned is None else banned | extra_bans
-  if kernel:
+  if uses_kernel(kernel):
     from penzai_lm.kernels import ops  # pylint: disable=g-import-not-at-top
     _, chunk = filters.chunk_shape(vocab)
-    return ops.sample(logits, settings, state.counts, state.seen, noise,
-                      banned, num=min(settings.top_k_cap, vocab), chunk=chunk)
+    params = jnp.stack([jnp.asarray(getattr(settings, name), jnp.float32)
+                        for name in KERNEL_PARAMS], axis=1)
+    return ops.sample(logits, params, settings.top_k, state.counts,
+                      state.seen, settings.logit_bias, banned, noise, coin,
+                      param_names=KERNEL_PARAMS,
+                      num=min(settings.top_k_cap, vocab), chunk=chunk)
 
   def processed(penalise: bool):
     out = logits
@@ -334,7 +393,8 @@ def sample_next(
   # generation instead of 2.3 s, in every first `generate`.
   token = _choose(jax.lax.cond(penalties.any_active(settings),
                                lambda: processed(True),
-                               lambda: processed(False)), settings, noise)
+                               lambda: processed(False)), settings, noise,
+                  coin)
   raw = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
   return token, raw - jax.nn.logsumexp(logits, axis=-1)
 

@@ -13,11 +13,22 @@ Array conventions:
 
 Neutral values (the filter is off): ``temperature=1``, ``top_k=0``,
 ``top_p=1``, ``min_p=0``, ``typical_p=1``, ``epsilon_cutoff=0``,
-``eta_cutoff=0``, ``repetition_penalty=1``, ``presence_penalty=0``,
-``frequency_penalty=0``. ``temperature=0`` means greedy decoding.
+``eta_cutoff=0``, ``xtc_probability=0``, ``repetition_penalty=1``,
+``presence_penalty=0``, ``frequency_penalty=0``. ``temperature=0`` means
+greedy decoding. ``xtc_threshold`` defaults to 0.1 (llama.cpp's default);
+XTC is off while ``xtc_probability`` is 0.
 
 Build settings on the host with :meth:`SamplingSettings.make`, which checks
-every value and raises a ``ValueError`` explaining what is wrong.
+every value and raises a ``ValueError`` explaining what is wrong. Values are
+Python numbers, sequences, numpy arrays or concrete ``jax.Array`` values
+(read on the host with :func:`host_value`; a traced value is refused).
+
+A new sampling control is one `FIELDS` entry and its dataclass field below,
+its filter (``filters.py`` or ``entropy_filters.py``) and its call in
+``sample.py``: ``make``, padding and ``generate``'s keywords follow the
+table. Until the CPU kernel implements it too (``kernel=True`` in its entry,
+its code in ``kernels/sampler.cc``), `sample_next` runs the JAX sampler on
+CPU as well: a setting the kernel lacks is never ignored.
 """
 
 from __future__ import annotations
@@ -49,6 +60,15 @@ class SamplingField:
       ``"token_set"`` (a list of token ids per row, stored as a mask).
     ok: For numbers, a predicate every row's value must satisfy.
     requirement: What ``ok`` demands, for the error message.
+    kernel: Whether penzai_lm's CPU sampling kernel (``kernels/sampler.cc``)
+      implements the setting. ``sample_next(kernel=True)`` calls the kernel
+      only when every field does (:func:`kernel_implements_all`) and runs
+      the JAX sampler otherwise. The kernel reads ``top_k``, ``logit_bias``
+      and ``banned_tokens`` from buffers of their own and every other
+      setting it implements from one float32 column of its per-row
+      parameters, in this table's order (`KERNEL_PARAMS`;
+      ``sampler.cc``'s ``PZLM_SAMPLE_PARAMS`` lists the same names in the
+      same order, as a test checks).
   """
 
   name: str
@@ -56,6 +76,7 @@ class SamplingField:
   kind: str
   ok: Callable[[Any], bool] | None = None
   requirement: str = ""
+  kernel: bool = False
 
   def is_row_value(self, value: Any) -> bool:
     """Whether ``value`` is one row's value (not a list of per-row values)."""
@@ -70,34 +91,73 @@ class SamplingField:
 # Every per-row setting, in filter order. Adding a filter means one entry
 # here and its field below, the filter in filters.py and its call in
 # sample.py; `make`, padding and `generate`'s keywords follow this table.
+# `kernel=True` once kernels/sampler.cc implements it too.
 FIELDS: tuple[SamplingField, ...] = (
     SamplingField("repetition_penalty", 1.0, "float", lambda p: p > 0,
-                  "must be > 0 (1 turns it off)"),
-    SamplingField("presence_penalty", 0.0, "float"),
-    SamplingField("frequency_penalty", 0.0, "float"),
-    SamplingField("logit_bias", None, "token_bias"),
-    SamplingField("banned_tokens", None, "token_set"),
+                  "must be > 0 (1 turns it off)", kernel=True),
+    SamplingField("presence_penalty", 0.0, "float", kernel=True),
+    SamplingField("frequency_penalty", 0.0, "float", kernel=True),
+    SamplingField("logit_bias", None, "token_bias", kernel=True),
+    SamplingField("banned_tokens", None, "token_set", kernel=True),
     SamplingField("temperature", 1.0, "float", lambda t: t >= 0,
-                  "must be >= 0 and finite (0 means greedy)"),
-    SamplingField("top_k", 0, "int"),  # Checked against top_k_cap.
+                  "must be >= 0 and finite (0 means greedy)", kernel=True),
+    # Checked against top_k_cap.
+    SamplingField("top_k", 0, "int", kernel=True),
     SamplingField("top_p", 1.0, "float", lambda p: 0 < p <= 1,
-                  "must be in (0, 1] (1 turns top-p off)"),
+                  "must be in (0, 1] (1 turns top-p off)", kernel=True),
     SamplingField("min_p", 0.0, "float", lambda p: 0 <= p < 1,
-                  "must be in [0, 1) (0 turns min-p off)"),
+                  "must be in [0, 1) (0 turns min-p off)", kernel=True),
     SamplingField("typical_p", 1.0, "float", lambda p: 0 < p <= 1,
-                  "must be in (0, 1] (1 turns typical sampling off)"),
+                  "must be in (0, 1] (1 turns typical sampling off)",
+                  kernel=True),
     SamplingField("epsilon_cutoff", 0.0, "float", lambda e: 0 <= e < 1,
-                  "must be in [0, 1) (0 turns it off)"),
+                  "must be in [0, 1) (0 turns it off)", kernel=True),
     SamplingField("eta_cutoff", 0.0, "float", lambda e: 0 <= e < 1,
-                  "must be in [0, 1) (0 turns it off)"),
+                  "must be in [0, 1) (0 turns it off)", kernel=True),
+    SamplingField("xtc_probability", 0.0, "float", lambda p: 0 <= p <= 1,
+                  "must be in [0, 1] (0 turns XTC off)", kernel=True),
+    # Neutral: llama.cpp's default threshold (XTC is off at probability 0).
+    SamplingField("xtc_threshold", 0.1, "float", lambda t: 0 <= t <= 1,
+                  "must be in [0, 1] (values above 0.5 turn XTC off)",
+                  kernel=True),
 )
 FIELD_NAMES = tuple(f.name for f in FIELDS)
+
+
+# The settings the CPU kernel reads from buffers of their own; every other
+# setting it implements is one float32 column of its per-row parameters.
+KERNEL_BUFFERS = ("top_k", "logit_bias", "banned_tokens")
+
+
+def kernel_params(fields: Sequence[SamplingField] = FIELDS
+                  ) -> tuple[str, ...]:
+  """The columns of the CPU kernel's per-row parameters, in order: the
+  settings of ``fields`` it implements, but `KERNEL_BUFFERS`, in the
+  table's order (``sampler.cc``'s ``PZLM_SAMPLE_PARAMS`` lists them)."""
+  return tuple(f.name for f in fields
+               if f.kernel and f.name not in KERNEL_BUFFERS)
+
+
+# The kernel's per-row parameters for `FIELDS`.
+KERNEL_PARAMS = kernel_params()
+
+
+def kernel_implements_all(fields: Sequence[SamplingField] = FIELDS) -> bool:
+  """Whether the CPU sampling kernel implements every setting of ``fields``.
+
+  The settings' values are traced data, so whether a row uses a setting is
+  unknown when a program is compiled: the choice between the kernel and the
+  JAX sampler is made once, from the table. ``sample_next(kernel=True)``
+  calls the kernel only when this is True for `FIELDS`.
+  """
+  return all(f.kernel for f in fields)
 
 
 def top_k_cap_for(top_k: Any, vocab_size: int) -> int:
   """The static top-k candidate count that serves ``top_k`` (a value or a
   list per row): `DEFAULT_TOP_K_CAP`, or the next power of two above the
   largest value (capped at the vocabulary)."""
+  top_k = host_value("top_k", top_k)
   values = [v for v in (top_k if _is_sequence(top_k) else [top_k])
             if isinstance(v, numbers.Integral) and not isinstance(v, bool)]
   if not values or max(values) <= DEFAULT_TOP_K_CAP:
@@ -125,6 +185,13 @@ class SamplingSettings:
     eta_cutoff: f32 (batch,). 0 = off. Drops tokens with p < min(eta,
       sqrt(eta) * exp(-entropy)) (Hewitt et al. 2022); the most likely
       token always stays.
+    xtc_probability: f32 (batch,). 0 = off. XTC ("exclude top choices",
+      llama.cpp's definition): at each step, with this probability (a
+      uniform draw from the row's key at that step), of the tokens still
+      kept whose probability is >= ``xtc_threshold``, all but the least
+      likely are removed when there are at least two of them.
+    xtc_threshold: f32 (batch,), default 0.1; values above 0.5 turn XTC
+      off.
     repetition_penalty: f32 (batch,). 1 = off. HF/CTRL semantics over tokens
       seen in the prompt or the generated output: positive logits are divided
       by it, negative logits multiplied.
@@ -147,6 +214,8 @@ class SamplingSettings:
   typical_p: jax.Array
   epsilon_cutoff: jax.Array
   eta_cutoff: jax.Array
+  xtc_probability: jax.Array
+  xtc_threshold: jax.Array
   repetition_penalty: jax.Array
   presence_penalty: jax.Array
   frequency_penalty: jax.Array
@@ -174,7 +243,9 @@ class SamplingSettings:
     """Builds validated settings on the host.
 
     Each setting of `FIELDS` is a keyword: a scalar (used for every row) or a
-    sequence with one value per row. Omitted (or None) settings are off.
+    sequence with one value per row (a list, tuple, numpy array or concrete
+    ``jax.Array``; a 0-d array is a scalar). Omitted (or None) settings are
+    off.
 
     Args:
       batch_size: Number of rows.
@@ -191,8 +262,10 @@ class SamplingSettings:
         (in [0, top_k_cap]; 0 = off), ``top_p`` (in (0, 1]; 1 = off),
         ``min_p`` (in [0, 1); 0 = off), ``typical_p`` (in (0, 1]; 1 =
         off), ``epsilon_cutoff`` and ``eta_cutoff`` (in [0, 1); 0 = off),
-        ``repetition_penalty`` (> 0; 1 = off), ``presence_penalty`` and
-        ``frequency_penalty`` (finite; 0 = off), ``logit_bias``
+        ``xtc_probability`` (in [0, 1]; 0 = off) and ``xtc_threshold`` (in
+        [0, 1], default 0.1; above 0.5 = off), ``repetition_penalty`` (>
+        0; 1 = off), ``presence_penalty`` and ``frequency_penalty``
+        (finite; 0 = off), ``logit_bias``
         (``{token_id: bias}`` for every row, a list of such dicts, or None)
         and ``banned_tokens`` (a list of ids for every row, a list of lists,
         or None).
@@ -210,9 +283,13 @@ class SamplingSettings:
       raise TypeError(
           f"unknown sampling setting(s) {unknown}; the settings are"
           f" {list(FIELD_NAMES)}.")
-    batch_size = _positive_int("batch_size", batch_size)
-    vocab_size = _positive_int("vocab_size", vocab_size)
-    top_k_cap = _positive_int("top_k_cap", top_k_cap)
+    values = {k: host_value(k, v) for k, v in values.items()}
+    seed = host_value("seed", seed)
+    batch_size = _positive_int("batch_size", host_value("batch_size",
+                                                        batch_size))
+    vocab_size = _positive_int("vocab_size", host_value("vocab_size",
+                                                        vocab_size))
+    top_k_cap = _positive_int("top_k_cap", host_value("top_k_cap", top_k_cap))
     arrays = {}
     for field in FIELDS:
       value = values.get(field.name)
@@ -286,8 +363,53 @@ def _positive_int(name: str, value: Any) -> int:
   return int(value)
 
 
+def host_value(name: str, value: Any) -> Any:
+  """``value`` with its concrete JAX arrays read onto the host.
+
+  Per-row options are host-side request values: a ``jax.Array`` (at any
+  depth of lists, tuples and dict values) becomes a numpy array, and a 0-d
+  array (numpy or JAX) the Python scalar it holds, so that it is accepted
+  wherever a list or a number is. Anything else is returned as is (the
+  same object when nothing was converted).
+
+  Args:
+    name: The option's name, for the error message.
+    value: The option's value.
+
+  Returns:
+    The value with numpy arrays and Python scalars in place of JAX arrays.
+
+  Raises:
+    ValueError: For a traced value (an argument of a function under
+      ``jax.jit``, ``vmap`` or ``grad``): it has no value on the host.
+  """
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+        f"{name} is a traced JAX value (it comes from inside jax.jit, vmap"
+        " or grad); sampling and request options are read on the host when"
+        " the request is built: pass concrete values (numbers, lists, numpy"
+        " arrays or jax.Arrays computed outside the transformation).")
+  if isinstance(value, (jax.Array, np.ndarray)):
+    array = np.asarray(value)
+    if array.dtype.kind not in "biuf" and jnp.issubdtype(array.dtype,
+                                                          jnp.floating):
+      array = array.astype(np.float32)  # bfloat16 and other ml_dtypes.
+    return array.item() if array.ndim == 0 else array
+  if isinstance(value, (list, tuple)):
+    items = [host_value(name, v) for v in value]
+    if all(a is b for a, b in zip(items, value)):
+      return value
+    return items if isinstance(value, list) else tuple(items)
+  if isinstance(value, Mapping):
+    items = {k: host_value(name, v) for k, v in value.items()}
+    if all(items[k] is v for k, v in value.items()):
+      return value
+    return items
+  return value
+
+
 def _is_sequence(value: Any) -> bool:
-  if isinstance(value, np.ndarray):
+  if isinstance(value, (np.ndarray, jax.Array)):
     return value.ndim > 0
   return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
 

@@ -26,6 +26,7 @@ from penzai_lm.sampling import init_sampler_state
 from penzai_lm.sampling import sample_next
 from penzai_lm.sampling import update_sampler_state
 from penzai_lm.sampling.settings import FIELDS
+from penzai_lm.sampling.settings import KERNEL_PARAMS
 
 pytestmark = pytest.mark.skipif(not ops.available(),
                                 reason="no C++ compiler for the kernels")
@@ -53,6 +54,20 @@ CASES = {
     "greedy_penalties": dict(temperature=0.0, repetition_penalty=1.5),
     "bias_and_bans": dict(temperature=0.9, logit_bias={5: 8.0, 7: -3.0},
                           banned_tokens=[1, 2, 3]),
+    # XTC over the vocabulary, over top-k candidates, after typical and a
+    # nucleus past the candidates (low thresholds: these rows are flat).
+    "xtc": dict(temperature=0.5, xtc_probability=0.8, xtc_threshold=0.01),
+    "xtc_top_k": dict(temperature=0.5, top_k=20, xtc_probability=1.0,
+                      xtc_threshold=0.02),
+    "xtc_typical": dict(temperature=0.7, typical_p=0.8, xtc_probability=1.0,
+                        xtc_threshold=0.005),
+    "xtc_top_p_past_candidates": dict(temperature=0.5, top_p=0.99,
+                                      top_k_cap=16, xtc_probability=1.0,
+                                      xtc_threshold=0.001),
+    "xtc_everything": dict(temperature=0.6, top_k=30, top_p=0.95,
+                           min_p=0.01, typical_p=0.9, eta_cutoff=1e-3,
+                           repetition_penalty=1.2, xtc_probability=0.6,
+                           xtc_threshold=0.01),
 }
 
 
@@ -98,7 +113,8 @@ def test_rows_do_not_depend_on_their_neighbours():
   logits = rng.standard_normal((batch, vocab)).astype(np.float32)
   kinds = [dict(temperature=0.0), dict(top_k=7), dict(top_p=0.8),
            dict(typical_p=0.6), dict(min_p=0.2), dict(eta_cutoff=1e-3),
-           dict(temperature=2.0), dict(repetition_penalty=1.2)]
+           dict(temperature=0.3, xtc_probability=1.0, xtc_threshold=0.01),
+           dict(repetition_penalty=1.2)]
   defaults = {f.name: f.neutral for f in FIELDS}
   per_row = {k: [kind.get(k, defaults[k]) for kind in kinds]
              for k in {k for kind in kinds for k in kind}}
@@ -114,13 +130,31 @@ def test_rows_do_not_depend_on_their_neighbours():
     assert int(alone[0]) == int(together[r]), kind
 
 
+def test_the_built_kernel_reads_the_tables_parameters():
+  """`sampler.cc`'s PZLM_SAMPLE_PARAMS, as the library reports it, is
+  `KERNEL_PARAMS`: the kernel settings of `FIELDS`, in order; other
+  names are refused."""
+  assert ops.kernel_sample_params() == KERNEL_PARAMS
+  assert "xtc_probability" in KERNEL_PARAMS
+  batch, vocab = 1, 8
+  names = KERNEL_PARAMS[:-1]
+  with pytest.raises(ValueError, match="PZLM_SAMPLE_PARAMS"):
+    ops.sample(jnp.zeros((batch, vocab)), jnp.ones((batch, len(names))),
+               jnp.zeros(batch, jnp.int32),
+               jnp.zeros((batch, vocab), jnp.int32),
+               jnp.zeros((batch, vocab), bool), None, None,
+               jnp.zeros((batch, 64)), jnp.zeros(batch), param_names=names,
+               num=4, chunk=4)
+
+
 def test_a_row_of_nan_or_banned_logits_does_not_crash():
   vocab = 300
   logits = np.zeros((3, vocab), np.float32)
   logits[0] = np.nan
   bans = np.zeros((3, vocab), bool)
   bans[1] = True  # Everything banned at this step.
-  settings = SamplingSettings.make(3, vocab, top_p=0.5, typical_p=0.5)
+  settings = SamplingSettings.make(3, vocab, top_p=0.5, typical_p=0.5,
+                                   xtc_probability=1.0)
   state = init_sampler_state(np.zeros((3, 1), np.int32), vocab_size=vocab)
   token, _ = _KERNEL(logits, settings, state, 0, extra_bans=bans)
   assert np.all((np.asarray(token) >= 0) & (np.asarray(token) < vocab))

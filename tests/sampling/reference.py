@@ -127,3 +127,33 @@ def hf_warped_probs(logits, **settings) -> np.ndarray:
     if name in settings:
       scores = make(settings[name])(None, scores)
   return softmax(scores[0].numpy())
+
+
+def xtc(probs, *, probability, threshold, coin) -> np.ndarray:
+  """llama.cpp's XTC (``llama_sampler_xtc``) on a distribution.
+
+  ``probs``: float (vocab,), the distribution the earlier filters left (0 =
+  removed). Written from llama.cpp's definition: nothing happens when
+  ``probability <= 0``, ``threshold > 0.5``, fewer than two candidates are
+  left, or the draw ``coin`` is ``> probability``; otherwise the candidates
+  are sorted by probability (ties: lower id first), ``pos_last`` is the
+  last position of the leading run with ``p >= threshold``, and the first
+  ``pos_last`` candidates are removed (min_keep = 1 always holds).
+  """
+  probs = np.asarray(probs, np.float64)
+  ids = np.flatnonzero(probs > 0)
+  if probability <= 0 or threshold > 0.5 or len(ids) < 2:
+    return probs
+  if coin > probability:
+    return probs
+  order = ids[np.argsort(-probs[ids], kind="stable")]
+  pos_last = 0
+  for i, token in enumerate(order):
+    if probs[token] >= threshold:
+      pos_last = i
+    else:
+      break
+  out = probs.copy()
+  if pos_last > 0:
+    out[order[:pos_last]] = 0.0
+  return out / out.sum()

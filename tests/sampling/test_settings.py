@@ -59,8 +59,11 @@ def test_always_dense_keeps_one_pytree_structure():
 
 
 def test_pytree_leaves_and_static_cap():
+  from penzai_lm.sampling import FIELDS  # pylint: disable=g-import-not-at-top
   s = SamplingSettings.make(2, 5)
-  assert len(jax.tree.leaves(s)) == 11
+  # One array per numeric setting, and the seeds (no bias or bans: None).
+  numeric = [f for f in FIELDS if f.kind in ("float", "int")]
+  assert len(jax.tree.leaves(s)) == len(numeric) + 1
   other = SamplingSettings.make(2, 5, top_k_cap=8)
   assert jax.tree.structure(s) != jax.tree.structure(other)
   doubled = jax.tree.map(lambda x: x, other)
