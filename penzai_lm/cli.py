@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -34,14 +33,14 @@ import jax
 import penzai_lm
 from penzai_lm import generation
 from penzai_lm.generation.chat import ChatSession
-from penzai_lm.paths import cache_dir
+from penzai_lm.paths import jax_cache_dir
 
 DEFAULT_MAX_NEW_TOKENS = 128
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C.
 
 
 def _enable_compilation_cache() -> None:
-  path = os.environ.get("PENZAI_LM_JAX_CACHE") or str(cache_dir() / "jax")
+  path = str(jax_cache_dir())
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
@@ -74,6 +73,11 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
                       help="drop tokens with p below this (0 = off)")
   parser.add_argument("--eta-cutoff", type=float, default=0.0,
                       help="eta sampling (0 = off; 3e-4 to 2e-3 suggested)")
+  parser.add_argument("--xtc-probability", type=float, default=0.0,
+                      help="XTC, exclude top choices: how often (0 = off)")
+  parser.add_argument("--xtc-threshold", type=float, default=0.1,
+                      help="XTC: tokens at least this likely are the top"
+                      " choices (above 0.5 = off)")
   parser.add_argument("--repetition-penalty", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--stop", action="append", default=[],
@@ -87,7 +91,8 @@ def _settings(args) -> dict:
       min_new_tokens=args.min_new_tokens, temperature=temperature,
       top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
       typical_p=args.typical_p, epsilon_cutoff=args.epsilon_cutoff,
-      eta_cutoff=args.eta_cutoff,
+      eta_cutoff=args.eta_cutoff, xtc_probability=args.xtc_probability,
+      xtc_threshold=args.xtc_threshold,
       repetition_penalty=args.repetition_penalty, seed=args.seed,
   )
 

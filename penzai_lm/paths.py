@@ -1,10 +1,17 @@
 """penzai_lm's cache folders (the bottom floor: imports nothing of penzai_lm).
 
-Everything penzai_lm keeps on disk lives under `cache_dir()`:
-``models/`` (the default models, `penzai_lm.fetch`), ``kernels/`` (the
-compiled CPU kernels, `penzai_lm.kernels.build`), ``tokenizers/``
-(`penzai_lm.tokenizer.vocab_cache`) and ``jax/`` (the CLI's persistent
-compilation cache). The folder is ``$PENZAI_LM_CACHE`` if set, else
+Everything penzai_lm keeps on disk lives under `cache_dir()`, one folder
+per use, each named here (and made by its user):
+
+* `models_dir()`: the default models (`penzai_lm.fetch`);
+* `kernels_dir()`: the compiled CPU kernels (`penzai_lm.kernels.build`;
+  ``$PENZAI_LM_KERNEL_CACHE`` overrides it);
+* `tokenizers_dir()`: parsed vocabularies
+  (`penzai_lm.tokenizer.vocab_cache`);
+* `jax_cache_dir()`: the CLI's persistent XLA compilation cache, with the
+  runtime's program store inside (``$PENZAI_LM_JAX_CACHE`` overrides it).
+
+The cache folder is ``$PENZAI_LM_CACHE`` if set, else
 ``$XDG_CACHE_HOME/penzai_lm``, else ``~/.cache/penzai_lm``.
 """
 
@@ -56,3 +63,30 @@ def _why_not_a_directory(path: pathlib.Path, error: OSError) -> str:
       return f"{part} is a file, not a directory"
   return error.strerror or str(error)
 
+
+def models_dir() -> pathlib.Path:
+  """Where `penzai_lm.fetch` keeps the default models."""
+  return cache_dir() / "models"
+
+
+def kernels_dir() -> pathlib.Path:
+  """Where the compiled CPU kernels are kept (``$PENZAI_LM_KERNEL_CACHE``
+  if set)."""
+  env = os.environ.get("PENZAI_LM_KERNEL_CACHE")
+  if env:
+    return pathlib.Path(env).expanduser()
+  return cache_dir() / "kernels"
+
+
+def tokenizers_dir() -> pathlib.Path:
+  """Where parsed vocabularies are kept."""
+  return cache_dir() / "tokenizers"
+
+
+def jax_cache_dir() -> pathlib.Path:
+  """The CLI's persistent XLA compilation cache (``$PENZAI_LM_JAX_CACHE``
+  if set)."""
+  env = os.environ.get("PENZAI_LM_JAX_CACHE")
+  if env:
+    return pathlib.Path(env)
+  return cache_dir() / "jax"

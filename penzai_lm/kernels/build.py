@@ -62,10 +62,7 @@ _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
 
 
 def _cache_dir() -> pathlib.Path:
-  env = os.environ.get("PENZAI_LM_KERNEL_CACHE")
-  if env:
-    return pathlib.Path(env).expanduser()
-  return paths.cache_dir() / "kernels"
+  return paths.kernels_dir()
 
 
 def _cpu_fingerprint() -> str:

@@ -2,7 +2,7 @@
 
 Rebuilding a SentencePiece vocabulary's merges is slow for a large
 vocabulary (Gemma 3's 262,144 tokens), so the built tokenizer is saved as a
-``tokenizer.json`` under ``paths.cache_dir() / "tokenizers"`` and read from
+``tokenizer.json`` under `penzai_lm.paths.tokenizers_dir` and read from
 there next time, which is faster. Byte-level vocabularies carry their
 merges and build fast, so they are not cached.
 
@@ -44,7 +44,7 @@ _DIGITS = 32  # Hex digits of each hash in an entry's name.
 
 
 def _directory() -> pathlib.Path:
-  return paths.cache_dir() / "tokenizers"
+  return paths.tokenizers_dir()
 
 
 def _entry_key(digest: str) -> str:
