@@ -54,6 +54,7 @@ from penzai_lm.runtime.derived import variant_key
 from penzai_lm.runtime.identity_cache import IdentityCache
 from penzai_lm.runtime.program_cache import Pending
 from penzai_lm.runtime.program_store import ProgramStore
+from penzai_lm.runtime.runtime import check_bound
 from penzai_lm.runtime.runtime import CompilerOptions
 from penzai_lm.runtime.runtime import default_runtime
 from penzai_lm.runtime.runtime import Runtime
@@ -114,10 +115,7 @@ class Engine:
     Raises:
       ValueError / TypeError: for a bad argument, naming it.
     """
-    if not isinstance(max_models, int) or isinstance(max_models, bool) or (
-        max_models < 1):
-      raise ValueError(
-          f"max_models must be a positive integer, got {max_models!r}.")
+    check_bound("max_models", max_models)
     if prompt_attention not in prepare_lib.PROMPT_ATTENTION:
       raise ValueError(
           f"prompt_attention must be one of {prepare_lib.PROMPT_ATTENTION},"

@@ -35,6 +35,12 @@ from penzai_lm.runtime.program_store import ProgramStore
 CompilerOptions = Callable[[str, Any], dict[str, Any]]
 
 
+def check_bound(name: str, value) -> None:
+  """Refuses a cache bound that is not a positive integer, naming it."""
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
 class Runtime:
   """Compiles and caches programs.
 
@@ -64,10 +70,7 @@ class Runtime:
     Raises:
       ValueError / TypeError: for a bad argument, naming it.
     """
-    if not isinstance(max_programs, int) or isinstance(max_programs, bool) or (
-        max_programs < 1):
-      raise ValueError(
-          f"max_programs must be a positive integer, got {max_programs!r}.")
+    check_bound("max_programs", max_programs)
     if compiler_options is not None and not callable(compiler_options):
       raise TypeError(
           "compiler_options must be a function (program name, shape) ->"
