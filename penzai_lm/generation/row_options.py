@@ -8,7 +8,7 @@ Conventions (see `request`): rows are prompt-major, row ``r`` is sample
   or a list with one value per row. Lists, tuples, numpy arrays and
   concrete ``jax.Array`` values are all accepted (a 0-d array is one
   value): JAX arrays are read onto the host first
-  (`penzai_lm.sampling.settings.host_value`; a traced value is refused).
+  (`penzai_lm.sampling.row_values.host_value`; a traced value is refused).
 * Seeds: ``seed=None`` draws a fresh random seed per prompt (reported in the
   result). Sample 0 of a prompt uses the prompt's seed as is; sample ``j >
   0`` uses ``derive_seed(seed, j)``, so every sample is drawn independently
@@ -28,7 +28,7 @@ import numpy as np
 from penzai_lm.generation.prompts import is_int
 from penzai_lm.generation.prompts import is_sequence
 from penzai_lm.generation.prompts import token_list
-from penzai_lm.sampling.settings import host_value
+from penzai_lm.sampling.row_values import host_value
 
 
 def derive_seed(seed: int, sample: int) -> int:

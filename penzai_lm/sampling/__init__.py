@@ -22,21 +22,21 @@ Typical use::
 """
 
 from penzai_lm.sampling.filters import MIN_TEMPERATURE
-from penzai_lm.sampling.penalties import SamplerState
 from penzai_lm.sampling.penalties import apply_penalties
 from penzai_lm.sampling.penalties import init_sampler_state
 from penzai_lm.sampling.penalties import penalize
+from penzai_lm.sampling.penalties import SamplerState
 from penzai_lm.sampling.penalties import update_sampler_state
+from penzai_lm.sampling.row_values import host_value
 from penzai_lm.sampling.sample import row_keys
 from penzai_lm.sampling.sample import sample_next
 from penzai_lm.sampling.sample import top_logprobs
 from penzai_lm.sampling.settings import DEFAULT_TOP_K_CAP
 from penzai_lm.sampling.settings import FIELD_NAMES
 from penzai_lm.sampling.settings import FIELDS
+from penzai_lm.sampling.settings import kernel_implements_all
 from penzai_lm.sampling.settings import SamplingField
 from penzai_lm.sampling.settings import SamplingSettings
-from penzai_lm.sampling.settings import host_value
-from penzai_lm.sampling.settings import kernel_implements_all
 from penzai_lm.sampling.settings import top_k_cap_for
 
 __all__ = [

@@ -43,6 +43,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from penzai_lm.sampling.row_values import as_float
+from penzai_lm.sampling.row_values import as_int
+from penzai_lm.sampling.row_values import banned_rows
+from penzai_lm.sampling.row_values import check_rows
+from penzai_lm.sampling.row_values import host_value
+from penzai_lm.sampling.row_values import is_sequence
+from penzai_lm.sampling.row_values import logit_bias_rows
+from penzai_lm.sampling.row_values import per_row
+from penzai_lm.sampling.row_values import positive_int
+
 # Default static number of top-k candidates; see benchmarks/sampling_filters.py.
 DEFAULT_TOP_K_CAP = 256
 
@@ -83,9 +93,9 @@ class SamplingField:
     if self.kind == "token_bias":
       return value is None or isinstance(value, Mapping)
     if self.kind == "token_set":
-      return value is None or (_is_sequence(value) and not any(
-          _is_sequence(v) for v in value))
-    return not _is_sequence(value)
+      return value is None or (is_sequence(value) and not any(
+          is_sequence(v) for v in value))
+    return not is_sequence(value)
 
 
 # Every per-row setting, in filter order. Adding a filter means one entry
@@ -158,7 +168,7 @@ def top_k_cap_for(top_k: Any, vocab_size: int) -> int:
   list per row): `DEFAULT_TOP_K_CAP`, or the next power of two above the
   largest value (capped at the vocabulary)."""
   top_k = host_value("top_k", top_k)
-  values = [v for v in (top_k if _is_sequence(top_k) else [top_k])
+  values = [v for v in (top_k if is_sequence(top_k) else [top_k])
             if isinstance(v, numbers.Integral) and not isinstance(v, bool)]
   if not values or max(values) <= DEFAULT_TOP_K_CAP:
     return DEFAULT_TOP_K_CAP
@@ -285,42 +295,42 @@ class SamplingSettings:
           f" {list(FIELD_NAMES)}.")
     values = {k: host_value(k, v) for k, v in values.items()}
     seed = host_value("seed", seed)
-    batch_size = _positive_int("batch_size", host_value("batch_size",
+    batch_size = positive_int("batch_size", host_value("batch_size",
                                                         batch_size))
-    vocab_size = _positive_int("vocab_size", host_value("vocab_size",
+    vocab_size = positive_int("vocab_size", host_value("vocab_size",
                                                         vocab_size))
-    top_k_cap = _positive_int("top_k_cap", host_value("top_k_cap", top_k_cap))
+    top_k_cap = positive_int("top_k_cap", host_value("top_k_cap", top_k_cap))
     arrays = {}
     for field in FIELDS:
       value = values.get(field.name)
       if value is None:
         value = field.neutral
       if field.kind == "token_bias":
-        arrays[field.name] = _logit_bias(value, batch_size, vocab_size)
+        arrays[field.name] = logit_bias_rows(value, batch_size, vocab_size)
         continue
       if field.kind == "token_set":
-        arrays[field.name] = _banned(value, batch_size, vocab_size)
+        arrays[field.name] = banned_rows(value, batch_size, vocab_size)
         continue
-      rows = _per_row(field.name, value, batch_size)
+      rows = per_row(field.name, value, batch_size)
       if field.kind == "float":
-        rows = [_as_float(field.name, r, v) for r, v in enumerate(rows)]
+        rows = [as_float(field.name, r, v) for r, v in enumerate(rows)]
         # Checked as stored: a value float32 rounds to 0 (a top_p of 1e-300)
         # breaks its requirement like 0 does.
         checked = np.asarray(rows, np.float32).tolist()
       else:
-        rows = checked = [_as_int(field.name, r, v) for r, v in enumerate(rows)]
+        rows = checked = [as_int(field.name, r, v) for r, v in enumerate(rows)]
       if field.ok is not None:
-        _check_rows(field.name, rows, field.ok, field.requirement, checked)
+        check_rows(field.name, rows, field.ok, field.requirement, checked)
       if field.name == "top_k":  # Before the int32 cast (no overflow).
-        _check_rows("top_k", rows, lambda k: 0 <= k <= top_k_cap,
+        check_rows("top_k", rows, lambda k: 0 <= k <= top_k_cap,
                     f"must be in [0, top_k_cap={top_k_cap}] (0 turns top-k "
                     "off); pass a larger top_k_cap to SamplingSettings.make "
                     "if you need more candidates")
       arrays[field.name] = np.asarray(
           rows, np.float32 if field.kind == "float" else np.int32)
-    seeds = [secrets.randbits(32) if v is None else _as_int("seed", r, v)
-             for r, v in enumerate(_per_row("seed", seed, batch_size))]
-    _check_rows("seed", seeds, lambda s: 0 <= s < 2**32,
+    seeds = [secrets.randbits(32) if v is None else as_int("seed", r, v)
+             for r, v in enumerate(per_row("seed", seed, batch_size))]
+    check_rows("seed", seeds, lambda s: 0 <= s < 2**32,
                 "must be in [0, 2**32); reduce it modulo 2**32")
     if always_dense:
       if arrays["logit_bias"] is None:
@@ -354,171 +364,3 @@ class SamplingSettings:
     return dataclasses.replace(self, **{
         f.name: pad(f.name, getattr(self, f.name))
         for f in dataclasses.fields(self) if f.name != "top_k_cap"})
-
-
-def _positive_int(name: str, value: Any) -> int:
-  if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-      or value < 1):
-    raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-  return int(value)
-
-
-def host_value(name: str, value: Any) -> Any:
-  """``value`` with its concrete JAX arrays read onto the host.
-
-  Per-row options are host-side request values: a ``jax.Array`` (at any
-  depth of lists, tuples and dict values) becomes a numpy array, and a 0-d
-  array (numpy or JAX) the Python scalar it holds, so that it is accepted
-  wherever a list or a number is. Anything else is returned as is (the
-  same object when nothing was converted).
-
-  Args:
-    name: The option's name, for the error message.
-    value: The option's value.
-
-  Returns:
-    The value with numpy arrays and Python scalars in place of JAX arrays.
-
-  Raises:
-    ValueError: For a traced value (an argument of a function under
-      ``jax.jit``, ``vmap`` or ``grad``): it has no value on the host.
-  """
-  if isinstance(value, jax.core.Tracer):
-    raise ValueError(
-        f"{name} is a traced JAX value (it comes from inside jax.jit, vmap"
-        " or grad); sampling and request options are read on the host when"
-        " the request is built: pass concrete values (numbers, lists, numpy"
-        " arrays or jax.Arrays computed outside the transformation).")
-  if isinstance(value, (jax.Array, np.ndarray)):
-    array = np.asarray(value)
-    if array.dtype.kind not in "biuf" and jnp.issubdtype(array.dtype,
-                                                          jnp.floating):
-      array = array.astype(np.float32)  # bfloat16 and other ml_dtypes.
-    return array.item() if array.ndim == 0 else array
-  if isinstance(value, (list, tuple)):
-    items = [host_value(name, v) for v in value]
-    if all(a is b for a, b in zip(items, value)):
-      return value
-    return items if isinstance(value, list) else tuple(items)
-  if isinstance(value, Mapping):
-    items = {k: host_value(name, v) for k, v in value.items()}
-    if all(items[k] is v for k, v in value.items()):
-      return value
-    return items
-  return value
-
-
-def _is_sequence(value: Any) -> bool:
-  if isinstance(value, (np.ndarray, jax.Array)):
-    return value.ndim > 0
-  return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
-
-
-def _per_row(name: str, value: Any, batch_size: int) -> list[Any]:
-  """Broadcasts a scalar or checks a per-row sequence's length."""
-  if isinstance(value, np.ndarray) and value.ndim > 1:
-    raise ValueError(f"{name} must be a scalar or a 1-D sequence with one value"
-                     f" per row, got an array of shape {value.shape}.")
-  if not _is_sequence(value):
-    return [value] * batch_size
-  values = list(value)
-  if len(values) != batch_size:
-    raise ValueError(
-        f"got {len(values)} values for {name} but the batch has {batch_size} "
-        f"rows; pass a single value to use it for every row, or exactly one "
-        f"value per row.")
-  return values
-
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def _as_float(name: str, row: int, value: Any) -> float:
-  """A finite number that stays finite as float32 (how it is stored)."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise ValueError(f"{name}[{row}] must be a real number, got {value!r}.")
-  try:
-    value = float(value)
-  except OverflowError:  # A huge int or Fraction.
-    value = float("inf") if value > 0 else float("-inf")
-  if not np.isfinite(value):
-    raise ValueError(f"{name}[{row}] must be finite, got {value!r}.")
-  if abs(value) > _FLOAT32_MAX:
-    raise ValueError(
-        f"{name}[{row}] must be finite as float32 (|value| <="
-        f" {_FLOAT32_MAX:.4g}, the range of the stored setting), got"
-        f" {value!r}.")
-  return value
-
-
-def _as_int(name: str, row: int, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(f"{name}[{row}] must be an integer, got {value!r} of type "
-                     f"{type(value).__name__}.")
-  return int(value)
-
-
-def _check_rows(name: str, values: list[Any], ok, requirement: str,
-                checked: list[Any] | None = None) -> None:
-  """Raises for the first row whose value (``checked[row]`` if given: the
-  value as stored) breaks ``ok``; the message shows ``values[row]``."""
-  for row, v in enumerate(values):
-    if not ok(v if checked is None else checked[row]):
-      raise ValueError(
-          f"{name}[{row}] = {v!r} is invalid: {name} {requirement}.")
-
-
-def _token_id(what: str, token: Any, vocab_size: int) -> int:
-  if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-    raise ValueError(f"{what}: token ids must be integers, got {token!r}.")
-  if not 0 <= token < vocab_size:
-    raise ValueError(f"{what}: token id {token} is outside the vocabulary "
-                     f"[0, {vocab_size}).")
-  return int(token)
-
-
-def _logit_bias(bias: Any, batch_size: int,
-                vocab_size: int) -> np.ndarray | None:
-  """Turns a dict or a list of per-row dicts into a dense array."""
-  if bias is None:
-    return None
-  if isinstance(bias, Mapping):
-    per_row = [bias] * batch_size
-  elif _is_sequence(bias) and all(
-      b is None or isinstance(b, Mapping) for b in bias):
-    per_row = [b or {} for b in _per_row("logit_bias", bias, batch_size)]
-  else:
-    raise ValueError("logit_bias must be a dict {token_id: bias} for every row "
-                     "or a list with one such dict per row, got "
-                     f"{type(bias).__name__}.")
-  dense = np.zeros((batch_size, vocab_size), np.float32)
-  for row, mapping in enumerate(per_row):
-    for token, value in mapping.items():
-      token = _token_id(f"logit_bias[{row}]", token, vocab_size)
-      dense[row, token] = _as_float(f"logit_bias[{row}]", token, value)
-  return dense
-
-
-def _banned(banned: Any, batch_size: int, vocab_size: int) -> np.ndarray | None:
-  """Turns a list of ids or a list of per-row lists into a dense mask."""
-  if banned is None:
-    return None
-  if not _is_sequence(banned):
-    raise ValueError("banned_tokens must be a list of token ids for every row "
-                     f"or a list of lists (one per row), got {banned!r}.")
-  items = list(banned)
-  if items and all(_is_sequence(b) for b in items):
-    per_row = _per_row("banned_tokens", items, batch_size)
-  elif any(_is_sequence(b) for b in items):
-    raise ValueError("banned_tokens mixes token ids and lists; pass either one "
-                     "list of ids for every row or one list per row.")
-  else:
-    per_row = [items] * batch_size
-  mask = np.zeros((batch_size, vocab_size), bool)
-  for row, tokens in enumerate(per_row):
-    for token in tokens:
-      mask[row, _token_id(f"banned_tokens[{row}]", token, vocab_size)] = True
-    if mask[row].all():
-      raise ValueError(f"banned_tokens[{row}] bans the whole vocabulary; at "
-                       "least one token must stay allowed.")
-  return mask

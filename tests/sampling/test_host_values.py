@@ -12,7 +12,7 @@ from penzai_lm.generation import row_options
 from penzai_lm.sampling import FIELDS
 from penzai_lm.sampling import SamplingSettings
 from penzai_lm.sampling import top_k_cap_for
-from penzai_lm.sampling.settings import host_value
+from penzai_lm.sampling.row_values import host_value
 
 BATCH, VOCAB = 3, 20
 
