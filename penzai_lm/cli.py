@@ -34,14 +34,25 @@ import penzai_lm
 from penzai_lm import generation
 from penzai_lm.generation.chat import ChatSession
 from penzai_lm.paths import jax_cache_dir
+from penzai_lm.paths import private_dir
+from penzai_lm.paths import unsafe_reason
 
 DEFAULT_MAX_NEW_TOKENS = 128
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C.
 
 
 def _enable_compilation_cache() -> None:
-  path = str(jax_cache_dir())
-  jax.config.update("jax_compilation_cache_dir", path)
+  """XLA's persistent cache (and the program store in it) in a folder of
+  the user's own; off, with a line saying why, in any other folder (it
+  holds compiled code that the next run executes)."""
+  path = jax_cache_dir()
+  problem = unsafe_reason(path)
+  if problem is not None:
+    why, fix = problem
+    print(f"[not caching compiled programs in {path}: it is {why}; {fix}"
+          "set PENZAI_LM_JAX_CACHE to a folder of your own]", file=sys.stderr)
+    return
+  jax.config.update("jax_compilation_cache_dir", str(private_dir(path)))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 

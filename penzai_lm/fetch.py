@@ -243,7 +243,7 @@ def fetch_model(name: str) -> pathlib.Path:
     return target
   with contextlib.ExitStack() as stack:
     try:
-      models.mkdir(exist_ok=True)
+      models.mkdir(mode=0o700, exist_ok=True)
       stack.enter_context(_lock(target))
     except OSError as e:
       state = ("does not have the pinned sha256"

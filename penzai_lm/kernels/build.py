@@ -20,7 +20,14 @@ jaxlib version (its FFI headers) and the CPU's flags. A sidecar
 build) is checked before the library is loaded: a truncated library
 crashed the process with SIGBUS when loaded, and a damaged one failed every
 run. A damaged library (or one without its sidecar) is rebuilt with a
-warning naming it.
+warning naming it; one that matches its sidecar but does not load (built
+for another system) is rebuilt once, quietly.
+
+Loading a library runs its code, so the folder must be the user's own: it
+is created ``0700``, and a folder (or library) that another user owns or
+that its group or others can write is refused (`penzai_lm.paths.
+unsafe_reason`): nothing is loaded from it, a warning says why and how to
+fix it, and decoding uses XLA's dots.
 
 Where there is no compiler, or ``PENZAI_LM_CPU_KERNELS=0``, `cpu_kernels`
 returns None and callers use XLA's own dots (correct, slower for bf16 and
@@ -172,7 +179,7 @@ def cached_library(library: pathlib.Path,
   """
   if check_library(library) is None:
     return library
-  library.parent.mkdir(parents=True, exist_ok=True)
+  paths.private_dir(library.parent)
   with _build_lock(library):
     why = check_library(library)  # Another process may have built it meanwhile.
     if why is None:
@@ -218,6 +225,27 @@ def find_compiler() -> str | None:
       "c++") or shutil.which("clang++")
 
 
+def _unsafe(library: pathlib.Path) -> str | None:
+  """Why ``library`` may not be loaded from where it is (its folder or the
+  file another user's, or writable by others), or None."""
+  problem = paths.unsafe_reason(library.parent)
+  what = f"the folder {library.parent}"
+  if problem is None and hasattr(os, "getuid") and os.path.exists(library):
+    st = os.stat(library)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+      problem = (f"not yours alone (owner {st.st_uid}, mode"
+                 f" {st.st_mode & 0o777:o})", "")
+      what = f"the library {library}"
+  if problem is None:
+    return None
+  why, fix = problem
+  return (f"penzai_lm: refusing to load the CPU kernels from {what}: it is"
+          f" {why}. Loading a library runs its code, so it must be yours and"
+          f" writable by you alone: {fix}point PENZAI_LM_KERNEL_CACHE (or"
+          " PENZAI_LM_CACHE) at a folder of your own. CPU decoding uses"
+          " XLA's dots meanwhile.")
+
+
 @functools.cache
 def cpu_kernels() -> ctypes.CDLL | None:
   """The compiled kernel library, registered with XLA; None if unavailable.
@@ -234,9 +262,22 @@ def cpu_kernels() -> ctypes.CDLL | None:
                   "Install g++ or set CXX.", stacklevel=2)
     return None
   library = library_path(compiler)
+  build = functools.partial(_compile, compiler)
   try:
-    cached_library(library, functools.partial(_compile, compiler))
-    lib = ctypes.cdll.LoadLibrary(str(library))
+    refused = _unsafe(library)  # Before building into the folder,
+    if refused is None:
+      cached_library(library, build)
+      refused = _unsafe(library)  # and before loading what is there.
+    if refused:
+      warnings.warn(refused, stacklevel=2)
+      return None
+    try:
+      lib = ctypes.cdll.LoadLibrary(str(library))
+    except OSError:  # Intact by its sidecar, but built for another system.
+      _remove(library)
+      _remove(_sidecar(library))
+      cached_library(library, build)
+      lib = ctypes.cdll.LoadLibrary(str(library))
     capsules = [jax.ffi.pycapsule(getattr(lib, name)) for name in TARGETS]
   except (OSError, AttributeError, subprocess.CalledProcessError) as e:
     detail = getattr(e, "stderr", "") or str(e)

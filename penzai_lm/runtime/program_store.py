@@ -68,7 +68,6 @@ import json
 import os
 import pathlib
 import shutil
-import stat
 import tempfile
 import time
 from typing import Any
@@ -77,6 +76,8 @@ import warnings
 import jax
 
 from penzai_lm.kernels.build import TARGETS as KERNEL_TARGETS
+from penzai_lm.paths import unsafe_reason
+from penzai_lm.paths import UnsafeDirectory
 from penzai_lm.runtime.program_keys import aval_key
 from penzai_lm.runtime.program_keys import describe
 from penzai_lm.runtime.program_keys import the_device
@@ -95,10 +96,6 @@ _MAGIC = b"PZLM-PROGRAM"  # Header: magic, format, payload size, sha256.
 DEFAULT_MAX_BYTES = 1 << 30
 # Temporary files of a write older than this were left by a killed process.
 _STALE_TMP_SECONDS = 3600
-class UnsafeDirectory(ValueError):
-  """A store directory another user owns or could write to."""
-
-
 class StoredProgram:
   """A compiled program made from an exported one, called like the
   ``jax.jit`` program it replaces (pytrees in, pytrees out)."""
@@ -279,23 +276,13 @@ class ProgramStore:
     Raises:
       UnsafeDirectory: if it is not the user's own.
     """
-    try:
-      st = os.stat(self.directory)
-    except FileNotFoundError:
+    if not os.path.lexists(self.directory):
       return False
-    except OSError:
-      return False  # Reported by the read or write that follows.
-    why, fix = None, ""
-    if not stat.S_ISDIR(st.st_mode):
-      why = "not a directory"
-    elif hasattr(os, "getuid") and st.st_uid != os.getuid():
-      why = f"owned by user id {st.st_uid}, not by you ({os.getuid()})"
-    elif hasattr(os, "getuid") and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-      who = "others" if st.st_mode & stat.S_IWOTH else "its group"
-      why = f"writable by {who} (mode {stat.S_IMODE(st.st_mode):o})"
-      fix = f"run `chmod 700 {self.directory}` if only you use it, or "
-    if why is None:
-      return True
+    problem = unsafe_reason(self.directory)
+    if problem is None:
+      # A path that cannot be stat'ed: the read or write that follows says.
+      return os.path.isdir(self.directory)
+    why, fix = problem
     raise UnsafeDirectory(
         f"penzai_lm: refusing the program store directory {self.directory}:"
         f" it is {why}. Programs read back from it are compiled and run, so"

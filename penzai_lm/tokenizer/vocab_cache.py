@@ -88,7 +88,7 @@ def _write_entry(key: str, backend: tokenizers.Tokenizer) -> None:
   name = f"{key}-{hashlib.sha256(data).hexdigest()[:_DIGITS]}.json"
   try:
     directory = _directory()
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = directory / f".{name}.{os.getpid()}.tmp"
     tmp.write_bytes(data)
     os.replace(tmp, directory / name)  # Atomic: readers never see half.

@@ -171,3 +171,105 @@ def test_a_truncated_real_library_is_rebuilt_not_loaded(tmp_path):
   assert "kernels: True" in out.stdout
   assert f"{copy} is damaged" in out.stderr
   assert copy.read_bytes() == intact.read_bytes()
+
+
+# --- Loading runs code: only from a folder of the user's own --------------
+
+_PLANTED = ("__attribute__((constructor)) static void planted(void) {{"
+            ' FILE* f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+
+
+def _plant(cache: pathlib.Path, marker: pathlib.Path) -> pathlib.Path:
+  """A library at the kernels' path whose constructor writes ``marker``,
+  with a sidecar that matches it (as an attacker would write one)."""
+  source = cache / "planted.c"
+  source.write_text("#include <stdio.h>\n" + _PLANTED.format(marker=marker))
+  library = cache / build.library_path(COMPILER).name
+  subprocess.run([COMPILER, "-x", "c", "-shared", "-fPIC", str(source), "-o",
+                  str(library)], check=True, capture_output=True)
+  source.unlink()
+  build._sidecar(library).write_text(
+      f"{library.stat().st_size} {build._sha256(library)}\n")
+  return library
+
+
+def _cpu_kernels_in(cache: pathlib.Path, intact: pathlib.Path | None = None):
+  """``build.cpu_kernels()`` in a new process with ``cache`` as the kernel
+  cache (a "rebuild" copies ``intact``)."""
+  script = "import warnings\nwarnings.simplefilter('always')\n"
+  script += "import shutil\nfrom penzai_lm.kernels import build\n"
+  if intact is not None:
+    script += ("build._compile = lambda compiler, out: shutil.copyfile("
+               f"{str(intact)!r}, out)\n")
+  script += "print('kernels:', build.cpu_kernels() is not None)\n"
+  return subprocess.run(
+      [sys.executable, "-c", script], cwd=REPO, capture_output=True,
+      text=True, timeout=300,
+      env={**os.environ, "PENZAI_LM_KERNEL_CACHE": str(cache),
+           "JAX_PLATFORMS": "cpu"})
+
+
+@needs_compiler
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_a_library_in_a_folder_others_can_write_is_never_loaded(tmp_path,
+                                                                  mode):
+  cache = tmp_path / "kernels"
+  cache.mkdir()
+  marker = tmp_path / "constructor-ran"
+  _plant(cache, marker)
+  cache.chmod(mode)
+  out = _cpu_kernels_in(cache)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "kernels: False" in out.stdout
+  assert not marker.exists()  # Its code never ran.
+  assert f"refusing to load the CPU kernels from the folder {cache}" in (
+      out.stderr)
+  assert f"chmod 700 {cache}" in out.stderr
+  # The same library in a folder of the user's own is loaded: the check,
+  # not the library, kept it out.
+  cache.chmod(0o700)
+  out = _cpu_kernels_in(cache)
+  assert marker.exists()
+
+
+@needs_compiler
+def test_a_library_others_can_write_is_never_loaded(tmp_path):
+  cache = tmp_path / "kernels"
+  cache.mkdir(mode=0o700)
+  marker = tmp_path / "constructor-ran"
+  library = _plant(cache, marker)
+  library.chmod(0o666)
+  out = _cpu_kernels_in(cache)
+  assert "kernels: False" in out.stdout
+  assert not marker.exists()
+  assert f"the library {library}" in out.stderr
+
+
+def test_the_kernel_folder_is_created_private(tmp_path, monkeypatch):
+  monkeypatch.setenv("PENZAI_LM_KERNEL_CACHE", str(tmp_path / "a" / "kernels"))
+  library = build.library_path("g++")
+  build.cached_library(library, lambda out: out.write_bytes(b"x"))
+  assert (library.parent.stat().st_mode & 0o777) == 0o700
+
+
+@needs_compiler
+def test_a_library_that_matches_its_record_but_does_not_load_is_rebuilt_once(
+    tmp_path):
+  """A library of another system (intact by its sidecar, not loadable) is
+  rebuilt quietly, and the next process loads it without a word."""
+  from penzai_lm.kernels import ops  # pylint: disable=g-import-not-at-top
+  if not ops.available():
+    pytest.skip("the kernels did not build here")
+  intact = build.library_path(COMPILER)
+  cache = tmp_path / "kernels"
+  cache.mkdir(mode=0o700)
+  foreign = cache / intact.name
+  foreign.write_bytes(b"not a library for this system\n")
+  build._sidecar(foreign).write_text(
+      f"{foreign.stat().st_size} {build._sha256(foreign)}\n")
+  for _ in range(2):
+    out = _cpu_kernels_in(cache, intact)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kernels: True" in out.stdout
+    assert "penzai_lm:" not in out.stderr  # No warning, either time.
+  assert foreign.read_bytes() == intact.read_bytes()
