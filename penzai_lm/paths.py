@@ -119,10 +119,7 @@ def models_dir() -> pathlib.Path:
 def kernels_dir() -> pathlib.Path:
   """Where the compiled CPU kernels are kept (``$PENZAI_LM_KERNEL_CACHE``
   if set)."""
-  env = os.environ.get("PENZAI_LM_KERNEL_CACHE")
-  if env:
-    return pathlib.Path(env).expanduser()
-  return cache_dir() / "kernels"
+  return _overridden("PENZAI_LM_KERNEL_CACHE") or cache_dir() / "kernels"
 
 
 def tokenizers_dir() -> pathlib.Path:
@@ -133,7 +130,10 @@ def tokenizers_dir() -> pathlib.Path:
 def jax_cache_dir() -> pathlib.Path:
   """The CLI's persistent XLA compilation cache (``$PENZAI_LM_JAX_CACHE``
   if set)."""
-  env = os.environ.get("PENZAI_LM_JAX_CACHE")
-  if env:
-    return pathlib.Path(env)
-  return cache_dir() / "jax"
+  return _overridden("PENZAI_LM_JAX_CACHE") or cache_dir() / "jax"
+
+
+def _overridden(variable: str) -> pathlib.Path | None:
+  """The folder the environment ``variable`` names, if set."""
+  value = os.environ.get(variable)
+  return pathlib.Path(value).expanduser() if value else None

@@ -139,12 +139,6 @@ class CacheLayout:
         jnp.where(r, jnp.arange(1, n + 1, dtype=jnp.int32), 0)))(real)
     return end + upto
 
-  def room(self, end) -> jax.Array:
-    """Free slots after ``end`` (the fewest over the rows)."""
-    if isinstance(end, pz.nx.NamedArrayBase):
-      end = jnp.max(end.data_array)
-    return self.cache_len - end
-
   def reset_rows(self, end, positions, tokens, rows, pad_id: int):
     """``(end, positions, tokens)`` with the rows where ``rows`` (bool over
     the batch axes) is True emptied: end 0, every slot unwritten. Only with

@@ -56,9 +56,9 @@ implements every sampling setting (`settings.kernel_implements_all`, from
 each `SamplingField`'s ``kernel``): settings are traced values, so a
 setting the kernel lacks makes the whole program use the JAX sampler
 rather than be ignored. XLA:CPU compiles each vocabulary-wide step above,
-and every branch of the conds, as a kernel of its own: the JAX sampler's
-loop compiles in 1.4-1.7 s, the kernel's in 0.3-0.5 s, and the kernel's
-steps are as fast or faster (`benchmarks/sampling_filters.py`).
+and every branch of the conds, as a kernel of its own, so the kernel's
+loop compiles much faster (measured in docs/design.md,
+`benchmarks/sampling_filters.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The KV cache's layout: one end index per row, rows reset and refilled
 while the others keep decoding, the same tokens as separate runs."""
 
+import dataclasses
 import functools
 
 import jax
@@ -36,21 +37,16 @@ def _step(model, state, tokens, padding):
 @functools.partial(jax.jit, compiler_options=small_model_options())
 def _reset(state, rows):
   """`CacheLayout.reset_rows` on a stateless model's state values."""
-  return [_reset_value(v, state, rows) for v in state]
-
-
-def _reset_value(v, state, rows):
-  values = {s.label: s.value for s in state}
-  prefix = "sampler/"
-  end, positions, tokens = CacheLayout(
-      (("batch", rows.shape[0]),), CACHE, per_row_end=True).reset_rows(
-          values[prefix + "cache_end_index"], values[prefix + "kv_positions"],
-          values[prefix + "previous_tokens"],
-          pz.nx.wrap(rows).tag("batch"), PAD)
-  new = {prefix + "cache_end_index": end, prefix + "kv_positions": positions,
-         prefix + "previous_tokens": tokens}
-  return v if v.label not in new else pz.StateVariableValue(
-      label=v.label, value=new[v.label], metadata=v.metadata)
+  layout = CacheLayout((("batch", rows.shape[0]),), CACHE, per_row_end=True)
+  labels = layout.labels
+  values = {v.label: v.value for v in state}
+  new = dict(zip((labels.end, labels.positions, labels.tokens),
+                 layout.reset_rows(values[labels.end],
+                                   values[labels.positions],
+                                   values[labels.tokens],
+                                   pz.nx.wrap(rows).tag("batch"), PAD)))
+  return [dataclasses.replace(v, value=new[v.label]) if v.label in new
+          else v for v in state]
 
 
 def _logits_at(out, rows_at):
