@@ -22,6 +22,7 @@ import dataclasses
 from penzai import pz
 
 from penzai_lm.model import points as points_lib
+from penzai_lm.model.hooks import HookPoint
 from penzai_lm.model.cache_layout import write_at
 
 
@@ -72,51 +73,51 @@ def insert_captures(model, names, token_shape: dict[str, int],
   axes and ``seq``) right after the named points (names, or `Point`s
   already parsed against this model).
 
+  The model is walked once whatever the number of names: every capture is
+  inserted in one pass over its hook points.
+
   Returns:
     ``(patched model, {name: (StateVariable, CaptureSpec)})``.
   """
   config = model.config
   parsed = [n if isinstance(n, points_lib.Point)
             else points_lib.parse_point(model, n) for n in names]
-  patched, out = model, {}
-  for point in dict.fromkeys(p.point for p in parsed):
-    hook_point = points_lib.hook_points(model, point).get_sequence()[0]
-    blocks = (hook_point.layer.named_shape["blocks"]
-              if points_lib.is_stacked(hook_point) else 0)
-    wanted = [p for p in parsed if p.point == point]
-    if blocks or [p.name for p in wanted] == [point]:
-      # One capture for all blocks (a stack) or a model-level point.
-      metadata = {}
-      if blocks:
-        metadata = {"layerstack_axes": {
-            "blocks": pz.nn.LayerStackVarBehavior.PER_LAYER}}
-      var = pz.StateVariable(_buffer(config, point, token_shape, blocks,
-                                     hook_point),
-                             label=f"{label_prefix}/{point}",
-                             metadata=metadata)
-      patched = points_lib.hook_points(patched, point).insert_after(
-          Capture(var))  # Every block of a stack (or the one point).
-      for p in wanted:
-        out[p.name] = (var, CaptureSpec(p.name, var.label,
-                                        p.layer if blocks else None))
+  hooks = {}  # (point, layer or None) -> the first hook point with that key.
+  for h in pz.select(model).at_instances_of(HookPoint).get_sequence():
+    hooks.setdefault(_key(h), h)
+  captures, out = {}, {}  # captures: hook key -> Capture layer.
+  for p in parsed:
+    if p.name in out:
       continue
-    for p in wanted:
-      var = pz.StateVariable(_buffer(config, point, token_shape, 0,
-                                     _hook_of(model, p)),
-                             label=f"{label_prefix}/{p.name}")
-      patched = points_lib.insert_at(patched, p.name, Capture(var),
-                                     after_hook=True)
-      out[p.name] = (var, CaptureSpec(p.name, var.label))
+    stacked = (p.point, None) in hooks and points_lib.is_stacked(
+        hooks[(p.point, None)])
+    key = (p.point, None if stacked else p.layer)
+    if key not in captures:
+      hook_point = hooks[key]
+      blocks = hook_point.layer.named_shape["blocks"] if stacked else 0
+      # A stack's buffer holds every block's value, one slice per block.
+      metadata = ({"layerstack_axes": {
+          "blocks": pz.nn.LayerStackVarBehavior.PER_LAYER}} if stacked else {})
+      label = f"{label_prefix}/{p.point if stacked else p.name}"
+      captures[key] = Capture(pz.StateVariable(
+          _buffer(config, p.point, token_shape, blocks, hook_point),
+          label=label, metadata=metadata))
+    var = captures[key].saved
+    out[p.name] = (var, CaptureSpec(p.name, var.label,
+                                    p.layer if stacked else None))
+  patched = (pz.select(model).at_instances_of(HookPoint)
+             .where(lambda h: _key(h) in captures)
+             .apply_and_inline(lambda h: (h, captures[_key(h)])))
   return patched, out
 
 
-def _hook_of(model, point: points_lib.Point):
-  """The hook point of one block (or of the model) for a parsed point."""
-  for h in points_lib.hook_points(model, point.point).get_sequence():
-    if point.layer is None or h.layer is None or (
-        not h.layer.named_shape and int(h.layer.data_array) == point.layer):
-      return h
-  return None
+def _key(hook_point: HookPoint) -> tuple[str, int | None]:
+  """A hook point's (point, block) key; block None for a layer stack's
+  hook points (one for all blocks) and the model-level ones."""
+  layer = hook_point.layer
+  if layer is None or points_lib.is_stacked(hook_point):
+    return (hook_point.point, None)
+  return (hook_point.point, int(layer.data_array))
 
 
 def _buffer(config, point, token_shape, stacked_blocks, hook_point=None):
