@@ -70,6 +70,22 @@ def test_error_term_keeps_every_logit(name, stacked, activation):
   assert (features > 0).any() and (features == 0).any()  # Sparse, not dead.
 
 
+@pytest.mark.parametrize("name", ["llama_gqa", "gemma3"])
+def test_a_spliced_stack_equals_the_stack_to_float_rounding(name):
+  """What README and splice's docstring promise for a layer stack: the
+  splice unstacks it, and the stack's own compiled scan rounds differently,
+  so its logits are equal to float rounding, not bit for bit."""
+  model = _model(name, stacked=True)
+  stacked = interp.run_with_cache(model, PROMPTS, names=[POINT])
+  spliced = interp.run_with_cache(sae_lib.splice(model, _sae(model)), PROMPTS,
+                                  names=[POINT])
+  np.testing.assert_allclose(_logits(spliced), _logits(stacked), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(
+      _np(spliced[POINT], "batch", "seq", "embedding"),
+      _np(stacked[POINT], "batch", "seq", "embedding"), rtol=1e-5, atol=1e-5)
+
+
 def test_features_equal_the_autoencoder_on_the_captured_value():
   model = _model()
   sae = _sae(model)
