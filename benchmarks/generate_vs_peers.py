@@ -17,7 +17,9 @@ tokens, so every engine produces exactly the requested number of tokens):
   file penzai_lm loads. It runs in its own virtualenv (built by
   ``peers/setup_llamacpp.sh``, outside the repository); without it, or
   without the files, these engines are skipped with a line saying how to
-  set them up.
+  set them up. llama.cpp runs at its defaults (weights repacked at load
+  where it has a layout for the CPU); ``llamacpp-<variant>-norepack``
+  (not run by default) turns that off.
 * ``transformers``: Hugging Face transformers on torch CPU, float32, loading
   the same GGUF file (dequantized to float32), ``model.generate(...,
   do_sample=False)`` with its default KV cache, ``--threads`` torch threads.
@@ -114,7 +116,8 @@ from peers.common import summarize
 PENZAI_LM = tuple(penzai_lm_engine.VARIANTS)
 ENGINES = (*PENZAI_LM, "transformers", "penzai_loop", *llamacpp_engine.ENGINES)
 DEFAULT_ENGINES = (*penzai_lm_engine.ENABLED, "transformers", "penzai_loop",
-                   *llamacpp_engine.ENGINES)
+                   *(e for e in llamacpp_engine.ENGINES
+                     if llamacpp_engine.variant(e)[1]))
 MARKER = llamacpp_engine.MARKER
 REFERENCE = "penzai_lm"  # float32: the ratios and the agreement compare to it.
 CHILD_ENV = {}  # Extra environment variables of every child (--omp-wait).
@@ -329,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
 def unavailable(engine: str, model: str = MODEL) -> str | None:
   """Why ``engine`` cannot run here (with how to set it up), or None."""
   if model != MODEL and engine not in (
-      *penzai_lm_engine.ANY_MODEL, "llamacpp-file", "transformers"):
+      *penzai_lm_engine.ANY_MODEL, "llamacpp-file", "llamacpp-file-norepack",
+      "transformers"):
     return f"its files are SmolLM2's, and --model is {model}"
   if engine in llamacpp_engine.ENGINES:
     return llamacpp_engine.missing(engine)
@@ -353,10 +357,10 @@ def make_jobs(args, engines: list[str]) -> list[tuple[str, dict]]:
                prompts=make_prompts(tokenizer, args.prompt, rows))
     if engine in PENZAI_LM:
       out["load_kwargs"] = penzai_lm_engine.load_kwargs(engine)
-    if engine == "llamacpp-file":
-      out["gguf"] = str(model_path)
-    elif engine in llamacpp_engine.ENGINES:
-      out["gguf"] = llamacpp_engine.gguf_path(engine.split("-", 1)[1])
+    if engine in llamacpp_engine.ENGINES:
+      name, out["repack"] = llamacpp_engine.variant(engine)
+      out["gguf"] = (str(model_path) if name == "file"
+                     else llamacpp_engine.gguf_path(name))
     return out
 
   jobs = [(e, spec(e, args.loop_new if e == "penzai_loop" else args.new, 1))

@@ -17,8 +17,13 @@ token) and one ``llama_decode`` for the prefill; then per step one
 ``llama_decode``. The next token is the argmax of each row's logits
 (``llama_get_logits_ith``; greedy, i.e. temperature 0 / top-k 1; no stop
 tokens, so every row gets exactly ``new`` tokens). llama.cpp's own defaults
-are kept otherwise (F16 KV cache, flash attention "auto", ``n_ubatch``
-512); ``n_threads`` and ``n_threads_batch`` are the spec's ``threads``.
+are kept otherwise, as its users run it: weights repacked at load into its
+CPU "extra" buffer types where it has a layout for the format and the CPU
+(interleaved Q4_0/Q8_0 blocks for AVX2/AVX-512), F16 KV cache, flash
+attention "auto", ``n_ubatch`` 512; ``n_threads`` and ``n_threads_batch``
+are the spec's ``threads``. Each engine has a ``-norepack`` twin with the
+repacking off (llama.cpp's ``--no-repack``), for comparing kernels on the
+file's own layout.
 
 Timings, as for the other engines: TTFT runs from the start of the prefill
 until every row's first token is on the host (after the argmax), each later
@@ -54,8 +59,19 @@ from peers.make_ggufs import VARIANTS
 
 VENV_PYTHON = os.path.join(PEERS_DIR, "llamacpp-venv", "bin", "python")
 # llamacpp-file: the --model's own GGUF file, as penzai_lm fetched it.
-ENGINES = (*(f"llamacpp-{v}" for v in VARIANTS), "llamacpp-file")
+_FILES = (*VARIANTS, "file")
+ENGINES = (*(f"llamacpp-{v}" for v in _FILES),
+           *(f"llamacpp-{v}-norepack" for v in _FILES))
 MARKER = "RESULT_JSON: "  # generate_vs_peers.py reads the line with this.
+
+
+def variant(engine: str) -> tuple[str, bool]:
+  """``(file variant, repack)`` of an engine name: ``"llamacpp-q8_0"`` ->
+  ``("q8_0", True)``, ``"llamacpp-file-norepack"`` -> ``("file", False)``."""
+  name = engine.split("-", 1)[1]
+  if name.endswith("-norepack"):
+    return name[:-len("-norepack")], False
+  return name, True
 
 
 def missing(engine: str) -> str | None:
@@ -65,9 +81,9 @@ def missing(engine: str) -> str | None:
       venv, "lib", "python*", "site-packages", "llama_cpp", "lib", "*"))):
     return (f"no llama.cpp build in {venv}; build it (~10 min) with:"
             " bash benchmarks/peers/setup_llamacpp.sh")
-  if engine == "llamacpp-file":
+  if variant(engine)[0] == "file":
     return None
-  path = gguf_path(engine.split("-", 1)[1])
+  path = gguf_path(variant(engine)[0])
   if not os.path.exists(path):
     return (f"no {path}; write it with: python benchmarks/peers/make_ggufs.py")
   return None
@@ -77,16 +93,12 @@ class _Decoder:
   """A llama.cpp model and context for ``rows`` sequences of greedy decoding."""
 
   def __init__(self, path: str, rows: int, n_ctx: int, n_batch: int,
-               threads: int):
+               threads: int, repack: bool = True):
     import llama_cpp  # pylint: disable=g-import-not-at-top
     self.lib = lib = llama_cpp
     lib.llama_backend_init()
     mparams = lib.llama_model_default_params()
-    # No repacking into llama.cpp's "extra" CPU buffer types: with them
-    # llama-cpp-python 0.3.36 segfaults on every Q8_0/Q4_1 file on these
-    # AVX-512 machines (the PyPI SmolLM2 Q4_1 file included); F32/F16 do
-    # not repack either way. llama.cpp's --no-repack.
-    if hasattr(mparams, "use_extra_bufts"):
+    if not repack:  # llama.cpp's --no-repack: the file's own block layout.
       mparams.use_extra_bufts = False
     self.model = lib.llama_model_load_from_file(path.encode(), mparams)
     if not self.model:
@@ -154,7 +166,8 @@ def run(spec: dict) -> dict:
 
   Args:
     spec: As for the other engines (``prompts``, ``new``, ``repeats``,
-      ``threads``) plus ``gguf``, the GGUF file to load.
+      ``threads``) plus ``gguf``, the GGUF file to load, and ``repack``
+      (False: llama.cpp's ``--no-repack``).
 
   Returns:
     The engine record of generate_vs_peers.py (``load_s``, ``warmup_s``,
@@ -168,8 +181,10 @@ def run(spec: dict) -> dict:
   per_row = -(-(length + new) // 256) * 256
   start = time.perf_counter()
   decoder = _Decoder(spec["gguf"], rows, n_ctx=rows * per_row,
-                     n_batch=max(rows * length, rows), threads=spec["threads"])
+                     n_batch=max(rows * length, rows), threads=spec["threads"],
+                     repack=spec.get("repack", True))
   out = dict(load_s=time.perf_counter() - start, runs=[],
+             repack=spec.get("repack", True),
              gguf=os.path.basename(spec["gguf"]),
              llama_cpp_python=llama_cpp.__version__)
   start = time.perf_counter()
