@@ -83,11 +83,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 import re
-import uuid
+import tempfile
 import warnings
 
 import numpy as np
 
+from penzai_lm.file_access import open_regular
+from penzai_lm.file_access import write_atomic
 from penzai_lm.interp.control_vectors import ControlVector
 
 ARCHITECTURE = "controlvector"
@@ -119,6 +121,35 @@ def _string_field(reader, key: str):
   return True, raw.decode("utf-8", errors="replace")
 
 
+def _check_layer_count(reader, path: Path, n_tensors: int) -> None:
+  """Refuses a ``controlvector.layer_count`` that is not an integer or not
+  the number of direction tensors (what every writer puts there); a file
+  without the key passes, as llama.cpp reads none of these keys."""
+  import gguf  # pylint: disable=g-import-not-at-top
+
+  field = reader.fields.get(LAYER_COUNT_KEY)
+  if field is None:
+    return
+  value = None
+  if (len(field.types) == 1 and field.types[0] in _int_types(gguf)
+      and field.data):
+    value = int(field.parts[field.data[0]][0])
+  if value != n_tensors:
+    shown = value if value is not None else "not an integer"
+    raise ValueError(
+        f"{path}: {LAYER_COUNT_KEY} is {shown} but the file has {n_tensors}"
+        " direction tensor(s); writers store the number of tensors there, so"
+        f" the file is truncated or was edited; {_FIX_REEXPORT}"
+    )
+
+
+def _int_types(gguf) -> tuple:
+  """gguf's integer value types."""
+  t = gguf.GGUFValueType
+  return (t.UINT8, t.INT8, t.UINT16, t.INT16, t.UINT32, t.INT32, t.UINT64,
+          t.INT64)
+
+
 def load_control_vector(path: str | os.PathLike) -> ControlVector:
   """Reads a llama.cpp / repeng control-vector ``.gguf`` file.
 
@@ -137,34 +168,38 @@ def load_control_vector(path: str | os.PathLike) -> ControlVector:
 
   Raises:
     FileNotFoundError: (or another OSError) if the file cannot be opened.
-    ValueError: if the file is not a valid control vector; the message says
-      what is wrong and how to fix it.
+    ValueError: if the path is not a regular file (a FIFO, device...:
+      refused before it is read), or the file is not a valid control
+      vector (``controlvector.layer_count``, when present, must be the
+      number of tensors); the message says what is wrong and how to fix
+      it.
   """
   import gguf  # pylint: disable=g-import-not-at-top
 
   path = Path(path)
-  with open(path, "rb") as f:
+  # The reader maps the file opened here: what was checked is what is read.
+  with open_regular(path, what="a control-vector .gguf file") as f:
     magic = f.read(4)
-  size = path.stat().st_size
-  if magic != _GGUF_MAGIC:
-    if len(magic) < 4:
+    size = os.fstat(f.fileno()).st_size
+    if magic != _GGUF_MAGIC:
+      if len(magic) < 4:
+        raise ValueError(
+            f"{path} is not a GGUF file: it is only {size} bytes long;"
+            f" {_FIX_REEXPORT}"
+        )
       raise ValueError(
-          f"{path} is not a GGUF file: it is only {size} bytes long;"
-          f" {_FIX_REEXPORT}"
+          f"{path} is not a GGUF file (it starts with {magic!r}, a GGUF file"
+          f" starts with {_GGUF_MAGIC!r}); pass a control-vector .gguf file"
       )
-    raise ValueError(
-        f"{path} is not a GGUF file (it starts with {magic!r}, a GGUF file"
-        f" starts with {_GGUF_MAGIC!r}); pass a control-vector .gguf file"
-    )
-  try:
-    reader = gguf.GGUFReader(path, "r")
-    alignment = int(getattr(reader, "alignment", _DEFAULT_ALIGNMENT))
-    tensors = list(reader.tensors)
-  except Exception as e:  # gguf raises ValueError/IndexError/KeyError/...
-    raise ValueError(
-        f"{path} is a truncated or corrupt GGUF file (the gguf reader failed:"
-        f" {type(e).__name__}: {e}); {_FIX_REEXPORT}"
-    ) from e
+    try:
+      reader = gguf.GGUFReader(f, "r")
+      alignment = int(getattr(reader, "alignment", _DEFAULT_ALIGNMENT))
+      tensors = list(reader.tensors)
+    except Exception as e:  # gguf raises ValueError/IndexError/KeyError/...
+      raise ValueError(
+          f"{path} is a truncated or corrupt GGUF file (the gguf reader"
+          f" failed: {type(e).__name__}: {e}); {_FIX_REEXPORT}"
+      ) from e
 
   present, arch = _string_field(reader, "general.architecture")
   if arch != ARCHITECTURE:
@@ -191,6 +226,7 @@ def load_control_vector(path: str | os.PathLike) -> ControlVector:
         f"{path} has no direction tensors (llama.cpp skips such a file);"
         f" {_FIX_REEXPORT}"
     )
+  _check_layer_count(reader, path, len(tensors))
 
   directions: dict[int, np.ndarray] = {}
   first_name = None
@@ -284,8 +320,11 @@ def save_control_vector(
   (string), ``controlvector.layer_count`` (uint32, the number of tensors)
   and one F32 1-D tensor ``direction.{i}`` per block ``i``, ascending. It
   loads with llama.cpp's ``--control-vector`` and repeng's ``import_gguf``.
-  The file is written to a temporary name in the same directory and renamed
-  into place, so a crash never leaves a half-written ``path``.
+  The file is built in a private temporary folder, then written to a
+  temporary name beside ``path`` and renamed into place
+  (`penzai_lm.file_access.write_atomic`): a crash never leaves a
+  half-written ``path``, and a link planted at ``path`` is replaced, never
+  written through.
 
   Args:
     vector: The control vector. It must not have a direction for block 0:
@@ -319,25 +358,21 @@ def save_control_vector(
     raise ValueError(f"model_hint must be a str or None, got {hint!r}")
   hint = hint or ""
 
-  path = Path(path)
-  tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-  writer = gguf.GGUFWriter(tmp, ARCHITECTURE)
-  try:
-    # add_string skips empty strings; repeng's import_gguf needs the key.
-    writer.add_key_value(MODEL_HINT_KEY, hint, gguf.GGUFValueType.STRING)
-    writer.add_uint32(LAYER_COUNT_KEY, len(vector.directions))
-    for i, v in vector.directions.items():
-      writer.add_tensor(
-          f"{TENSOR_PREFIX}{i}", np.ascontiguousarray(v, dtype="<f4")
-      )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with open(tmp, "rb+") as f:
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    writer.close()
-    tmp.unlink(missing_ok=True)
-    raise
+  with tempfile.TemporaryDirectory() as private:  # 0700, this call's own.
+    scratch = Path(private) / "vector.gguf"
+    writer = gguf.GGUFWriter(scratch, ARCHITECTURE)
+    try:
+      # add_string skips empty strings; repeng's import_gguf needs the key.
+      writer.add_key_value(MODEL_HINT_KEY, hint, gguf.GGUFValueType.STRING)
+      writer.add_uint32(LAYER_COUNT_KEY, len(vector.directions))
+      for i, v in vector.directions.items():
+        writer.add_tensor(
+            f"{TENSOR_PREFIX}{i}", np.ascontiguousarray(v, dtype="<f4")
+        )
+      writer.write_header_to_file()
+      writer.write_kv_data_to_file()
+      writer.write_tensors_to_file()
+    finally:
+      writer.close()
+    data = scratch.read_bytes()
+  write_atomic(Path(path), data)

@@ -178,9 +178,12 @@ def test_bad_gemma_scope_and_circuit_tracer_files(tmp_path):
       "model_kind": "transcoder_set", "feature_input_hook": "mlp.hook_in",
       "feature_output_hook": "hook_mlp_out",
       "transcoders": ["hf://org/repo/layer_0.safetensors"]}))
+  with pytest.raises(SAEFormatError, match=r"transcoders\[0\]' .*hf://.*"
+                     "outside the config's folder; pass allow_outside=True"):
+    sae_lib.load_transcoders(ct)
   with pytest.raises(SAEFormatError, match=r"transcoders\[0\]' is hf://.*not"
                      " in the local Hugging Face cache"):
-    sae_lib.load_transcoders(ct)
+    sae_lib.load_transcoders(ct, allow_outside=True)
   with pytest.raises(FileNotFoundError):
     sae_lib.load_sae(tmp_path / "nothing")
 

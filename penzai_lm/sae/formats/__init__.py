@@ -9,8 +9,14 @@
 * `save_sae(sae, directory)`: SAELens 6's format.
 
 Malformed files raise `SAEFormatError` naming the file and the field or
-tensor. Each module's docstring gives its format, with the reference code
-it follows.
+tensor. Every file is opened through `penzai_lm.file_access` (regular files
+only: a FIFO or device is refused, never waited on) and written atomically
+without following links; ``.npz`` members are checked against their
+headers before they are inflated (`npz_files`); the files a
+``config.yaml`` lists stay inside its folder unless the caller passes
+``allow_outside=True`` (`layer_files`); with ``model=`` every point must
+exist in the model. Each module's docstring gives its format, with the
+reference code it follows.
 """
 
 from penzai_lm.sae.formats.circuit_tracer import TranscoderSet

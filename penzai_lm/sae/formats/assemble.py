@@ -17,10 +17,21 @@ from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.formats import hook_names
 from penzai_lm.sae.formats.errors import SAEFormatError
 
+_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16,
+                                       jnp.float16, jnp.float64))
+
 
 def resolve_dtype(dtype, stored: str | None, path) -> jnp.dtype:
   """The dtype to load in: the caller's, else the file's (``stored``, a
-  name such as "float32" or "torch.bfloat16"), else float32."""
+  name such as "float32" or "torch.bfloat16"), else float32. Only
+  float64, float32, bfloat16 and float16 are accepted: an 8-bit float
+  (``torch.float8_e4m3fn``) keeps too little of the weights and is refused
+  rather than converted, as are names JAX has no dtype for.
+
+  Raises:
+    ValueError: for the caller's unusable ``dtype``.
+    SAEFormatError: for the file's, naming ``path`` and the field.
+  """
   name = dtype if dtype is not None else stored
   if name is None:
     return jnp.dtype(jnp.float32)
@@ -28,13 +39,18 @@ def resolve_dtype(dtype, stored: str | None, path) -> jnp.dtype:
     name = name.removeprefix("torch.")
   try:
     resolved = jnp.dtype(name)
-  except TypeError:
+  except (TypeError, ValueError):
     resolved = None
-  if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+  if resolved not in _DTYPES:
+    why = (f" ({resolved.itemsize * 8}-bit floats keep too little of the"
+           " weights)" if resolved is not None and jnp.issubdtype(
+               resolved, jnp.floating) and resolved.itemsize < 2 else "")
+    choices = ", ".join(str(d) for d in _DTYPES)
     if dtype is not None:
-      raise ValueError(f"dtype must be a floating-point dtype, got {dtype!r}.")
-    raise SAEFormatError(f"{path}: field 'dtype' is {stored!r}, not a"
-                         " floating-point dtype; pass dtype= to override.")
+      raise ValueError(f"dtype must be one of {choices}, got {dtype!r}{why}.")
+    raise SAEFormatError(f"{path}: field 'dtype' is {stored!r}, not one of"
+                         f" {choices}{why}; pass dtype= to load it in one of"
+                         " those.")
   return resolved
 
 
@@ -76,6 +92,7 @@ def make_autoencoder(path, arrays: dict[str, np.ndarray], *, activation: str,
   config = hook_names.model_config(model)
   if point is not None:
     hook_names.split_point(point)
+    hook_names.check_in_model(point, model, f"{path}: the point it reads")
   d_in, d_sae = arrays["w_enc"].shape
   d_out = arrays["w_dec"].shape[1]
   if transcoder and output_point is None:
@@ -89,6 +106,8 @@ def make_autoencoder(path, arrays: dict[str, np.ndarray], *, activation: str,
     output_point = f"blocks.{layer}.mlp_out"
   if output_point is not None:
     hook_names.split_point(output_point)
+    hook_names.check_in_model(output_point, model,
+                              f"{path}: the point it writes")
   in_where = f"{path}: {size_fields[0]}"
   if input_axes is not None:
     in_axes = _user_axes(input_axes, d_in, path)

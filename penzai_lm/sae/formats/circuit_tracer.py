@@ -8,11 +8,17 @@
   names without the block (``mlp.hook_in``, ``ln2.hook_normalized``,
   ``hook_resid_mid``; ``hook_mlp_out``, ``mlp.hook_out``), mapped by
   `penzai_lm.sae.formats.hook_names`;
-* ``transcoders``: optional list of per-block files, local paths (relative
-  to the config's directory) or ``hf://org/repo/file`` (found in the local
-  Hugging Face cache; nothing is downloaded). Without it, the directory's
+* ``transcoders``: optional list of per-block files, paths relative to the
+  config's directory and confined to it, or (only with ``allow_outside``)
+  absolute paths and ``hf://org/repo/file`` (found in the local Hugging
+  Face cache; nothing is downloaded): see
+  `penzai_lm.sae.formats.layer_files`. Without it, the directory's
   ``layer_{i}.safetensors`` (sets) or ``W_enc_{i}.safetensors`` +
   ``W_dec_{i}.safetensors`` (CLTs).
+
+Every block's transcoder must have the same sizes (``d_model`` read and
+written, ``d_transcoder``); with ``model=`` each block must exist in the
+model and its sizes match it.
 
 Per-block transcoder files: circuit-tracer's safetensors (``W_enc``
 ``[d_transcoder, d_model]``, ``W_dec`` ``[d_transcoder, d_model]``,
@@ -40,9 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-import re
-from urllib.parse import parse_qs
-from urllib.parse import urlparse
 import warnings
 
 import numpy as np
@@ -54,15 +57,17 @@ from penzai_lm.sae.formats import hook_names
 from penzai_lm.sae.formats import tensor_files
 from penzai_lm.sae.formats.assemble import make_autoencoder
 from penzai_lm.sae.formats.assemble import resolve_dtype
-from penzai_lm.sae.formats.cross_layer import CrossLayerTranscoder
 from penzai_lm.sae.formats.errors import SAEFormatError
 from penzai_lm.sae.formats.errors import check_shape
 from penzai_lm.sae.formats.errors import check_unexpected
 from penzai_lm.sae.formats.errors import config_field
+from penzai_lm.sae.formats.errors import most_common
+from penzai_lm.sae.formats.errors import read_file
 from penzai_lm.sae.formats.errors import require_tensor
 from penzai_lm.sae.formats.errors import where
+from penzai_lm.sae.formats.layer_files import CONFIG
+from penzai_lm.sae.formats.layer_files import layer_paths
 
-CONFIG = "config.yaml"
 KINDS = ("transcoder_set", "cross_layer_transcoder")
 _THRESHOLD = "activation_function.threshold"
 
@@ -91,9 +96,17 @@ class TranscoderSet:
 
 
 def read_config(directory: Path) -> dict:
+  """The checked ``config.yaml`` of ``directory`` (a regular file; YAML
+  that does not parse, nests too deeply or is not a mapping is an
+  `SAEFormatError` naming it)."""
   path = directory / CONFIG
+  text = read_file(path, "a circuit-tracer config")
   try:
-    config = yaml.safe_load(path.read_text())
+    config = yaml.safe_load(text)
+  except RecursionError as e:
+    raise SAEFormatError(
+        f"Cannot parse {path}: it nests YAML lists or mappings too deeply"
+        " for a config; the file is corrupt or not circuit-tracer's.") from e
   except (yaml.YAMLError, UnicodeDecodeError) as e:
     raise SAEFormatError(f"Cannot parse {path}: {e}") from e
   if not isinstance(config, dict):
@@ -107,63 +120,7 @@ def read_config(directory: Path) -> dict:
   return config
 
 
-def _hf_cached(uri: str, field: str, cfg_path: Path) -> Path:
-  """The local Hugging Face cache's copy of ``hf://org/repo/file``."""
-  parsed = urlparse(uri)
-  repo, _, file = parsed.path.lstrip("/").partition("/")
-  revision = parse_qs(parsed.query).get("revision", [None])[0]
-  found = None
-  try:
-    from huggingface_hub import try_to_load_from_cache  # pylint: disable=g-import-not-at-top
-    found = try_to_load_from_cache(f"{parsed.netloc}/{repo}", file,
-                                   revision=revision)
-  except ImportError:
-    pass
-  if isinstance(found, str):
-    return Path(found)
-  raise SAEFormatError(
-      f"{where(cfg_path, field)} is {uri}, which is not in the local Hugging"
-      " Face cache (penzai_lm downloads nothing): fetch it first, e.g."
-      f" `huggingface-cli download {parsed.netloc}/{repo} {file}`, or list"
-      " local paths instead.")
-
-
-def _listed_paths(config: dict, directory: Path,
-                  pattern: str | None = None) -> list[Path]:
-  """The per-block files, block ``i`` at index ``i``: the config's list,
-  else the directory's files matching ``pattern`` (block number in group
-  1)."""
-  cfg_path = directory / CONFIG
-  listed = config.get("transcoders")
-  if listed is not None:
-    if not isinstance(listed, list) or not all(isinstance(p, str)
-                                               for p in listed):
-      raise SAEFormatError(f"{where(cfg_path, 'transcoders')} must be a list"
-                           " of paths.")
-    out = []
-    for i, entry in enumerate(listed):
-      field = f"transcoders[{i}]"
-      path = (_hf_cached(entry, field, cfg_path) if entry.startswith("hf://")
-              else directory / entry)
-      if not path.is_file():
-        raise SAEFormatError(f"{where(cfg_path, field)} is {entry!r}, but"
-                             f" {path} does not exist.")
-      out.append(path)
-    return out
-  found = {}
-  for path in directory.iterdir():
-    m = re.fullmatch(pattern, path.name)
-    if m:
-      found[int(m.group(1))] = path
-  if not found or sorted(found) != list(range(len(found))):
-    raise SAEFormatError(
-        f"{directory}: {CONFIG} lists no transcoders and the files matching"
-        f" {pattern!r} are blocks {sorted(found)}; circuit-tracer needs one"
-        " per block from 0 on.")
-  return [found[i] for i in range(len(found))]
-
-
-def _points(config, cfg_path, layer, input_point, output_point, model):
+def points(config, cfg_path, layer, input_point, output_point, model):
   """This block's points: the caller's block-relative names, else the
   config's hooks."""
   out = []
@@ -185,7 +142,7 @@ def _points(config, cfg_path, layer, input_point, output_point, model):
   return out
 
 
-def _warn_negative(threshold: np.ndarray, path) -> None:
+def warn_negative(threshold: np.ndarray, path) -> None:
   if threshold is not None and (threshold < 0).any():
     warnings.warn(
         f"{path}: {int((threshold < 0).sum())} JumpReLU thresholds are"
@@ -209,21 +166,30 @@ def read_layer_file(file: Path, *, point: str, output_point: str, model=None,
   check_unexpected(tensors, ("W_enc", "W_dec", "b_enc", "b_dec", _THRESHOLD,
                              "threshold", "W_skip"), file,
                    "circuit-tracer transcoder")
-  b_enc = require_tensor(tensors, "b_enc", file)
-  b_dec = require_tensor(tensors, "b_dec", file)
-  f, d = b_enc.shape[0], b_dec.shape[0]
+  w_enc, w_dec, b_enc, b_dec = (require_tensor(tensors, key, file) for key
+                                in ("W_enc", "W_dec", "b_enc", "b_dec"))
+  for key, value, ndim in (("W_enc", w_enc, 2), ("W_dec", w_dec, 2),
+                           ("b_enc", b_enc, 1), ("b_dec", b_dec, 1)):
+    if value.ndim != ndim:
+      raise SAEFormatError(f"{file}: tensor {key!r} has shape"
+                           f" {list(value.shape)}; it must have {ndim}"
+                           " dimension(s).")
+  # The sizes most tensors agree on, so that the odd one is named.
+  f = most_common(w_enc.shape[0], w_dec.shape[0], b_enc.shape[0])
+  d = most_common(w_enc.shape[1], w_dec.shape[1], b_dec.shape[0])
   arrays = {
-      "w_enc": check_shape(require_tensor(tensors, "W_enc", file), (f, d),
-                           file, "W_enc", "[d_transcoder, d_model]").T,
-      "b_enc": b_enc, "b_dec": b_dec,
-      "w_dec": check_shape(require_tensor(tensors, "W_dec", file), (f, d),
-                           file, "W_dec", "[d_transcoder, d_model]"),
+      "w_enc": check_shape(w_enc, (f, d), file, "W_enc",
+                           "[d_transcoder, d_model]").T,
+      "b_enc": check_shape(b_enc, (f,), file, "b_enc", "[d_transcoder]"),
+      "b_dec": check_shape(b_dec, (d,), file, "b_dec", "[d_model]"),
+      "w_dec": check_shape(w_dec, (f, d), file, "W_dec",
+                           "[d_transcoder, d_model]"),
   }
   threshold = tensors.get(_THRESHOLD, tensors.get("threshold"))
   if threshold is not None:
     arrays["threshold"] = check_shape(threshold.reshape(-1), (f,), file,
                                       _THRESHOLD, "[d_transcoder]")
-    _warn_negative(arrays["threshold"], file)
+    warn_negative(arrays["threshold"], file)
   if "W_skip" in tensors:
     arrays["w_skip"] = check_shape(tensors["W_skip"], (d, d), file, "W_skip",
                                    "[d_model, d_model]").T
@@ -234,92 +200,29 @@ def read_layer_file(file: Path, *, point: str, output_point: str, model=None,
       size_fields=("b_dec's d_model", "b_dec's d_model"))
 
 
+def _sizes(sae: SparseAutoencoder) -> tuple[int, int, int]:
+  c = sae.config
+  return c.input_size, c.num_features, c.output_size
+
+
 def read_transcoder_set(directory: Path, config: dict, *, model=None,
-                        input_point=None, output_point=None, dtype=None
-                        ) -> TranscoderSet:
+                        input_point=None, output_point=None, dtype=None,
+                        allow_outside=False) -> TranscoderSet:
+  """The set's transcoders, one per listed block, of one size."""
   cfg_path = directory / CONFIG
-  files = _listed_paths(config, directory, r"layer_(\d+)\.safetensors")
+  files = layer_paths(config, directory, r"layer_(\d+)\.safetensors",
+                      allow_outside=allow_outside)
   out = []
   for layer, file in enumerate(files):
-    read, write = _points(config, cfg_path, layer, input_point, output_point,
+    read, write = points(config, cfg_path, layer, input_point, output_point,
                           model)
     out.append(read_layer_file(file, point=read, output_point=write,
                                model=model, dtype=dtype))
+    if _sizes(out[-1]) != _sizes(out[0]):
+      raise SAEFormatError(
+          f"{file} is a transcoder of (d_in, d_transcoder, d_out) ="
+          f" {_sizes(out[-1])} but {files[0]} of {_sizes(out[0])}; a"
+          " transcoder set's blocks all have one size (the files come from"
+          " different sets or models).")
   return TranscoderSet(tuple(out), config["feature_input_hook"],
                        config["feature_output_hook"])
-
-
-def _clt_arrays(directory: Path, config: dict) -> dict:
-  """A CLT's arrays in `CrossLayerTranscoder.from_arrays`'s layout."""
-  if config.get("transcoders") is not None:
-    files = _listed_paths(config, directory)
-    n, per = len(files), []
-    for file in files:
-      t = tensor_files.read_safetensors(file)
-      check_unexpected(t, ("w_enc", "w_dec", "b_enc", "b_dec", "threshold",
-                           "affine_skip_connection"), file,
-                       "Gemma Scope 2 cross-layer transcoder block")
-      d, f = require_tensor(t, "w_enc", file).shape
-      check_shape(require_tensor(t, "w_dec", file), (f, n, d), file, "w_dec",
-                  "[d_sae, n_layers, d_in]")
-      for key, shape in (("b_enc", (f,)), ("b_dec", (d,)),
-                         ("threshold", (f,))):
-        check_shape(require_tensor(t, key, file), shape, file, key, str(shape))
-      per.append(t)
-    skip = all("affine_skip_connection" in t for t in per)
-    return dict(
-        w_enc=np.stack([t["w_enc"].T for t in per]),
-        b_enc=np.stack([t["b_enc"] for t in per]),
-        w_dec=[t["w_dec"][:, i:] for i, t in enumerate(per)],
-        b_dec=np.stack([t["b_dec"] for t in per]),
-        threshold=np.stack([t["threshold"] for t in per]),
-        w_skip=(np.stack([t["affine_skip_connection"] for t in per])
-                if skip else None))
-  encs = _listed_paths(config, directory, r"W_enc_(\d+)\.safetensors")
-  n = len(encs)
-  parts = {"w_enc": [], "b_enc": [], "b_dec": [], "threshold": [],
-           "w_dec": []}
-  for i, file in enumerate(encs):
-    t = tensor_files.read_safetensors(file)
-    w = require_tensor(t, f"W_enc_{i}", file)
-    if w.ndim != 2:
-      raise SAEFormatError(f"{file}: tensor 'W_enc_{i}' has shape"
-                           f" {list(w.shape)}, expected [d_transcoder,"
-                           " d_model].")
-    f, d = w.shape
-    parts["w_enc"].append(w)
-    parts["b_enc"].append(check_shape(require_tensor(t, f"b_enc_{i}", file),
-                                      (f,), file, f"b_enc_{i}", "[d_transcoder]"))
-    parts["b_dec"].append(check_shape(require_tensor(t, f"b_dec_{i}", file),
-                                      (d,), file, f"b_dec_{i}", "[d_model]"))
-    if f"threshold_{i}" in t:
-      parts["threshold"].append(check_shape(
-          t[f"threshold_{i}"].reshape(-1), (f,), file, f"threshold_{i}",
-          "[d_transcoder]"))
-    dec_file = directory / f"W_dec_{i}.safetensors"
-    if not dec_file.is_file():
-      raise SAEFormatError(f"{directory} has W_enc_{i}.safetensors but no"
-                           f" W_dec_{i}.safetensors; the CLT is incomplete.")
-    dec = tensor_files.read_safetensors(dec_file)
-    parts["w_dec"].append(check_shape(
-        require_tensor(dec, f"W_dec_{i}", dec_file), (f, n - i, d), dec_file,
-        f"W_dec_{i}", "[d_transcoder, n_layers - i, d_model]"))
-  if parts["threshold"] and len(parts["threshold"]) != n:
-    raise SAEFormatError(f"{directory}: only some blocks have a threshold_i;"
-                         " a CLT's blocks share one activation.")
-  return dict(w_enc=np.stack(parts["w_enc"]), b_enc=np.stack(parts["b_enc"]),
-              w_dec=parts["w_dec"], b_dec=np.stack(parts["b_dec"]),
-              threshold=(np.stack(parts["threshold"]) if parts["threshold"]
-                         else None), w_skip=None)
-
-
-def read_clt(directory: Path, config: dict, *, model=None, input_point=None,
-             output_point=None, dtype=None) -> CrossLayerTranscoder:
-  cfg_path = directory / CONFIG
-  arrays = _clt_arrays(directory, config)
-  _warn_negative(arrays["threshold"], directory)
-  read, write = _points(config, cfg_path, 0, input_point, output_point, model)
-  return CrossLayerTranscoder.from_arrays(
-      **arrays, input_point=hook_names.split_point(read)[1],
-      output_point=hook_names.split_point(write)[1],
-      dtype=resolve_dtype(dtype, None, cfg_path))

@@ -14,6 +14,9 @@ import numpy as np
 
 from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.json_files import parse_json
+from penzai_lm.file_access import read_regular
+
+MAX_CONFIG_BYTES = 16 << 20  # Configs are kilobytes; this bounds a bad one.
 
 
 class SAEFormatError(CheckpointError):
@@ -48,6 +51,12 @@ def check_shape(array: np.ndarray, expected: tuple[int, ...], path, key: str,
         f" {meaning} = {list(expected)}. The weights do not match the"
         " config (or each other).")
   return array
+
+
+def most_common(*sizes: int) -> int:
+  """The size most of ``sizes`` agree on (the first on a tie): the size a
+  format's tensors should share, so that a check names the odd tensor."""
+  return max(sizes, key=sizes.count)
 
 
 def check_unexpected(tensors: Mapping[str, Any], allowed, path,
@@ -87,10 +96,22 @@ def config_field(config: Mapping[str, Any], key: str, path, *, kind=None,
   return value
 
 
-def read_json(path: Path) -> Any:
-  """A JSON file's value; a file that does not parse is an
+def read_file(path: Path, what: str) -> bytes:
+  """A regular file's bytes (`penzai_lm.file_access.read_regular`), at most
+  `MAX_CONFIG_BYTES`; a FIFO, device or oversized file is an
   `SAEFormatError` naming it."""
   try:
-    return parse_json(Path(path).read_bytes(), str(path))
+    return read_regular(path, what=what, max_bytes=MAX_CONFIG_BYTES)
+  except ValueError as e:
+    raise SAEFormatError(str(e)) from e
+
+
+def read_json(path: Path) -> Any:
+  """A JSON config file's value; a file that is not regular or does not
+  parse is an `SAEFormatError` naming it."""
+  try:
+    return parse_json(read_file(Path(path), "a JSON config"), str(path))
   except CheckpointError as e:
+    if isinstance(e, SAEFormatError):
+      raise
     raise SAEFormatError(str(e)) from e

@@ -35,6 +35,7 @@ from penzai_lm.sae.formats.errors import SAEFormatError
 from penzai_lm.sae.formats.errors import check_shape
 from penzai_lm.sae.formats.errors import read_json
 from penzai_lm.sae.formats.errors import check_unexpected
+from penzai_lm.sae.formats.errors import most_common
 from penzai_lm.sae.formats.errors import require_tensor
 from penzai_lm.sae.formats.errors import where
 
@@ -84,7 +85,10 @@ def _jumprelu_arrays(tensors, path, keys) -> dict:
         f"{path}: tensor {keys['w_dec']!r} has shape {list(w_dec.shape)},"
         " expected [d_sae, d_out] (a 3-D decoder is a cross-layer"
         " transcoder: load it with penzai_lm.sae.load_transcoders).")
-  d_out = w_dec.shape[1]
+  b_dec = require_tensor(tensors, keys["b_dec"], path)
+  # d_out as most sizes say (an SAE's is d_in), so the odd tensor is named.
+  d_out = most_common(w_dec.shape[1], b_dec.shape[0] if b_dec.ndim == 1
+                      else -1, d_in)
   shapes = {"w_dec": ((d_sae, d_out), "[d_sae, d_out]"),
             "b_enc": ((d_sae,), "[d_sae]"), "b_dec": ((d_out,), "[d_out]"),
             "threshold": ((d_sae,), "[d_sae]"),
@@ -121,7 +125,7 @@ def read_gemma_scope_1(file: Path, *, model=None, point=None,
 
 def _gs2_sidecar(file: Path) -> dict | None:
   sidecar = file.parent / SIDECAR
-  if not sidecar.is_file():
+  if not sidecar.exists():  # A FIFO or device is refused by read_json.
     return None
   cfg = read_json(sidecar)
   if not isinstance(cfg, dict):

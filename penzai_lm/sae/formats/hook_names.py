@@ -44,9 +44,11 @@ head order, which is the row-major order of those axes: see
 from __future__ import annotations
 
 import re
+import types
 
 from penzai_lm.model.hooks import BLOCK_POINTS
 from penzai_lm.model.hooks import MODEL_POINTS
+from penzai_lm.model.points import parse_point
 from penzai_lm.sae.formats.errors import SAEFormatError
 
 TL_BLOCK_HOOKS = {
@@ -126,6 +128,26 @@ def split_point(point: str) -> tuple[int | None, str]:
         f" {[p for p in BLOCK_POINTS if p != 'attn.pattern']}, or one of"
         f" {list(MODEL_POINTS)}.")
   return int(m.group(1)), m.group(2)
+
+
+def check_in_model(point: str | None, model, where: str) -> None:
+  """Refuses a point ``model`` (a model or its `TransformerConfig`) does
+  not have (``blocks.99.resid_post`` on a 30-block model), by
+  `penzai_lm.model.points.parse_point`'s rule; None checks nothing.
+
+  Raises:
+    SAEFormatError: ``where`` (the file and field), then parse_point's
+      message.
+  """
+  if point is None or model is None:
+    return
+  if getattr(model, "config", None) is None:
+    model = types.SimpleNamespace(config=model)  # A bare config.
+  try:
+    parse_point(model, point)
+  except ValueError as e:
+    raise SAEFormatError(f"{where}: {e} The autoencoder was made for another"
+                         " model, or the point is wrong.") from e
 
 
 def check_mlp_hook_out(hook: str, point: str | None, config, where: str):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.formats import circuit_tracer
+from penzai_lm.sae.formats import clt_files
 from penzai_lm.sae.formats import gemma_scope
 from penzai_lm.sae.formats import saelens
 from penzai_lm.sae.formats import tensor_files
@@ -49,8 +50,9 @@ def load_sae(path, *, model=None, point: str | None = None,
 
   Args:
     path: A directory or file.
-    model: The model it is for (or its `TransformerConfig`): checks the
-      sizes, and gives the head layout of attention-output SAEs (SAELens
+    model: The model it is for (or its `TransformerConfig`): checks that
+      its points exist there (``blocks.99`` of a 30-block model is an
+      error) and the sizes, and gives the head layout of attention-output SAEs (SAELens
       ``hook_z``, Gemma Scope ``-att``), which need it (or ``input_axes``).
     point: The point it reads, overriding the file's hook name (needed when
       the file names none or one penzai_lm does not know).
@@ -73,9 +75,9 @@ def load_sae(path, *, model=None, point: str | None = None,
                 input_axes=input_axes, dtype=dtype)
   if path.is_dir():
     for name in (saelens.CFG, gemma_scope.GS1_FILE, gemma_scope.GS2_FILE):
-      if (path / name).is_file():
+      if (path / name).exists():  # The reader refuses a FIFO or device.
         return load_sae(path / name, **kwargs)
-    if (path / circuit_tracer.CONFIG).is_file():
+    if (path / circuit_tracer.CONFIG).exists():
       raise SAEFormatError(f"{path} is a circuit-tracer directory"
                            f" ({circuit_tracer.CONFIG}): load it with"
                            " penzai_lm.sae.load_transcoders.")
@@ -84,7 +86,7 @@ def load_sae(path, *, model=None, point: str | None = None,
         f" {gemma_scope.GS1_FILE} (Gemma Scope), {gemma_scope.GS2_FILE}"
         " (Gemma Scope 2); pass the file itself if it has another name.")
   if path.name == saelens.CFG or (path.name == saelens.WEIGHTS and (
-      path.parent / saelens.CFG).is_file()):
+      path.parent / saelens.CFG).exists()):
     return saelens.read_saelens(path.parent, **kwargs)
   if path.suffix == ".npz":
     return gemma_scope.read_gemma_scope_1(path, **kwargs)
@@ -110,34 +112,48 @@ def load_sae(path, *, model=None, point: str | None = None,
 
 
 def load_transcoders(path, *, model=None, input_point: str | None = None,
-                     output_point: str | None = None, dtype=None
+                     output_point: str | None = None, dtype=None,
+                     allow_outside: bool = False
                      ) -> circuit_tracer.TranscoderSet | CrossLayerTranscoder:
   """Loads circuit-tracer transcoders from a ``config.yaml`` (or its
   directory): a `TranscoderSet` (``model_kind: transcoder_set``) or a
   `CrossLayerTranscoder`.
 
+  The files the config lists are confined to its folder (relative paths
+  that stay inside it, links included; `formats.layer_files`); every block
+  has the same sizes.
+
   Args:
     path: The directory or the ``config.yaml``.
-    model: The model (or config), to check sizes.
+    model: The model (or config): each block must exist in it (no more
+      blocks than the model has) and its sizes match.
     input_point, output_point: Block-relative points (``"mlp_in"``,
       ``"mlp_out"``) overriding ``feature_input_hook`` /
       ``feature_output_hook``.
     dtype: The dtype to load in (default float32, as circuit-tracer).
+    allow_outside: Also load absolute paths, ``hf://`` files (from the
+      local Hugging Face cache) and relative paths that leave the config's
+      folder; only for configs you trust.
 
   Raises:
     FileNotFoundError: if ``path`` does not exist.
-    SAEFormatError: for malformed or missing files, naming file and field.
+    SAEFormatError: for malformed or missing files, or files outside the
+      config's folder, naming the file and field.
   """
+  if not isinstance(allow_outside, bool):
+    raise TypeError(f"allow_outside must be True or False, got"
+                    f" {allow_outside!r}.")
   path = _existing(path)
   directory = path if path.is_dir() else path.parent
-  if not (directory / circuit_tracer.CONFIG).is_file():
+  if not (directory / circuit_tracer.CONFIG).exists():
     raise SAEFormatError(f"{directory} has no {circuit_tracer.CONFIG}.")
   config = circuit_tracer.read_config(directory)
   read = (circuit_tracer.read_transcoder_set
           if config["model_kind"] == "transcoder_set"
-          else circuit_tracer.read_clt)
+          else clt_files.read_clt)
   return read(directory, config, model=model, input_point=input_point,
-              output_point=output_point, dtype=dtype)
+              output_point=output_point, dtype=dtype,
+              allow_outside=allow_outside)
 
 
 def save_sae(sae: SparseAutoencoder, directory, *, model_name: str | None = None,
@@ -149,15 +165,20 @@ def save_sae(sae: SparseAutoencoder, directory, *, model_name: str | None = None
   Args:
     sae: The autoencoder.
     directory: Created if needed; existing files of these names are
-      replaced.
+      replaced, each written to a temporary file and renamed into place
+      (never through a link planted there: `penzai_lm.file_access`).
     model_name: Recorded as ``metadata.model_name``.
-    metadata: More ``metadata`` fields (JSON values).
+    metadata: More ``metadata`` fields: a dict of str keys and JSON values,
+      none of the keys save_sae writes itself (``hook_name``,
+      ``model_name``, ``sae_lens_version``...).
 
   Returns:
     The directory.
 
   Raises:
-    ValueError: for an autoencoder SAELens cannot represent.
+    ValueError: for an autoencoder SAELens cannot represent, or metadata
+      that sets a key save_sae writes.
+    TypeError: for metadata that is not JSON.
   """
   return saelens.write_saelens(sae, directory, model_name=model_name,
                                metadata=metadata)

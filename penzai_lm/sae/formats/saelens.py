@@ -40,6 +40,7 @@ import warnings
 
 import numpy as np
 
+from penzai_lm.file_access import write_atomic
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.formats import hook_names
 from penzai_lm.sae.formats import tensor_files
@@ -69,6 +70,9 @@ _IDENTITY_AT_LOAD = ("expected_average_only_in", "covariance_whitening")
 _META_KEYS = ("hook_name", "hook_head_index", "hook_name_out",
               "hook_head_index_out", "hf_hook_name", "hf_hook_name_out",
               "model_name", "sae_lens_version")
+# metadata keys write_saelens sets itself (with the ones read above).
+_WRITTEN_KEYS = frozenset(_META_KEYS) | {"sae_lens_training_version",
+                                         "written_by"}
 WRITTEN_VERSION = "6.0.0"  # The format written (SAELens reads it as v6).
 
 
@@ -96,6 +100,11 @@ def read_config(path: Path) -> dict:
     cfg.setdefault("apply_b_dec_to_input", True)
     cfg.setdefault("architecture", "standard")
     kwargs = cfg.get("activation_fn_kwargs") or {}
+    if not isinstance(kwargs, dict):
+      raise SAEFormatError(
+          f"{where(path, 'activation_fn_kwargs')} is {kwargs!r}; it must be"
+          " an object such as {\"k\": 32} (SAELens passes it as keyword"
+          " arguments).")
     if cfg.get("activation_fn") == "topk" and kwargs.get("k") is not None:
       cfg["architecture"], cfg["k"] = "topk", kwargs["k"]
     if isinstance(cfg.get("normalize_activations"), bool):
@@ -117,7 +126,14 @@ def _read_weights(file: Path, cfg: dict, cfg_path: Path, arch: str):
            else d_in)
   tensors = tensor_files.read_safetensors(file)
   if "log_threshold" in tensors and "threshold" not in tensors:
-    tensors["threshold"] = np.exp(tensors.pop("log_threshold"))
+    with np.errstate(over="ignore"):
+      tensors["threshold"] = np.exp(tensors.pop("log_threshold"))
+    bad = int(np.count_nonzero(~np.isfinite(tensors["threshold"])))
+    if bad:
+      raise SAEFormatError(
+          f"{file}: tensor 'log_threshold' gives {bad} infinite thresholds"
+          " (exp overflows float32 past 88.7): every such feature would be"
+          " dead. The file is corrupt or not a JumpReLU SAE's.")
   scale = tensors.pop("scaling_factor", None)
   expected = {"W_enc": ((d_in, d_sae), "[d_in, d_sae]"),
               "b_enc": ((d_sae,), "[d_sae]"),
@@ -187,7 +203,7 @@ def read_saelens(directory: Path, *, model=None, point=None, output_point=None,
   `penzai_lm.sae.load_sae`)."""
   cfg_path = directory / CFG
   weights = directory / WEIGHTS
-  if not weights.is_file():
+  if not weights.exists():
     raise SAEFormatError(f"{directory} has {CFG} but no {WEIGHTS}; the"
                          " SAELens directory is incomplete.")
   cfg = read_config(cfg_path)
@@ -262,6 +278,34 @@ def _architecture(sae: SparseAutoencoder) -> str:
   return f"{base}skip_transcoder" if skip else f"{base}transcoder"
 
 
+def _check_metadata(metadata, model_name) -> None:
+  """Refuses metadata that is not a JSON object of JSON values, or that
+  would override a key `write_saelens` writes itself. Non-finite floats
+  pass (written ``NaN`` / ``Infinity`` as Python's json writes them, which
+  SAELens reads back): an evaluation's ``ce_recovered`` may be NaN."""
+  if model_name is not None and not isinstance(model_name, str):
+    raise TypeError(f"model_name must be a str, got {model_name!r}.")
+  if metadata is None:
+    return
+  if not isinstance(metadata, dict) or not all(
+      isinstance(k, str) for k in metadata):
+    raise TypeError(f"metadata must be a dict with str keys, got"
+                    f" {metadata!r}.")
+  ours = sorted(_WRITTEN_KEYS & set(metadata))
+  if ours:
+    raise ValueError(
+        f"metadata sets {ours}, which save_sae writes itself from the"
+        " autoencoder (its points) and its arguments (model_name=); drop"
+        " them (to save another point, change the autoencoder's config).")
+  for key, value in metadata.items():
+    try:
+      json.dumps(value)
+    except (TypeError, ValueError) as e:
+      raise TypeError(
+          f"metadata[{key!r}] is {value!r}, not a JSON value (str, number,"
+          f" bool, None, or lists / dicts of those): {e}.") from e
+
+
 _HEAD_OUT_AXES = (("heads", "projection"), ("query_heads", "projection"),
                   ("head_groups", "query_heads", "projection"))
 
@@ -279,6 +323,7 @@ def write_saelens(sae: SparseAutoencoder, directory, *, model_name=None,
   if not isinstance(sae, SparseAutoencoder):
     raise TypeError(f"sae must be a SparseAutoencoder, got"
                     f" {type(sae).__name__}.")
+  _check_metadata(metadata, model_name)
   sae.check()
   c = sae.config
   arch = _architecture(sae)
@@ -319,5 +364,6 @@ def write_saelens(sae: SparseAutoencoder, directory, *, model_name=None,
   directory = Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   tensor_files.write_safetensors(directory / WEIGHTS, tensors)
-  (directory / CFG).write_text(json.dumps(cfg, indent=2) + "\n")
+  write_atomic(directory / CFG,
+               (json.dumps(cfg, indent=2) + "\n").encode())
   return directory
