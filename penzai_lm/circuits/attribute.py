@@ -1,0 +1,293 @@
+"""`attribute`: the attribution graph of a prompt (circuit-tracer 0.5's).
+
+For each target node (a logit, or an active feature's pre-activation) one
+backward pass through the prompt's `LinearizedModel` gives the gradient of
+the target with respect to the residual-stream inputs (the ``embed`` point
+and every block's ``mlp_out``); dotted with each source's vector there (a
+feature's ``a * w_dec`` row at its layer and position, an error vector, a
+token embedding) it is the edge ``adjacency[target, source]``. Targets go in
+batches of ``batch_size``: one ``jax.vmap`` over the targets of a batch, one
+``jax.jit`` program for all batches.
+
+Targets, as circuit-tracer: the logits of the last position whose
+cumulative probability first reaches ``desired_logit_prob`` (at most
+``max_n_logits``), demeaned (``logit - mean(logits)``, whose gradient is
+circuit-tracer's demeaned unembedding vector); then the active features,
+all of them in order, or, with ``max_feature_nodes``, the most influential
+ones, re-ranked by their influence on the logits through the rows computed
+so far every ``update_interval`` batches.
+
+Differences from circuit-tracer: prompts are token ids (tokenize first);
+the targets are always the salient logits (no custom targets yet); only
+per-layer transcoders.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from penzai_lm.circuits.features import PromptFeatures
+from penzai_lm.circuits.features import check_transcoders
+from penzai_lm.circuits.features import prompt_features
+from penzai_lm.circuits.graph import Graph
+from penzai_lm.circuits.prune import compute_partial_influences
+from penzai_lm.circuits.replacement import LinearizedModel
+from penzai_lm.circuits.replacement import linearize
+from penzai_lm.model.transformer import TransformerLM
+
+
+def attribute(model: TransformerLM, transcoders, prompt, *,
+              max_n_logits: int = 10, desired_logit_prob: float = 0.95,
+              batch_size: int = 512, max_feature_nodes: int | None = None,
+              update_interval: int = 4, zero_positions: int = 1) -> Graph:
+  """Computes the attribution graph of ``prompt`` (module docstring).
+
+  Args:
+    model: A `TransformerLM` of the Llama or GPT-2 families (no post-MLP
+      norms, no logit soft-cap).
+    transcoders: Per-layer transcoders (`penzai_lm.sae.load_transcoders`'s
+      `TranscoderSet`, or a list of `SparseAutoencoder`, one per block)
+      reading ``blocks.{i}.mlp_in`` and writing ``blocks.{i}.mlp_out``.
+    prompt: Token ids (a list or a 1-D integer array).
+    max_n_logits: Most logit nodes.
+    desired_logit_prob: Stop adding logit nodes once their total
+      probability reaches this.
+    batch_size: Targets per backward batch.
+    max_feature_nodes: Most feature nodes (None: every active feature).
+    update_interval: Batches between re-rankings of the features (only
+      with ``max_feature_nodes``).
+    zero_positions: Leading positions whose features and errors are left
+      out (circuit-tracer's 1: the BOS token); 0 keeps every position, and
+      then each target's row plus its ``b_dec`` terms adds up to its value.
+
+  Returns:
+    The unpruned `Graph`.
+
+  Raises:
+    TypeError, ValueError: for a bad argument, naming it.
+  """
+  tokens = _check_args(model, prompt, max_n_logits, desired_logit_prob,
+                       batch_size, max_feature_nodes, update_interval,
+                       zero_positions)
+  layers = check_transcoders(model, transcoders)
+  linear = linearize(model, layers, tokens)
+  forward = _forward(linear)
+  feats = prompt_features(layers, np.asarray(forward["mlp_in"]),
+                          np.asarray(forward["mlp_out"]), zero_positions)
+  last = np.asarray(forward["logits"][-1], np.float32)
+  logit_ids, probs = salient_logits(last, max_n_logits, desired_logit_prob)
+  rows = _Rows(linear, feats, np.asarray(forward["embed"], np.float32),
+               batch_size)
+  logit_rows = rows.logits(logit_ids)
+  total = len(feats.layers)
+  n_selected = total if max_feature_nodes is None else min(
+      max_feature_nodes, total)
+  order, feature_rows = _feature_rows(rows, feats, logit_rows, probs,
+                                      n_selected, batch_size,
+                                      update_interval)
+  adjacency = _assemble(logit_rows, feature_rows, order, total)
+  return Graph(
+      input_tokens=tokens,
+      active_features=np.stack([feats.layers, feats.positions, feats.ids],
+                               axis=1).reshape(-1, 3),
+      activation_values=feats.activations,
+      selected_features=np.sort(order).astype(np.int32),
+      logit_tokens=logit_ids.astype(np.int32), logit_probabilities=probs,
+      adjacency_matrix=adjacency, num_layers=model.config.num_layers,
+      vocab_size=last.shape[0])
+
+
+def salient_logits(logits: np.ndarray, max_n_logits: int,
+                   desired_logit_prob: float
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """``(token ids, probabilities)`` of the most probable tokens, in
+  decreasing probability, until their total reaches ``desired_logit_prob``
+  (the token reaching it included), at most ``max_n_logits``."""
+  shifted = logits - logits.max()
+  probs = np.exp(shifted) / np.exp(shifted).sum()
+  top = np.argsort(-probs, kind="stable")[:max_n_logits]
+  cumulative = np.cumsum(probs[top], dtype=np.float32)
+  cutoff = int(np.searchsorted(cumulative, np.float32(desired_logit_prob))) + 1
+  top = top[:cutoff]
+  return top.astype(np.int32), probs[top].astype(np.float32)
+
+
+@jax.jit
+def _forward(linear: LinearizedModel) -> dict:
+  zeros = _zero_deltas(linear)
+  return linear.run(*zeros)
+
+
+def _zero_deltas(linear: LinearizedModel):
+  seq = linear.tokens.named_shape["seq"]
+  return (jnp.zeros((seq, linear.width), jnp.float32),
+          jnp.zeros((linear.num_layers, seq, linear.width), jnp.float32))
+
+
+@jax.jit
+def _batch_rows(linear: LinearizedModel, sources: dict, layers, positions,
+                vectors, tokens, is_logit):
+  """``[B, n_sources]`` rows for a batch of targets: feature targets read
+  ``vectors[b]`` (``[D]``) at ``mlp_in[layers[b], positions[b]]``, logit
+  targets (``is_logit[b]``) the demeaned logit of ``tokens[b]`` at the last
+  position."""
+  embed_zero, mlp_zero = _zero_deltas(linear)
+  (mlp_in, last), pullback = jax.vjp(linear.targets, embed_zero, mlp_zero)
+  vocab = last.shape[0]
+
+  def one(layer, position, vector, token, logit):
+    demeaned = jax.nn.one_hot(token, vocab, dtype=last.dtype) - 1.0 / vocab
+    cotangent = (jnp.zeros_like(mlp_in).at[layer, position].set(
+        jnp.where(logit, 0.0, vector)), jnp.where(logit, demeaned, 0.0))
+    grad_embed, grad_mlp = pullback(cotangent)
+    return _read_out(grad_embed, grad_mlp, sources)
+
+  return jax.vmap(one)(layers, positions, vectors, tokens, is_logit)
+
+
+def _read_out(grad_embed, grad_mlp, sources) -> jax.Array:
+  """One target's row: ``[features, errors (layer-major), tokens]``."""
+  at_features = grad_mlp[sources["layers"], sources["positions"]]
+  features = jnp.sum(at_features * sources["decoder"], axis=-1)
+  errors = jnp.sum(grad_mlp * sources["errors"], axis=-1).reshape(-1)
+  tokens = jnp.sum(grad_embed * sources["embed"], axis=-1)
+  return jnp.concatenate([features, errors, tokens])
+
+
+class _Rows:
+  """Computes rows in fixed-size batches: the last batch is padded, and
+  the feature sources to a power of two, so that one compiled program
+  serves every batch, logits and features alike (and prompts with similar
+  numbers of active features)."""
+
+  def __init__(self, linear, feats: PromptFeatures, embed, batch_size):
+    n = len(feats.layers)
+    pad = max(64, 1 << (n - 1).bit_length()) - n
+    def padded(a):
+      return jnp.asarray(np.concatenate([a, np.zeros((pad, *a.shape[1:]),
+                                                     a.dtype)]))
+    self.sources = {"layers": padded(feats.layers),
+                    "positions": padded(feats.positions),
+                    "decoder": padded(feats.decoder_vecs),
+                    "errors": jnp.asarray(feats.errors),
+                    "embed": jnp.asarray(embed)}
+    self.linear, self.batch_size = linear, batch_size
+    self.n_features, self.n_padding = n, pad
+    self.width = n + feats.errors.shape[0] * feats.errors.shape[1] + len(
+        embed)
+
+  def _run(self, layers, positions, vectors, tokens, is_logit):
+    n = len(vectors)
+    out = [np.zeros((0, self.width), np.float32)]
+    for start in range(0, n, self.batch_size):
+      stop = min(start + self.batch_size, n)
+      pad = self.batch_size - (stop - start)
+      def padded(a):
+        return np.concatenate([a[start:stop],
+                               np.zeros((pad, *a.shape[1:]), a.dtype)])
+      rows = np.asarray(_batch_rows(
+          self.linear, self.sources, padded(layers), padded(positions),
+          padded(vectors), padded(tokens), padded(is_logit)))[:stop - start]
+      out.append(np.delete(rows, np.s_[self.n_features:self.n_features
+                                       + self.n_padding], axis=1))
+    return np.concatenate(out)
+
+  def logits(self, tokens: np.ndarray) -> np.ndarray:
+    """Rows of the demeaned logits of ``tokens`` (last position)."""
+    zeros = np.zeros(len(tokens), np.int32)
+    vectors = np.zeros((len(tokens), self.sources["embed"].shape[1]),
+                       np.float32)
+    return self._run(zeros, zeros, vectors, tokens.astype(np.int32),
+                     np.ones(len(tokens), bool))
+
+  def features(self, feats: PromptFeatures, index: np.ndarray) -> np.ndarray:
+    """Rows of the pre-activations of features ``index``."""
+    return self._run(feats.layers[index], feats.positions[index],
+                     feats.encoder_vecs[index],
+                     np.zeros(len(index), np.int32),
+                     np.zeros(len(index), bool))
+
+
+def _feature_rows(rows: _Rows, feats: PromptFeatures, logit_rows, probs,
+                  n_selected: int, batch_size: int, update_interval: int):
+  """``(feature indices in visiting order, their rows)``: every feature in
+  order, or the ``n_selected`` most influential, re-ranked every
+  ``update_interval`` batches (circuit-tracer's phase 4)."""
+  total = len(feats.layers)
+  if n_selected == total:
+    order = np.arange(total)
+    return order, rows.features(feats, order)
+  n_logits = len(logit_rows)
+  logit_nodes = logit_rows.shape[1] + np.arange(n_logits)
+  visited = np.zeros(total, bool)
+  order, computed, n_visited = [], [], 0
+  while n_visited < n_selected:
+    edge_rows = np.concatenate([logit_rows, *computed])
+    # Columns: every non-logit node, then the logit nodes (no inputs).
+    edge_rows = np.concatenate(
+        [edge_rows, np.zeros((len(edge_rows), n_logits), np.float32)], 1)
+    row_nodes = np.concatenate([logit_nodes, *order]).astype(np.int64)
+    influence = compute_partial_influences(edge_rows, probs, row_nodes)
+    rank = np.argsort(-influence[:total], kind="stable")
+    queue = min(update_interval * batch_size, n_selected - n_visited)
+    pending = rank[~visited[rank]][:queue]
+    computed.append(rows.features(feats, pending))
+    order.append(pending)
+    visited[pending] = True
+    n_visited += len(pending)
+  return np.concatenate(order), np.concatenate(computed)
+
+
+def _assemble(logit_rows, feature_rows, order, total: int) -> np.ndarray:
+  """The square adjacency matrix: selected feature rows in feature order,
+  zero error and token rows, the logit rows last; the columns of
+  unselected features dropped."""
+  selected = np.sort(order)
+  n_cols = logit_rows.shape[1]
+  keep = np.concatenate([selected, np.arange(total, n_cols)])
+  n_logits = len(logit_rows)
+  n = len(keep) + n_logits
+  adjacency = np.zeros((n, n), np.float32)
+  by_feature = feature_rows[np.argsort(order)]
+  adjacency[:len(selected), :len(keep)] = by_feature[:, keep]
+  adjacency[n - n_logits:, :len(keep)] = logit_rows[:, keep]
+  return adjacency
+
+
+def _check_args(model, prompt, max_n_logits, desired_logit_prob,
+                batch_size, max_feature_nodes, update_interval,
+                zero_positions) -> np.ndarray:
+  """The prompt as int32 ids, after checking every argument."""
+  if not isinstance(model, TransformerLM):
+    raise TypeError("attribute needs an uncached penzai_lm TransformerLM,"
+                    f" got {type(model).__name__}.")
+  if isinstance(prompt, str):
+    raise TypeError("prompt must be token ids (tokenize the text first),"
+                    " got a str.")
+  ids = np.asarray(prompt)
+  if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype,
+                                                         np.integer):
+    raise ValueError("prompt must be a non-empty 1-D list or array of"
+                     f" integer token ids, got shape {ids.shape} dtype"
+                     f" {ids.dtype}.")
+  vocab = model.config.vocab_size
+  bad = ids[(ids < 0) | (ids >= vocab)]
+  if bad.size:
+    raise ValueError(f"prompt has token id {int(bad[0])} outside the"
+                     f" vocabulary [0, {vocab}).")
+  for name, value, low in (("max_n_logits", max_n_logits, 1),
+                           ("batch_size", batch_size, 1),
+                           ("update_interval", update_interval, 1),
+                           ("zero_positions", zero_positions, 0),
+                           ("max_feature_nodes", max_feature_nodes, 1)):
+    if name == "max_feature_nodes" and value is None:
+      continue
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+      raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+  if not (isinstance(desired_logit_prob, (int, float))
+          and 0.0 < desired_logit_prob <= 1.0):
+    raise ValueError("desired_logit_prob must be in (0, 1], got"
+                     f" {desired_logit_prob!r}.")
+  return ids.astype(np.int32)

@@ -1,0 +1,160 @@
+"""The transcoders on one prompt: active features, their vectors, errors.
+
+Per-layer transcoders (circuit-tracer's ``TranscoderSet``): block ``l``'s
+transcoder reads ``blocks.{l}.mlp_in`` and predicts ``blocks.{l}.mlp_out``.
+On the prompt, each block's MLP output is split exactly as::
+
+    mlp_out[l, p] = sum_f a[l, p, f] * w_dec[l][f] + b_dec[l]
+                    + skip[l](mlp_in[l, p]) + error[l, p]
+
+Active features are listed sorted by ``(layer, position, feature id)``
+(circuit-tracer's coalesced sparse order). Features at the first
+``zero_positions`` positions are dropped and the errors there set to zero,
+as circuit-tracer does for the BOS token (its default is 1 position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from penzai import pz
+
+from penzai_lm.sae.autoencoder import FEATURES
+from penzai_lm.sae.autoencoder import SparseAutoencoder
+from penzai_lm.sae.formats.circuit_tracer import TranscoderSet
+from penzai_lm.sae.formats.cross_layer import CrossLayerTranscoder
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptFeatures:
+  """What the transcoders read and write on one prompt (``N`` active
+  features, ``L`` blocks, ``T`` positions, ``D`` residual width).
+
+  Attributes:
+    layers, positions, ids: ``[N]`` int32 coordinates of the active
+      features, sorted by ``(layer, position, id)``.
+    activations: ``[N]`` float32.
+    encoder_vecs: ``[N, D]``: a feature's pre-activation is
+      ``encoder_vecs[i] . mlp_in[layer, position]`` plus a constant
+      (``b_enc``, and ``-b_dec . w_enc`` for SAEs that subtract ``b_dec``).
+    decoder_vecs: ``[N, D]``: ``activation * w_dec`` row, what the feature
+      writes to ``mlp_out``.
+    errors: ``[L, T, D]``: the MLP output the transcoder misses.
+    biases: ``[L, D]``: each block's ``b_dec``.
+  """
+
+  layers: np.ndarray
+  positions: np.ndarray
+  ids: np.ndarray
+  activations: np.ndarray
+  encoder_vecs: np.ndarray
+  decoder_vecs: np.ndarray
+  errors: np.ndarray
+  biases: np.ndarray
+
+
+def check_transcoders(model, transcoders) -> tuple[SparseAutoencoder, ...]:
+  """The per-layer transcoders of ``transcoders`` (a `TranscoderSet` or a
+  sequence of `SparseAutoencoder`, one per block), checked against
+  ``model``.
+
+  Raises:
+    TypeError: for a cross-layer transcoder (not supported yet) or another
+      type.
+    ValueError: naming the layer whose transcoder does not fit.
+  """
+  if isinstance(transcoders, CrossLayerTranscoder):
+    raise TypeError("cross-layer transcoders are not supported by"
+                    " penzai_lm.circuits yet; pass per-layer transcoders (a"
+                    " TranscoderSet).")
+  if isinstance(transcoders, TranscoderSet):
+    transcoders = transcoders.transcoders
+  if not isinstance(transcoders, (list, tuple)) or not all(
+      isinstance(t, SparseAutoencoder) for t in transcoders):
+    raise TypeError("transcoders must be a TranscoderSet or a list of"
+                    " SparseAutoencoder, one per block; got"
+                    f" {type(transcoders).__name__}.")
+  config = model.config
+  if len(transcoders) != config.num_layers:
+    raise ValueError(f"got {len(transcoders)} transcoders for a model with"
+                     f" {config.num_layers} blocks: pass one per block.")
+  if config.post_norms or config.final_logit_softcap:
+    raise ValueError(
+        "penzai_lm.circuits needs logits linear in the final residual and"
+        " MLP outputs written straight to the residual: this model has"
+        " post-MLP norms or soft-capped logits (Gemma 2/3), not supported"
+        " yet.")
+  axes = (("embedding", config.hidden_size),)
+  for layer, t in enumerate(transcoders):
+    c = t.config
+    want = (f"blocks.{layer}.mlp_in", f"blocks.{layer}.mlp_out")
+    if (c.hook_point, c.output_point) != want:
+      raise ValueError(
+          f"transcoder {layer} reads {c.hook_point!r} and writes"
+          f" {c.output_point!r}; block {layer}'s must read {want[0]!r} and"
+          f" write {want[1]!r}.")
+    if c.input_axes != axes or c.output_axes != axes:
+      raise ValueError(f"transcoder {layer} has axes {c.input_axes} ->"
+                       f" {c.output_axes}; the model's residual is {axes}.")
+    if c.normalize_activations != "none":
+      raise ValueError(
+          f"transcoder {layer} normalizes its input"
+          f" ({c.normalize_activations!r}), so its pre-activations are not"
+          " linear in it; only normalize_activations='none' is supported.")
+  return tuple(transcoders)
+
+
+def prompt_features(transcoders, mlp_in: np.ndarray, mlp_out: np.ndarray,
+                    zero_positions: int = 1) -> PromptFeatures:
+  """Encodes the prompt's MLP inputs (``[L, T, D]``) with the transcoders
+  and splits the MLP outputs into features and errors (module
+  docstring)."""
+  found, errors, biases = [], [], []
+  for layer, t in enumerate(transcoders):
+    x = pz.nx.wrap(jnp.asarray(mlp_in[layer], t.dtype)).tag("seq",
+                                                             "embedding")
+    acts = np.array(t.encode(x).unwrap("seq", FEATURES), np.float32)
+    acts[:zero_positions] = 0.0
+    recon = _reconstruction(t, x, acts)
+    error = np.asarray(mlp_out[layer], np.float32) - recon
+    error[:zero_positions] = 0.0
+    errors.append(error)
+    biases.append(np.asarray(t.flat()["b_dec"], np.float32))
+    enc, dec = effective_vectors(t)
+    positions, ids = np.nonzero(acts)
+    values = acts[positions, ids]
+    found.append((np.full(len(ids), layer), positions, ids, values,
+                  enc[:, ids].T, dec[ids] * values[:, None]))
+  cols = [np.concatenate(c) for c in zip(*found)]
+  width = mlp_in.shape[-1]
+  return PromptFeatures(
+      layers=cols[0].astype(np.int32), positions=cols[1].astype(np.int32),
+      ids=cols[2].astype(np.int32), activations=cols[3].astype(np.float32),
+      encoder_vecs=cols[4].astype(np.float32).reshape(-1, width),
+      decoder_vecs=cols[5].astype(np.float32).reshape(-1, width),
+      errors=np.stack(errors), biases=np.stack(biases))
+
+
+def effective_vectors(t: SparseAutoencoder) -> tuple[np.ndarray, np.ndarray]:
+  """``(encoder [D, F], decoder [F, D])`` float32: the pre-activation is
+  ``x @ encoder`` plus a constant, the output ``acts @ decoder`` plus
+  constants (decoder-norm rescaling folded in)."""
+  flat = {k: np.asarray(v, np.float32) for k, v in t.flat().items()}
+  enc, dec = flat["w_enc"], flat["w_dec"]
+  if t.config.rescale_acts_by_decoder_norm:
+    norms = np.linalg.norm(dec, axis=1)
+    enc, dec = enc * norms, dec / norms[:, None]
+  return enc, dec
+
+
+def _reconstruction(t: SparseAutoencoder, x, acts: np.ndarray) -> np.ndarray:
+  """The transcoder's output for activations ``acts`` (``[T, F]``) and
+  input ``x``, skip connection included: ``[T, D]`` float32."""
+  features = pz.nx.wrap(jnp.asarray(acts, t.dtype)).tag("seq", FEATURES)
+  out = t.decode(features)
+  skip = t.skip(x)
+  if skip is not None:
+    out = out + skip
+  return np.asarray(out.unwrap("seq", "embedding"), np.float32)

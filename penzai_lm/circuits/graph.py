@@ -1,0 +1,238 @@
+"""`Graph`: an attribution graph, its node tables and its adjacency matrix.
+
+Node order (circuit-tracer 0.5's): the selected features, then the error
+nodes, then the token-embedding nodes, then the logit nodes::
+
+    [features (n_features), errors (num_layers * n_pos, layer-major:
+     (layer 0, pos 0), (layer 0, pos 1), ...), tokens (n_pos),
+     logits (n_logits, most probable first)]
+
+``adjacency_matrix[target, source]`` is the direct effect of ``source`` on
+``target`` in the prompt's local replacement model (row = target, column =
+source, as circuit-tracer). A feature target's row holds contributions to
+its pre-activation (without ``b_enc``), a logit target's row contributions
+to its demeaned logit (the logit minus the mean over the vocabulary). Rows
+of error and token nodes are zero (they have no inputs).
+
+``active_features`` lists every feature active on the prompt; the graph's
+feature nodes are ``active_features[selected_features]`` (all of them
+unless ``max_feature_nodes`` capped them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+FORMAT = "penzai_lm.circuits.Graph"
+FORMAT_VERSION = 1
+_META_KEY = "penzai_lm.circuits"
+
+# (name, dtype, number of dimensions) of each array field.
+_ARRAYS = (
+    ("input_tokens", np.int32, 1),
+    ("active_features", np.int32, 2),
+    ("activation_values", np.float32, 1),
+    ("selected_features", np.int32, 1),
+    ("logit_tokens", np.int32, 1),
+    ("logit_probabilities", np.float32, 1),
+    ("adjacency_matrix", np.float32, 2),
+)
+_NAMES = tuple(name for name, _, _ in _ARRAYS)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Graph:
+  """An attribution graph (see the module docstring for the node order).
+
+  Attributes:
+    input_tokens: ``[n_pos]`` int32 prompt token ids.
+    active_features: ``[n_active, 3]`` int32 ``(layer, position,
+      feature id)`` of every active feature, sorted lexicographically.
+    activation_values: ``[n_active]`` float32 activations.
+    selected_features: ``[n_features]`` int32 sorted indices into
+      ``active_features``: the graph's feature nodes.
+    logit_tokens: ``[n_logits]`` int32 token ids of the logit nodes.
+    logit_probabilities: ``[n_logits]`` float32 softmax probabilities of
+      those tokens at the last position.
+    adjacency_matrix: ``[n_nodes, n_nodes]`` float32, row = target,
+      column = source.
+    num_layers: Blocks of the model (error nodes per position).
+    vocab_size: The model's vocabulary size.
+  """
+
+  input_tokens: np.ndarray
+  active_features: np.ndarray
+  activation_values: np.ndarray
+  selected_features: np.ndarray
+  logit_tokens: np.ndarray
+  logit_probabilities: np.ndarray
+  adjacency_matrix: np.ndarray
+  num_layers: int
+  vocab_size: int
+
+  def __post_init__(self):
+    _check(self, "Graph")
+
+  @property
+  def n_pos(self) -> int:
+    return len(self.input_tokens)
+
+  @property
+  def n_features(self) -> int:
+    return len(self.selected_features)
+
+  @property
+  def n_errors(self) -> int:
+    return self.num_layers * self.n_pos
+
+  @property
+  def n_logits(self) -> int:
+    return len(self.logit_tokens)
+
+  @property
+  def n_nodes(self) -> int:
+    return self.n_features + self.n_errors + self.n_pos + self.n_logits
+
+  @property
+  def error_start(self) -> int:
+    return self.n_features
+
+  @property
+  def token_start(self) -> int:
+    return self.n_features + self.n_errors
+
+  @property
+  def logit_start(self) -> int:
+    return self.token_start + self.n_pos
+
+  @property
+  def feature_nodes(self) -> np.ndarray:
+    """``[n_features, 3]`` ``(layer, position, feature id)`` of the feature
+    nodes, in node order."""
+    return self.active_features[self.selected_features]
+
+  def error_node(self, layer: int, position: int) -> int:
+    """The node index of the error node at ``(layer, position)``."""
+    if not (0 <= layer < self.num_layers and 0 <= position < self.n_pos):
+      raise ValueError(
+          f"no error node at layer {layer}, position {position}: the graph"
+          f" has {self.num_layers} layers and {self.n_pos} positions.")
+    return self.error_start + layer * self.n_pos + position
+
+  def save(self, path) -> Path:
+    """Writes the graph to one safetensors file (arrays, plus the scalar
+    fields as JSON in its metadata). Returns the path."""
+    path = Path(path)
+    meta = {"format": FORMAT, "version": FORMAT_VERSION,
+            "num_layers": self.num_layers, "vocab_size": self.vocab_size}
+    arrays = {name: np.ascontiguousarray(getattr(self, name))
+              for name in _NAMES}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(arrays, str(tmp), metadata={_META_KEY: json.dumps(meta)})
+    os.replace(tmp, path)
+    return path
+
+  @classmethod
+  def load(cls, path) -> Graph:
+    """Reads a graph written by `save` (no code is executed).
+
+    Raises:
+      FileNotFoundError: if ``path`` does not exist.
+      ValueError: naming the file and field that is missing or malformed.
+    """
+    path = Path(path)
+    if not path.is_file():
+      raise FileNotFoundError(f"{path} does not exist or is not a file.")
+    try:
+      with safe_open(str(path), framework="np") as f:
+        metadata = f.metadata() or {}
+        arrays = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+      raise ValueError(f"{path} is not a readable safetensors file: {e}"
+                       ) from e
+    meta = _read_meta(path, metadata)
+    missing = sorted(set(_NAMES) - set(arrays))
+    if missing:
+      raise ValueError(f"{path} lacks the arrays {missing} of a {FORMAT}.")
+    fields = {name: arrays[name] for name in _NAMES}
+    return _checked(str(path), fields, meta)
+
+
+def _read_meta(path: Path, metadata: dict) -> dict:
+  if _META_KEY not in metadata:
+    raise ValueError(f"{path} has no {_META_KEY!r} metadata: it was not"
+                     f" written by {FORMAT}.save.")
+  try:
+    meta = json.loads(metadata[_META_KEY])
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: metadata {_META_KEY!r} is not JSON: {e}"
+                     ) from e
+  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    raise ValueError(f"{path}: metadata {_META_KEY!r} does not describe a"
+                     f" {FORMAT}.")
+  if meta.get("version") != FORMAT_VERSION:
+    raise ValueError(f"{path}: format version {meta.get('version')!r},"
+                     f" this penzai_lm reads version {FORMAT_VERSION}.")
+  for key in ("num_layers", "vocab_size"):
+    value = meta.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{path}: metadata field {key!r} must be a positive"
+                       f" int, got {value!r}.")
+  return meta
+
+
+def _checked(where: str, fields: dict, meta: dict) -> Graph:
+  for name, dtype, ndim in _ARRAYS:
+    value = fields[name]
+    if value.dtype != dtype or value.ndim != ndim:
+      raise ValueError(f"{where}: {name} must be {np.dtype(dtype).name} with"
+                       f" {ndim} dimensions, got {value.dtype} with shape"
+                       f" {value.shape}.")
+  return Graph(**fields, num_layers=meta["num_layers"],
+               vocab_size=meta["vocab_size"])
+
+
+def _check(graph: Graph, where: str) -> None:
+  """Checks the tables against each other and the adjacency matrix."""
+  for name, dtype, ndim in _ARRAYS:
+    value = np.asarray(getattr(graph, name))
+    if value.ndim != ndim or not np.can_cast(value.dtype, dtype,
+                                             "same_kind"):
+      raise ValueError(f"{where}: {name} must be {np.dtype(dtype).name} with"
+                       f" {ndim} dimensions, got {value.dtype} with shape"
+                       f" {value.shape}.")
+    object.__setattr__(graph, name, value.astype(dtype, copy=False))
+  n_active = len(graph.active_features)
+  if graph.active_features.shape[1:] != (3,):
+    raise ValueError(f"{where}: active_features must be [n_active, 3]"
+                     f" (layer, position, feature), got"
+                     f" {graph.active_features.shape}.")
+  if graph.activation_values.shape != (n_active,):
+    raise ValueError(f"{where}: activation_values has shape"
+                     f" {graph.activation_values.shape}, expected"
+                     f" ({n_active},) (one per active feature).")
+  selected = graph.selected_features
+  if selected.size and (selected.min() < 0 or selected.max() >= n_active
+                        or np.any(np.diff(selected) <= 0)):
+    raise ValueError(f"{where}: selected_features must be sorted, distinct"
+                     f" indices into active_features [0, {n_active}).")
+  if graph.logit_probabilities.shape != graph.logit_tokens.shape:
+    raise ValueError(f"{where}: logit_probabilities has shape"
+                     f" {graph.logit_probabilities.shape}, logit_tokens"
+                     f" {graph.logit_tokens.shape}; they must match.")
+  n = graph.n_nodes
+  if graph.adjacency_matrix.shape != (n, n):
+    raise ValueError(
+        f"{where}: adjacency_matrix has shape"
+        f" {graph.adjacency_matrix.shape}, but the node tables give {n}"
+        f" nodes ({graph.n_features} features + {graph.num_layers} layers x"
+        f" {graph.n_pos} positions errors + {graph.n_pos} tokens +"
+        f" {graph.n_logits} logits).")

@@ -1,0 +1,198 @@
+"""Pruning and scoring attribution graphs (circuit-tracer 0.5's ``graph``).
+
+All functions take adjacency matrices in the `Graph` convention (row =
+target, column = source; node order features, errors, tokens, logits) and
+compute in float32 numpy, as circuit-tracer does in float32 torch:
+
+* ``normalize_matrix``: ``|A|`` with each row divided by its sum (rows
+  summing to 0 stay 0): each target's inputs as fractions.
+* ``compute_influence(A, w)``: ``w @ (A + A^2 + A^3 + ...)``, the
+  influence of every node on the weighted targets ``w`` through paths of
+  any length (the series ends: the graph is acyclic).
+* node influence: ``compute_influence(normalize(A), logit_weights)`` with
+  the logit nodes weighted by their probabilities.
+* edge influence: ``normalize(A)[t, s] * (influence[t] + w[t])`` on the
+  matrix pruned to the kept nodes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from penzai_lm.circuits.graph import Graph
+
+
+def normalize_matrix(matrix: np.ndarray) -> np.ndarray:
+  """``|matrix|`` with rows scaled to sum to 1 (zero rows stay zero)."""
+  normalized = np.abs(np.asarray(matrix, np.float32))
+  sums = normalized.sum(axis=1, keepdims=True)
+  return normalized / np.maximum(sums, np.float32(1e-10))
+
+
+def compute_influence(matrix: np.ndarray, weights: np.ndarray,
+                      max_iter: int = 1000) -> np.ndarray:
+  """``weights @ (M + M^2 + ...)`` for a nilpotent ``matrix`` M.
+
+  Raises:
+    RuntimeError: if the series has not ended after ``max_iter`` terms
+      (the matrix has a cycle).
+  """
+  current = np.asarray(weights, np.float32) @ matrix
+  influence = current.copy()
+  iterations = 0
+  while current.any():
+    if iterations >= max_iter:
+      raise RuntimeError(f"influence did not converge after {iterations}"
+                         " iterations: the adjacency matrix has a cycle.")
+    current = current @ matrix
+    influence += current
+    iterations += 1
+  return influence
+
+
+def compute_node_influence(adjacency: np.ndarray,
+                           logit_weights: np.ndarray) -> np.ndarray:
+  return compute_influence(normalize_matrix(adjacency), logit_weights)
+
+
+def compute_edge_influence(pruned: np.ndarray,
+                           logit_weights: np.ndarray) -> np.ndarray:
+  """``[n, n]`` scores of every edge (see the module docstring)."""
+  normalized = normalize_matrix(pruned)
+  influence = compute_influence(normalized, logit_weights) + logit_weights
+  return normalized * influence[:, None]
+
+
+def find_threshold(scores: np.ndarray, threshold: float) -> np.float32:
+  """The smallest score among the largest ones that together make up the
+  fraction ``threshold`` of the total."""
+  ordered = np.sort(np.asarray(scores, np.float32).ravel())[::-1]
+  cumulative = np.cumsum(ordered, dtype=np.float32) / ordered.sum(
+      dtype=np.float32)
+  index = int(np.searchsorted(cumulative, np.float32(threshold)))
+  return ordered[min(index, len(ordered) - 1)]
+
+
+def logit_weights(graph: Graph) -> np.ndarray:
+  """``[n_nodes]`` weights: the logit probabilities on the logit nodes,
+  zero elsewhere."""
+  weights = np.zeros(graph.n_nodes, np.float32)
+  weights[graph.logit_start:] = graph.logit_probabilities
+  return weights
+
+
+class PruneResult(NamedTuple):
+  """The result of `prune_graph`.
+
+  Attributes:
+    node_mask: ``[n_nodes]`` bool: nodes kept.
+    edge_mask: ``[n_nodes, n_nodes]`` bool: edges kept.
+    cumulative_scores: ``[n_nodes]`` float32: for each node, the fraction
+      of the total node influence held by the nodes at least as
+      influential (a node's rank as a fraction of influence).
+  """
+
+  node_mask: np.ndarray
+  edge_mask: np.ndarray
+  cumulative_scores: np.ndarray
+
+
+def prune_graph(graph: Graph, node_threshold: float = 0.8,
+                edge_threshold: float = 0.98) -> PruneResult:
+  """Keeps the nodes and edges that carry most of the influence on the
+  logits, as circuit-tracer's ``prune_graph``.
+
+  Nodes are kept by influence until ``node_threshold`` of the total is
+  covered (tokens and logits always), edges of the pruned matrix likewise
+  with ``edge_threshold``; then feature and error nodes without a kept
+  outgoing edge, and feature nodes without a kept incoming edge, are
+  dropped (with their edges) until nothing changes.
+
+  Raises:
+    ValueError: for a threshold outside [0, 1].
+  """
+  for name, value in (("node_threshold", node_threshold),
+                      ("edge_threshold", edge_threshold)):
+    if not 0.0 <= value <= 1.0:
+      raise ValueError(f"{name} must be between 0.0 and 1.0, got {value!r}.")
+  weights = logit_weights(graph)
+  adjacency = graph.adjacency_matrix
+  influence = compute_node_influence(adjacency, weights)
+  node_mask = influence >= find_threshold(influence, node_threshold)
+  inner = graph.token_start  # Features and errors: [0, inner).
+  node_mask[inner:] = True
+  pruned = adjacency.copy()
+  pruned[~node_mask] = 0
+  pruned[:, ~node_mask] = 0
+  scores = compute_edge_influence(pruned, weights)
+  edge_mask = scores >= find_threshold(scores, edge_threshold)
+  n_features = graph.n_features
+
+  def drop_unconnected():
+    node_mask[:inner] &= edge_mask[:, :inner].any(axis=0)
+    node_mask[:n_features] &= edge_mask[:n_features].any(axis=1)
+
+  before = node_mask.copy()
+  drop_unconnected()
+  while not np.array_equal(node_mask, before):
+    before = node_mask.copy()
+    edge_mask[~node_mask] = False
+    edge_mask[:, ~node_mask] = False
+    drop_unconnected()
+  order = np.argsort(-influence, kind="stable")
+  cumulative = np.cumsum(influence[order], dtype=np.float32) / influence.sum(
+      dtype=np.float32)
+  final = np.zeros_like(influence)
+  final[order] = cumulative
+  return PruneResult(node_mask, edge_mask, final)
+
+
+def compute_graph_scores(graph: Graph) -> tuple[float, float]:
+  """``(replacement score, completeness score)``, circuit-tracer's.
+
+  Replacement: of the influence on the logits that starts at token or
+  error nodes, the fraction that starts at tokens. Completeness: the
+  fraction of each node's (normalized) inputs that come from non-error
+  nodes, averaged with weights ``influence + logit weight``.
+  """
+  weights = logit_weights(graph)
+  normalized = normalize_matrix(graph.adjacency_matrix)
+  influence = compute_influence(normalized, weights)
+  errors = slice(graph.error_start, graph.token_start)
+  token_influence = influence[graph.token_start:graph.logit_start].sum()
+  error_influence = influence[errors].sum()
+  replacement = token_influence / (token_influence + error_influence)
+  non_error = 1 - normalized[:, errors].sum(axis=-1)
+  output = influence + weights
+  completeness = (non_error * output).sum() / output.sum()
+  return float(replacement), float(completeness)
+
+
+def compute_partial_influences(edge_rows: np.ndarray,
+                               logit_probabilities: np.ndarray,
+                               row_nodes: np.ndarray,
+                               max_iter: int = 128) -> np.ndarray:
+  """Influence of every node on the logits from the rows computed so far
+  (``edge_rows[i]`` is node ``row_nodes[i]``'s row; the logit rows come
+  last among the nodes), as circuit-tracer's ``compute_partial_influences``
+  (used to visit features in influence order).
+
+  Raises:
+    RuntimeError: if the series has not ended after ``max_iter`` terms.
+  """
+  normalized = np.abs(np.asarray(edge_rows, np.float32))
+  normalized /= np.maximum(normalized.sum(axis=1, keepdims=True),
+                           np.float32(1e-8))
+  n = edge_rows.shape[1]
+  influences = np.zeros(n, np.float32)
+  prod = np.zeros(n, np.float32)
+  prod[n - len(logit_probabilities):] = logit_probabilities
+  for _ in range(max_iter):
+    prod = prod[row_nodes] @ normalized
+    if not prod.any():
+      return influences
+    influences += prod
+  raise RuntimeError("partial influences did not converge after"
+                     f" {max_iter} iterations.")
