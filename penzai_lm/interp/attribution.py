@@ -47,8 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.interp.metric_checks import check_finite_metric
+from penzai_lm.interp.metric_checks import check_metric
+from penzai_lm.interp.metric_checks import metric_scalar
 from penzai_lm.interp.patching import _default_metric
-from penzai_lm.interp.patching import _scalar
 from penzai_lm.interp.patching import _static
 from penzai_lm.interp.patching import PatchingResult
 from penzai_lm.interp.patching_inputs import check_tokens_arg
@@ -121,7 +123,6 @@ def _check_points(names) -> tuple[str, ...]:
 
 def _pair_tokens(model, clean, corrupted):
   """(tokens over ``run``, token axes, positions or None, lengths)."""
-  vocab = model.config.vocab_size
   named = isinstance(clean, pz.nx.NamedArrayBase)
   rows = None
   if not named and len(clean) and np.ndim(clean[0]) == 1:
@@ -202,8 +203,8 @@ def _attribute(probed, tokens, positions, metric, seed):
         dataclasses.replace(p, scale=s)
         for p, s in zip(probes.get_sequence(), scales)])
     logits = model(tokens, **side)
-    clean = _scalar(metric(logits[{RUN_AXIS: 0}]))
-    return _scalar(metric(logits[{RUN_AXIS: 1}])), clean
+    clean = metric_scalar(metric, metric(logits[{RUN_AXIS: 0}]))
+    return metric_scalar(metric, metric(logits[{RUN_AXIS: 1}])), clean
 
   scales = [p.scale for p in probes.get_sequence()]
   corrupted, backward, clean = jax.vjp(corrupted_metric, scales, has_aux=True)
@@ -348,7 +349,10 @@ def attribution_patching(
 
   Raises:
     ValueError: for mismatched or malformed tokens, an unknown point, a
-      metric that is not callable or does not return a scalar.
+      metric that is not callable or does not return a scalar, a
+      `LogitDiff` outside the vocabulary or the prompts, or a metric (or
+      its gradient) that is NaN or inf.
+    TypeError: for a metric returning something other than numbers.
   """
   if not isinstance(model, TransformerLM):
     raise ValueError(
@@ -363,10 +367,15 @@ def attribution_patching(
   if metric is None:
     metric = _default_metric(model, tokens[{RUN_AXIS: 0}],
                              tokens[{RUN_AXIS: 1}])
+  check_metric(metric, model.config.vocab_size, tokens.named_shape["seq"])
   token_shape = {a: tokens.named_shape[a] for a in axes}
   probed = pz.freeze_params(_probed(model, names, token_shape))
   clean, corrupted, scores = _attribute(probed, tokens, positions,
                                         _static(metric), jnp.float32(1.0))
+  check_finite_metric(metric, {
+      "its value on the clean run": clean,
+      "its value on the corrupted run": corrupted,
+      **{f"its gradient at {n}": scores[n].data_array for n in names}})
   if "attn.head_out" in scores:
     scores["attn.head_out"] = _hugging_face_heads(
         model.config, scores["attn.head_out"])

@@ -12,6 +12,12 @@ Insert them with `penzai_lm.interp.insert_at`::
 over axes the point's value lacks, is an error naming the point and the
 expected size.
 
+Every builder refuses NaN and inf in the values it is given, in any form
+(numbers, lists, numpy, jax or named arrays; `check_finite`: the one rule
+for interventions and feature edits); a value traced inside ``jax.jit``
+cannot be read then, and NaN or +inf logits end a generated row with
+finish reason ``"non_finite"``.
+
 Interventions are data, not graph: their values (vectors, strengths, masks,
 patched activations, which tokens) are arrays, i.e. arguments of the
 compiled programs, so changing them does not recompile.
@@ -29,6 +35,7 @@ compiled programs, so changing them does not recompile.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from penzai import pz
@@ -37,6 +44,58 @@ from penzai_lm.interp.token_rules import as_rule
 from penzai_lm.interp.token_rules import TokenRule
 from penzai_lm.model.hooks import heads_mask
 from penzai_lm.model.points import Intervention
+
+
+def check_finite(value, what: str, *, allow_inf: bool = False) -> None:
+  """The finiteness rule of every intervention's and edit's values: NaN
+  (and, unless ``allow_inf``, +-inf) is refused when the value is built.
+
+  ``value`` may be a number, a list, a numpy or jax array or a named
+  array. A value traced inside ``jax.jit`` cannot be read here; if it
+  turns the logits NaN or +inf, `penzai_lm.generation.generate` ends the
+  row with finish reason ``"non_finite"``.
+
+  Raises:
+    ValueError: naming ``what`` and counting the bad entries.
+  """
+  if isinstance(value, pz.nx.NamedArrayBase):
+    value = value.data_array
+  if isinstance(value, jax.core.Tracer):
+    return
+  try:
+    array = np.asarray(value)
+  except (TypeError, ValueError):
+    return  # Not numbers: the builder's type check says so.
+  if not np.issubdtype(array.dtype, np.inexact):
+    return
+  bad = np.isnan(array) if allow_inf else ~np.isfinite(array)
+  if not bad.any():
+    return
+  if allow_inf:
+    raise ValueError(f"{what} must not be NaN (+-inf is allowed): it holds"
+                     f" {int(bad.sum())} NaN value(s) of {array.size}.")
+  raise ValueError(f"{what} must be finite: it holds {int(bad.sum())} NaN"
+                   f" or inf value(s) of {array.size}.")
+
+
+def as_float_array(value, what: str) -> np.ndarray | jax.Array:
+  """``value`` as a float32 array (a jax array, traced or not, stays one);
+  a TypeError naming ``what`` for anything that is not numbers (a string,
+  None, objects)."""
+  if isinstance(value, jax.Array):
+    if value.dtype == bool or not jnp.issubdtype(value.dtype, jnp.number):
+      raise TypeError(f"{what} must be numbers, got dtype {value.dtype}.")
+    return value.astype(jnp.float32)
+  try:
+    array = np.asarray(value)
+  except (TypeError, ValueError) as e:  # Ragged lists.
+    raise TypeError(f"{what} must be a number or a list of numbers, got"
+                    f" {value!r}.") from e
+  if array.dtype == bool or not (np.issubdtype(array.dtype, np.integer) or
+                                 np.issubdtype(array.dtype, np.floating)):
+    raise TypeError(f"{what} must be a number or a list of numbers, got"
+                    f" {value!r}.")
+  return array.astype(np.float32)
 
 
 def _check_axes(x, data, what: str) -> None:
@@ -56,25 +115,27 @@ def _select(rule: TokenRule, side_inputs, new, old):
 
 def _per_row(value, batch_axis: str, what: str) -> pz.nx.NamedArray:
   """A float scalar, or a list (one per row) tagged with ``batch_axis``."""
+  check_finite(value, what)
   if isinstance(value, pz.nx.NamedArrayBase):
     return value.astype(jnp.float32)
-  array = np.asarray(value, np.float32)
+  array = as_float_array(value, what)
   if array.ndim > 1:
     raise ValueError(f"{what} must be a number or a list with one per row,"
                      f" got shape {array.shape}.")
-  if not np.isfinite(array).all():
-    raise ValueError(f"{what} must be finite, got {value!r}.")
   named = pz.nx.wrap(jnp.asarray(array))
   return named.tag(batch_axis) if array.ndim else named
 
 
 def _heads(config, heads, batch_axis: str) -> pz.nx.NamedArray:
-  """A heads mask from head indices, or from one list of them per row."""
+  """A heads mask from head indices, or from one list of them per row (a
+  row's list may be empty: nothing zeroed in that row)."""
   if isinstance(heads, int):
     heads = [heads]
   heads = list(heads)
-  if not heads or any(isinstance(h, (list, tuple)) and not h for h in heads):
-    raise ValueError("heads is empty: name at least one head (per row).")
+  if not heads:
+    raise ValueError(
+        "heads is empty: name at least one head, or give one list per row"
+        " (a row's list may be empty: no head zeroed in that row).")
   if all(isinstance(h, (list, tuple)) for h in heads):
     return pz.nx.stack([heads_mask(config, list(h)) for h in heads],
                        batch_axis)
@@ -82,16 +143,15 @@ def _heads(config, heads, batch_axis: str) -> pz.nx.NamedArray:
 
 
 def _feature_vector(vector, axis: str, what: str) -> pz.nx.NamedArray:
+  check_finite(vector, what)
   if isinstance(vector, pz.nx.NamedArrayBase):
     return vector
-  vector = np.asarray(vector, np.float32)
+  vector = as_float_array(vector, what)
   if vector.ndim != 1:
     raise ValueError(
         f"{what} must be 1-D (one value per {axis!r} unit), got shape"
         f" {vector.shape}; for one per row pass a named array with the"
         " batch axis.")
-  if not np.isfinite(vector).all():
-    raise ValueError(f"{what} has non-finite values.")
   return pz.nx.wrap(jnp.asarray(vector)).tag(axis)
 
 
@@ -172,6 +232,7 @@ class Ablate(Intervention):
     if mean is None:
       value = pz.nx.wrap(jnp.zeros((), jnp.float32))
     elif isinstance(mean, pz.nx.NamedArrayBase):
+      check_finite(mean, "mean")
       value = mean
     else:
       raise ValueError(
@@ -232,11 +293,12 @@ class Clamp(Intervention):
     """Scalars, lists (one per row) or named arrays over feature axes."""
     bounds = []
     for name, value in (("low", low), ("high", high)):
+      check_finite(value, name, allow_inf=True)
       if isinstance(value, pz.nx.NamedArrayBase):
         bounds.append(value.astype(jnp.float32))
         continue
-      array = np.asarray(value, np.float32)
-      if np.isnan(array).any() or array.ndim > 1:
+      array = as_float_array(value, name)
+      if array.ndim > 1:
         raise ValueError(f"{name} must be a number or one per row, got"
                          f" {value!r}.")
       named = pz.nx.wrap(jnp.asarray(array))
@@ -284,6 +346,7 @@ class PatchValue(Intervention):
       raise ValueError(
           "value must be a named array with a 'seq' axis (e.g. from"
           f" run_with_cache), got {type(value).__name__}.")
+    check_finite(value, "value")
     seq = value.named_shape.get("seq")
     if seq is None:
       raise ValueError("value needs a 'seq' axis (one entry per token).")

@@ -14,6 +14,8 @@ out.
   window's first ``skip_positions`` tokens (the first position carries the
   attention sink's huge activations, which no autoencoder should spend
   features on).
+* `finite_chunks` refuses activations holding NaN or inf (counting the
+  rows), before `NormFilter` would compare their norms.
 * `NormFilter` drops activations far longer than the median (attention
   sinks besides position 0).
 * `ShuffleBuffer` mixes activations across windows in bounded memory, as
@@ -38,8 +40,8 @@ from penzai_lm.runtime.shared_traces import share_block_traces
 from penzai_lm.runtime.unstack import unstack_layers
 
 
-def token_windows(tokens, length: int, seed: int, *, cycle: bool = True
-                  ) -> Iterator[np.ndarray]:
+def token_windows(tokens, length: int, seed: int, *, cycle: bool = True,
+                  vocab: int | None = None) -> Iterator[np.ndarray]:
   """Windows of ``length`` ids, one ``[length]`` array at a time.
 
   Args:
@@ -48,19 +50,23 @@ def token_windows(tokens, length: int, seed: int, *, cycle: bool = True
     length: Window length.
     seed: Orders the windows of an array source (a new order each pass).
     cycle: Pass over an array source again when it ends (iterables end).
+    vocab: If given, every id must lie in ``[0, vocab)`` (`check_token_ids`;
+      an array source is checked before the first window, each batch of an
+      iterable before its windows).
 
   Raises:
-    ValueError: for windows of another length, or a stream shorter than
-      one window.
+    ValueError: for windows of another length, a stream shorter than one
+      window, or an id outside the vocabulary.
   """
-  array = _as_array(tokens)
+  array = _as_array(tokens, vocab)
   if array is None:
-    for batch in tokens:
+    for i, batch in enumerate(tokens):
       batch = np.asarray(batch)
       if batch.ndim != 2 or batch.shape[1] != length:
         raise ValueError(
             f"token batches must be [rows, {length}] (context_length), got"
             f" shape {batch.shape}.")
+      check_token_ids(batch, vocab, f"token batch {i}")
       yield from batch.astype(np.int32)
     return
   if array.ndim == 1:
@@ -79,8 +85,28 @@ def token_windows(tokens, length: int, seed: int, *, cycle: bool = True
       return
 
 
-def _as_array(tokens) -> np.ndarray | None:
-  """An integer array from an array-like source, None for an iterable."""
+def check_token_ids(ids: np.ndarray, vocab: int | None, what: str) -> None:
+  """Raises unless every id of ``ids`` lies in ``[0, vocab)`` (as
+  `penzai_lm.generation.generate` checks prompts; None: no check).
+
+  Raises:
+    ValueError: naming ``what``, the first id outside and the range.
+  """
+  if vocab is None or not ids.size:
+    return
+  if not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"{what} must hold integer token ids, got dtype"
+                     f" {ids.dtype}.")
+  low, high = int(ids.min()), int(ids.max())
+  if low < 0 or high >= vocab:
+    bad = low if low < 0 else high
+    raise ValueError(f"{what} contains token id {bad}, outside the model's"
+                     f" vocabulary [0, {vocab}).")
+
+
+def _as_array(tokens, vocab: int | None = None) -> np.ndarray | None:
+  """An int32 array from an array-like source (its ids checked against
+  ``vocab`` before the cast), None for an iterable."""
   if isinstance(tokens, (np.ndarray, jax.Array)):
     array = np.asarray(tokens)
   elif isinstance(tokens, (list, tuple)) and (
@@ -94,17 +120,20 @@ def _as_array(tokens) -> np.ndarray | None:
     return None
   if not np.issubdtype(array.dtype, np.integer):
     raise ValueError(f"tokens must be integer ids, got dtype {array.dtype}.")
+  check_token_ids(array, vocab, "tokens")
   return array.astype(np.int32)
 
 
-def split_held_out(tokens, length: int, windows: int):
+def split_held_out(tokens, length: int, windows: int, *,
+                   vocab: int | None = None):
   """``(training source, held-out [windows, length] array or None)``: the
-  last windows of an array source, the first ones of an iterable."""
+  last windows of an array source, the first ones of an iterable (ids
+  checked against ``vocab`` as in `token_windows`)."""
   if not windows:
     return tokens, None
-  array = _as_array(tokens)
+  array = _as_array(tokens, vocab)
   if array is None:
-    iterator = token_windows(tokens, length, 0, cycle=False)
+    iterator = token_windows(tokens, length, 0, cycle=False, vocab=vocab)
     held = [w for _, w in zip(range(windows), iterator)]
     rest = (w[None] for w in iterator)  # Still an iterable of batches.
     return rest, np.stack(held) if held else None
@@ -190,6 +219,35 @@ def _values_at(stateless, variables, ids, *, spec, axes, skip):
   (value,) = [spec.take(v.value) for v in new if v.label == spec.label]
   flat = value.unwrap("batch", "seq", *axes)[:, skip:]
   return flat.reshape(-1, math.prod(flat.shape[2:])).astype(jnp.float32)
+
+
+def check_finite_rows(values: np.ndarray, what: str) -> None:
+  """Raises if any row of ``values`` holds NaN or inf.
+
+  Raises:
+    ValueError: naming ``what``, how many rows are not finite (of how
+      many) and the first one.
+  """
+  finite = np.isfinite(values)
+  if finite.all():
+    return
+  rows = finite.reshape(values.shape[0], -1).all(1) if values.ndim else (
+      finite.reshape(1))
+  first = int(np.flatnonzero(~rows)[0])
+  raise ValueError(
+      f"{what}: {int((~rows).sum())} of {rows.size} rows hold NaN or inf"
+      f" values (the first: row {first}); an autoencoder cannot train on"
+      " them. Drop those rows (x[np.isfinite(x).all(axis=1)]) or fix"
+      " their source.")
+
+
+def finite_chunks(chunks: Iterable, what: str) -> Iterator[np.ndarray]:
+  """``chunks`` as float32 arrays, each checked by `check_finite_rows`
+  (named ``what``, chunk ``i``) before it is handed on."""
+  for i, chunk in enumerate(chunks):
+    chunk = np.asarray(chunk, np.float32)
+    check_finite_rows(chunk, f"{what}, chunk {i}")
+    yield chunk
 
 
 class NormFilter:

@@ -29,6 +29,9 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.interp.activation_cache import token_batch
+from penzai_lm.interp.metric_checks import check_finite_metric
+from penzai_lm.interp.metric_checks import check_metric
+from penzai_lm.interp.metric_checks import metric_scalar
 from penzai_lm.model import points as points_lib
 from penzai_lm.model.stateless import stateless_call
 from penzai_lm.model.transformer import positions_from_padding
@@ -67,7 +70,19 @@ class FeatureAttribution:
   def top(self, n: int = 10, row: int = 0) -> list[tuple[int, int, float]]:
     """The ``n`` largest attributions of a row by magnitude, as
     ``(token index counted from the row's first real token, feature,
-    attribution)``."""
+    attribution)``.
+
+    Raises:
+      ValueError: for ``n`` not an int >= 1, or a row that does not exist.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+      raise ValueError(f"n must be an int >= 1 (how many attributions),"
+                       f" got {n!r}.")
+    rows = len(self.lengths)
+    if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or (
+        not 0 <= row < rows):
+      raise ValueError(f"row {row!r} does not exist: the attribution has"
+                       f" {rows} row(s) (0-{rows - 1}).")
     pad = self.attributions.shape[1] - self.lengths[row]
     values = self.attributions[row, pad:]
     order = np.argsort(-np.abs(values), axis=None)[:n]
@@ -93,8 +108,14 @@ def feature_attribution(model, tokens, point: str,
     A `FeatureAttribution`.
 
   Raises:
-    ValueError: for a point that is not a splice's features point.
+    ValueError: for a point that is not a splice's features point, a
+      metric that is not callable, a `LogitDiff` outside the vocabulary or
+      the tokens, or a metric (or gradient) that is NaN or inf.
+    TypeError: for a metric returning something other than numbers.
   """
+  if not callable(metric):
+    raise ValueError(
+        f"metric must be callable (logits -> scalar), got {metric!r}.")
   parsed = points_lib.parse_point(model, point)
   if not parsed.point.endswith(".features"):
     raise ValueError(f"{point!r} is not an autoencoder's features point"
@@ -109,6 +130,7 @@ def feature_attribution(model, tokens, point: str,
     ids = pz.nx.stack([ids], "batch")
     positions = None if positions is None else pz.nx.stack([positions],
                                                            "batch")
+  check_metric(metric, model.config.vocab_size, ids.named_shape["seq"])
   shape = {**ids.named_shape, FEATURES: width}
   side = {} if positions is None else {"token_positions": positions}
   recorded = pz.StateVariable(pz.nx.zeros(shape, jnp.float32),
@@ -123,6 +145,8 @@ def feature_attribution(model, tokens, point: str,
   axes = ("batch", "seq", FEATURES)
   values = np.asarray(saved.unwrap(*axes))
   grads = np.asarray(grad.unwrap(*axes))
+  check_finite_metric(metric, {"its value": total,
+                               "its gradient at the features": grads})
   return FeatureAttribution(activations=values, gradients=grads,
                             attributions=values * grads, metric=float(total),
                             lengths=tuple(lengths))
@@ -151,7 +175,7 @@ def _attribute(stateless, variables, ids, side, *, metric):
         _AddDelta).apply(lambda _: _AddDelta(delta)))
     logits, new_vars = stateless_call(model, variables, ids, **side)
     (saved,) = [v for v in new_vars if v.label == "feature_attribution"]
-    return metric(logits), saved.value
+    return metric_scalar(metric, metric(logits)), saved.value
 
   (total, saved), grad = jax.value_and_grad(loss, has_aux=True)(delta)
   return total, saved, grad

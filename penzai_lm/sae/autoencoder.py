@@ -42,7 +42,10 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from penzai import pz
+
+from penzai_lm.model import memory
 
 Activation = Literal["relu", "jumprelu", "topk"]
 Normalization = Literal["none", "constant_norm_rescale", "layer_norm"]
@@ -104,6 +107,12 @@ class SAEConfig:
           and _positive_int(a[1]) for a in axes):
         raise ValueError(f"{what} must be ((name, size), ...) with positive"
                          f" sizes, got {axes!r}.")
+      names = [a for a, _ in axes]
+      if FEATURES in names or len(set(names)) != len(names):
+        raise ValueError(
+            f"{what} {axes!r} repeat a name or use {FEATURES!r}, the"
+            " dictionary's own axis (an autoencoder reads a model point,"
+            " not another autoencoder's features).")
     if self.activation == "topk" and not (
         _positive_int(self.k) and self.k <= self.num_features):
       raise ValueError(f"a topk autoencoder needs 1 <= k <= num_features"
@@ -199,7 +208,8 @@ class SparseAutoencoder(pz.Struct):
     the order of ``config.input_axes`` (SAELens's ``(n_heads d_head)``).
 
     Raises:
-      ValueError: naming the array whose shape does not match the config.
+      ValueError: naming the array whose shape does not match the config,
+        or one holding NaN or inf (as loading such a file is refused).
     """
     c = config
     d_in, d_out, d_sae = c.input_size, c.output_size, c.num_features
@@ -228,6 +238,7 @@ class SparseAutoencoder(pz.Struct):
         raise ValueError(f"{name} has shape {tuple(array.shape)}, expected"
                          f" {flat} for this config (d_in={d_in},"
                          f" d_sae={d_sae}, d_out={d_out}).")
+      _check_finite(name, array)
       named[name] = pz.nx.wrap(array.reshape(shape)).tag(*axes)
     return cls(config=config, **named).check()
 
@@ -239,6 +250,11 @@ class SparseAutoencoder(pz.Struct):
     SAELens's and Anthropic's initializations), zero biases, thresholds
     0.01, a zero skip matrix if ``skip``."""
     c = config
+    memory.check_fits(
+        f"an autoencoder of {c.num_features:,} features",
+        c.num_features * (c.input_size + c.output_size + 2)
+        * np.dtype(dtype).itemsize,
+        "Lower SAEConfig.num_features.")
     key = jax.random.key(seed)
     w_dec = jax.random.normal(key, (c.num_features, c.output_size), dtype)
     w_dec = 0.1 * w_dec / jnp.linalg.norm(w_dec, axis=-1, keepdims=True)
@@ -439,6 +455,19 @@ class SparseAutoencoder(pz.Struct):
       raise ValueError(f"feature {feature!r} does not exist: the autoencoder"
                        f" has {self.config.num_features} features.")
     return self.w_dec[{FEATURES: feature}]
+
+
+def _check_finite(name: str, array: jax.Array) -> None:
+  """Raises if a concrete ``array`` holds NaN or inf (a traced one, inside
+  ``jax.jit``, cannot be read)."""
+  if isinstance(array, jax.core.Tracer) or not jnp.issubdtype(
+      array.dtype, jnp.inexact) or bool(jnp.isfinite(array).all()):
+    return
+  nan = int(jnp.isnan(array).sum())
+  raise ValueError(
+      f"SparseAutoencoder.from_arrays: {name} holds {nan} NaN and"
+      f" {int(jnp.isinf(array).sum())} infinite value(s) of {array.size};"
+      " the weights are corrupt (or from a diverged run).")
 
 
 def _top_k_dense(pre: jax.Array, k: int) -> jax.Array:

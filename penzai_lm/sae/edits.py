@@ -9,6 +9,11 @@ With the error term kept (the splice's default), the model then sees its own
 value plus ``(f_edited - f) @ w_dec``: clamping feature ``j`` to ``v`` adds
 ``(v - f_j)`` times its decoder row, i.e. steering along that feature.
 
+Values follow the rule of every intervention: NaN or inf is refused when
+the edit is built (`penzai_lm.interp.interventions.check_finite`), and NaN
+or +inf logits from a value traced past that check end a generated row
+with finish reason ``"non_finite"``.
+
 Every value is data (a mask over ``features``, a scale and an offset, each
 a scalar or one per row), so new features, strengths or rows never
 recompile; ``where`` (a `penzai_lm.interp.TokenRule`) picks the tokens, and
@@ -32,8 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.interp.interventions import as_float_array
+from penzai_lm.interp.interventions import check_finite
 from penzai_lm.interp.token_rules import as_rule
 from penzai_lm.interp.token_rules import TokenRule
+from penzai_lm.model import memory
 from penzai_lm.model.points import Intervention
 from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import SparseAutoencoder
@@ -65,15 +73,15 @@ def _width(sae_or_width) -> int:
 def _mask(width: int, features, batch_axis: str
           ) -> tuple[pz.nx.NamedArray, pz.nx.NamedArray]:
   """A bool mask over ``features`` and the ids padded with -1 over
-  ``edited``: from ids, or one list of ids per row."""
+  ``edited``: from ids, or one list of ids per row (every id checked
+  against ``width`` before anything is allocated)."""
   if isinstance(features, (int, np.integer)):
     features = [int(features)]
   features = list(features)
   per_row = bool(features) and all(
       isinstance(f, (list, tuple, np.ndarray)) for f in features)
   rows = [list(f) for f in features] if per_row else [features]
-  mask = np.zeros((len(rows), width), bool)
-  for r, ids in enumerate(rows):
+  for ids in rows:
     if not ids:
       raise ValueError("features is empty: name at least one feature"
                        + (" per row." if per_row else "."))
@@ -82,7 +90,12 @@ def _mask(width: int, features, batch_axis: str
           0 <= f < width):
         raise ValueError(f"feature {f!r} does not exist: the autoencoder has"
                          f" {width} features (0-{width - 1}).")
-      mask[r, int(f)] = True
+  memory.check_fits(f"a FeatureEdit mask of {len(rows)} x {width:,}"
+                    " features", len(rows) * width,
+                    "Pass the SparseAutoencoder (or its true width).")
+  mask = np.zeros((len(rows), width), bool)
+  for r, ids in enumerate(rows):
+    mask[r, np.asarray(ids, np.int64)] = True
   count = max(int(row.sum()) for row in mask)
   slots = max(MIN_IDS, 1 << (count - 1).bit_length())
   ids = np.full((len(rows), slots), -1, np.int32)
@@ -97,11 +110,13 @@ def _mask(width: int, features, batch_axis: str
 
 
 def _values(value, batch_axis: str, what: str) -> pz.nx.NamedArray:
-  """A finite scalar, one per row (a list), or a named array."""
+  """A finite scalar, one per row (a list), or a named array (the rule of
+  every intervention: `penzai_lm.interp.interventions.check_finite`)."""
+  check_finite(value, what)
   if isinstance(value, pz.nx.NamedArrayBase):
     return value.astype(jnp.float32)
-  array = np.asarray(value, np.float32)
-  if array.ndim > 1 or not np.isfinite(array).all():
+  array = as_float_array(value, what)
+  if array.ndim > 1:
     raise ValueError(f"{what} must be a finite number or a list with one per"
                      f" row, got {value!r}.")
   named = pz.nx.wrap(jnp.asarray(array))

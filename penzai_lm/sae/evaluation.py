@@ -37,6 +37,7 @@ from penzai_lm.interp.token_rules import TokenRule
 from penzai_lm.model import points as points_lib
 from penzai_lm.runtime.shared_traces import share_block_traces
 from penzai_lm.runtime.unstack import unstack_layers
+from penzai_lm.sae.activations import check_token_ids
 from penzai_lm.sae.activations import PointActivations
 from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import SparseAutoencoder
@@ -126,7 +127,8 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
     rows: Windows per forward pass.
 
   Raises:
-    ValueError: for a transcoder, a missing point, or too short windows.
+    ValueError: for a transcoder, a missing point, too short windows, or
+      ids outside the vocabulary.
   """
   if sae.config.is_transcoder:
     raise ValueError("evaluate_sae measures SAEs (one point read and"
@@ -135,7 +137,9 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
   if point is None:
     raise ValueError("the autoencoder's config names no point: pass"
                      " point='blocks.{i}.resid_post' (or another).")
-  windows = np.asarray(tokens, np.int32)
+  windows = np.asarray(tokens)
+  check_token_ids(windows, model.config.vocab_size, "tokens")
+  windows = windows.astype(np.int32)
   if windows.ndim != 2 or windows.shape[1] <= skip_positions + 1:
     raise ValueError(f"tokens must be [windows, length] with length >"
                      f" skip_positions + 1, got shape {windows.shape}.")

@@ -31,7 +31,9 @@ model's own value plus the decoded *change* of the features,
 the features: splicing alone changes no value at the point, bit for bit,
 and no logit (bit for bit op by op, ``penzai_lm.eager()``; a compiled
 forward pass may fuse the blocks after it differently, which moves gemma3's
-logits by ~1e-6).
+logits by ~1e-6). "Unchanged" is against the model with per-layer blocks:
+a layer stack is unstacked by the splice, and its own compiled scan rounds
+differently (logits equal to about 1e-5 relative, not bit for bit).
 ``mode="replace"`` outputs the reconstruction itself (for "loss when
 spliced" metrics).
 
@@ -53,6 +55,7 @@ import jax.numpy as jnp
 from penzai import pz
 
 from penzai_lm.model import points as points_lib
+from penzai_lm.model.hooks import BLOCK_POINTS
 from penzai_lm.model.hooks import HookPoint
 from penzai_lm.runtime.unstack import unstack_layers
 from penzai_lm.sae.autoencoder import contract
@@ -221,6 +224,21 @@ def _check_axes(model, point: points_lib.Point, axes, what: str) -> None:
         " mlp_in).")
 
 
+def _model_point(model, name: str, what: str) -> points_lib.Point:
+  """``name`` parsed, refused if a splice added it (an autoencoder's
+  features, error, ...: the point is already spliced)."""
+  parsed = points_lib.parse_point(model, name)
+  if parsed.layer is not None and parsed.point not in BLOCK_POINTS:
+    base = next((p for p in sorted(BLOCK_POINTS, key=len, reverse=True)
+                 if parsed.point.startswith(f"{p}.")), parsed.point)
+    raise ValueError(
+        f"{what} {name!r} is already spliced: it is a point of the"
+        f" autoencoder spliced at 'blocks.{parsed.layer}.{base}', not of the"
+        " model. Splice at a model point (e.g. that one, with another"
+        " name=).")
+  return parsed
+
+
 def _unstacked(model):
   if pz.select(model).at_instances_of(pz.nn.LayerStack).count():
     return unstack_layers(model)
@@ -252,7 +270,8 @@ def splice(model, sae: SparseAutoencoder, point: str | None = None, *,
 
   Raises:
     ValueError: for a point the model does not have, shapes that do not
-      match, a splice name already used there, or bad options.
+      match, a splice name already used there, a point a splice added
+      (already spliced), or bad options.
   """
   if not isinstance(sae, SparseAutoencoder):
     raise TypeError(f"sae must be a SparseAutoencoder, got"
@@ -267,7 +286,7 @@ def splice(model, sae: SparseAutoencoder, point: str | None = None, *,
   if point is None:
     raise ValueError("the autoencoder's config names no point: pass"
                      " point='blocks.{i}.resid_post' (or another).")
-  read = points_lib.parse_point(model, point)
+  read = _model_point(model, point, "point")
   if read.layer is None:
     raise ValueError(f"autoencoders splice at block points"
                      f" ('blocks.{{i}}.P'), got {point!r}.")
@@ -276,7 +295,7 @@ def splice(model, sae: SparseAutoencoder, point: str | None = None, *,
   if transcoder:
     output_point = (output_point or sae.config.output_point
                     or f"blocks.{read.layer}.mlp_out")
-    write = points_lib.parse_point(model, output_point)
+    write = _model_point(model, output_point, "output_point")
     if write.layer != read.layer:
       raise ValueError(
           f"a transcoder reads and writes in one block; {point!r} and"

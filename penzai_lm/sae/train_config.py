@@ -12,6 +12,8 @@ import dataclasses
 import math
 from typing import Literal
 
+from penzai_lm.model import memory
+
 _CHOICES = {
     "activation": ("relu", "topk", "jumprelu"),
     "normalize_activations": ("expected_average_only_in", "none"),
@@ -160,9 +162,23 @@ class TrainConfig:
     return -(-self.total_tokens // self.batch_tokens)
 
   def features(self, d_in: int) -> int:
-    """The dictionary width for inputs of width ``d_in``."""
+    """The dictionary width for inputs of width ``d_in``.
+
+    Raises:
+      ValueError: if ``k`` exceeds the width.
+      InsufficientMemoryError: (a ValueError) if the training state (the
+        float32 encoder and decoder, their two Adam moments, and one
+        batch's ``[batch_tokens, width]`` pre-activations) cannot fit in
+        the available memory: checked before anything is allocated.
+    """
     width = self.num_features or self.expansion_factor * d_in
     if self.activation == "topk" and self.k > width:
       raise ValueError(f"TrainConfig.k={self.k} exceeds the {width}"
                        " features.")
+    needed = 4 * width * (6 * d_in + 2 * self.batch_tokens)
+    memory.check_fits(
+        f"training an autoencoder of {width:,} features on inputs of width"
+        f" {d_in}", needed,
+        "Lower TrainConfig.num_features (or expansion_factor) or"
+        " batch_tokens.")
     return width

@@ -231,7 +231,8 @@ def _dead(state: TrainState, h):
 def train_step(state: TrainState, x: jax.Array, scale: jax.Array, h, *,
                prog: Program) -> tuple[TrainState, dict[str, jax.Array]]:
   """One Adam step on a batch ``x`` ``[tokens, d]`` of activations times
-  ``scale``."""
+  ``scale``; the metrics' ``finite`` is False when the step's loss or any
+  new parameter is NaN or inf."""
   x = x.astype(jnp.float32) * scale
   p = state.params
   lr, sparsity_scale = schedule(h, state.step)
@@ -253,8 +254,11 @@ def train_step(state: TrainState, x: jax.Array, scale: jax.Array, h, *,
   fired = _fired(prog, out["active"], p["b_enc"].shape[0])
   since = jnp.where(fired > 0, 0, state.since_fired + 1)
   new = TrainState(params, mu, nu, state.step + 1, since)
+  finite = jnp.isfinite(total)
+  for w in jax.tree.leaves(params):
+    finite = finite & jnp.isfinite(w).all()
   metrics = dict(out["terms"], loss=total, lr=lr,
-                 dead_fraction=_dead(new, h).mean(),
+                 dead_fraction=_dead(new, h).mean(), finite=finite,
                  **batch_metrics(x, out["recon"], fired))
   return new, metrics
 

@@ -141,14 +141,18 @@ def train_sae(model, point: str, tokens, config: TrainConfig, *,
     raise TypeError(f"config must be a TrainConfig, got"
                     f" {type(config).__name__}.")
   reader = acts_lib.PointActivations(model, point, config.skip_positions)
-  config.features(reader.d_in)  # Checks k before any forward pass.
+  config.features(reader.d_in)  # Checks k and memory before any forward.
+  vocab = model.config.vocab_size
   if eval_tokens is None:
     tokens, eval_tokens = acts_lib.split_held_out(
-        tokens, config.context_length, config.eval_windows)
+        tokens, config.context_length, config.eval_windows, vocab=vocab)
+  else:
+    acts_lib.check_token_ids(np.asarray(eval_tokens), vocab, "eval_tokens")
   windows = acts_lib.token_windows(tokens, config.context_length,
-                                   config.seed)
+                                   config.seed, vocab=vocab)
   norms = acts_lib.NormFilter(config.max_norm_ratio)
-  chunks = norms(reader.stream(windows, config.model_batch))
+  chunks = norms(acts_lib.finite_chunks(
+      reader.stream(windows, config.model_batch), f"the values at {point}"))
   sae, report = _fit(_buffer(config).batches(chunks), reader.input_axes,
                      config, point, progress, norms)
   if eval_tokens is not None:
@@ -179,10 +183,14 @@ def train_sae_on_activations(activations, config: TrainConfig, *,
     hook_point: Recorded in the SAE's config.
     progress: Show a progress bar.
   """
+  if not isinstance(config, TrainConfig):
+    raise TypeError(f"config must be a TrainConfig, got"
+                    f" {type(config).__name__}.")
   norms = acts_lib.NormFilter(config.max_norm_ratio)
   if isinstance(activations, (np.ndarray, jax.Array)):
     data = np.asarray(activations, np.float32)
     if data.ndim == 2:
+      acts_lib.check_finite_rows(data, "activations")
       data = next(norms([data]))
     if data.ndim != 2 or data.shape[0] < config.batch_tokens:
       raise ValueError(f"activations must be [tokens, d_in] with at least"
@@ -196,8 +204,8 @@ def train_sae_on_activations(activations, config: TrainConfig, *,
     if first.ndim != 2 or not first.size:
       raise ValueError("activations must give [n, d_in] chunks, got shape"
                        f" {first.shape} first.")
-    batches = _buffer(config).batches(
-        norms(itertools.chain([first], chunks)))
+    batches = _buffer(config).batches(norms(acts_lib.finite_chunks(
+        itertools.chain([first], chunks), "activations")))
     d_in = first.shape[1]
   axes = tuple(input_axes or (("embedding", d_in),))
   if math.prod(n for _, n in axes) != d_in:
@@ -244,7 +252,13 @@ def _fit(batches, input_axes, cfg: TrainConfig, point, progress,
   sample = np.concatenate(first)
   scale = 1.0
   if cfg.normalize_activations == "expected_average_only_in":
-    scale = math.sqrt(d_in) / float(np.linalg.norm(sample, axis=-1).mean())
+    mean_norm = float(np.linalg.norm(sample, axis=-1).mean())
+    if not 0 < mean_norm < math.inf:
+      raise ValueError(
+          f"the first {sample.shape[0]} activations have mean norm"
+          f" {mean_norm}: they cannot be scaled to sqrt(d_in). Check their"
+          " source, or pass normalize_activations='none'.")
+    scale = math.sqrt(d_in) / mean_norm
   scaled = jnp.asarray(sample * scale)
   b_dec = {"geometric_median": step_lib.geometric_median,
            "mean": lambda s: s.mean(0),
@@ -261,29 +275,30 @@ def _fit(batches, input_axes, cfg: TrainConfig, point, progress,
   steps = 0
   bar = tqdm(total=total, desc="Training SAE", unit="step",
              disable=not progress)
-  for x in itertools.chain(first, batches):
-    x = jnp.asarray(x)
-    state, metrics = step_lib.train_step(state, x, scale_array, h, prog=prog)
-    pending.append(metrics)
-    steps += 1
-    if cfg.resample_every and steps % cfg.resample_every == 0:
-      state, count = step_lib.resample(
-          state, x, scale_array, jax.random.fold_in(key, steps), h,
-          prog=prog)
-      resampled.append((steps, int(count)))
-    if steps % cfg.log_every == 0 or steps == total:
-      entry = _log_entry(pending, steps, steps * cfg.batch_tokens)
-      history.append(entry)
-      pending = []
-      bar.set_postfix(loss=f"{entry.loss:.4g}", l0=f"{entry.l0:.1f}",
-                      ev=f"{entry.explained_variance:.3f}",
-                      dead=f"{entry.dead_fraction:.1%}", refresh=False)
-    bar.update(1)
-    if steps == total:
-      break
-  bar.close()
+  with bar:
+    for x in itertools.chain(first, batches):
+      x = jnp.asarray(x)
+      state, metrics = step_lib.train_step(state, x, scale_array, h,
+                                           prog=prog)
+      pending.append(metrics)
+      steps += 1
+      if cfg.resample_every and steps % cfg.resample_every == 0:
+        state, count = step_lib.resample(
+            state, x, scale_array, jax.random.fold_in(key, steps), h,
+            prog=prog)
+        resampled.append((steps, int(count)))
+      if steps % cfg.log_every == 0 or steps == total:
+        entry = _log_entry(pending, steps, cfg)
+        history.append(entry)
+        pending = []
+        bar.set_postfix(loss=f"{entry.loss:.4g}", l0=f"{entry.l0:.1f}",
+                        ev=f"{entry.explained_variance:.3f}",
+                        dead=f"{entry.dead_fraction:.1%}", refresh=False)
+      bar.update(1)
+      if steps == total:
+        break
   if pending:  # The source ran out between two logs.
-    history.append(_log_entry(pending, steps, steps * cfg.batch_tokens))
+    history.append(_log_entry(pending, steps, cfg))
   flat = jax.device_get(step_lib.fold(
       state.params, scale_array,
       fold_norms=cfg.activation != "topk" or prog.rescale))
@@ -302,10 +317,25 @@ def _fit(batches, input_axes, cfg: TrainConfig, point, progress,
   return sae, report
 
 
-def _log_entry(pending, step, tokens) -> LogEntry:
+def _log_entry(pending, step: int, cfg: TrainConfig) -> LogEntry:
+  """The mean of the ``pending`` steps' metrics, ending at ``step``.
+
+  Raises:
+    FloatingPointError: naming the first of them whose loss or weights
+      became non-finite.
+  """
   values = jax.device_get(pending)  # One wait for the steps' results.
+  for i, v in enumerate(values):
+    if not v["finite"]:
+      raise FloatingPointError(
+          f"SAE training diverged at step {step - len(values) + i + 1}: the"
+          f" loss ({float(v['loss'])}) or the weights became NaN or inf with"
+          f" learning_rate={cfg.learning_rate}. Lower"
+          " TrainConfig.learning_rate (SAELens's default: 3e-4) or"
+          " grad_clip_norm.")
   means = {k: float(np.mean([v[k] for v in values])) for k in values[0]}
-  return LogEntry(step=step, tokens=tokens, loss=means["loss"],
+  return LogEntry(step=step, tokens=step * cfg.batch_tokens,
+                  loss=means["loss"],
                   mse=means["mse"], sparsity_loss=means["sparsity_loss"],
                   aux_loss=means["aux_loss"], l0=means["l0"],
                   explained_variance=means["explained_variance"],

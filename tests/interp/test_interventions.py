@@ -209,4 +209,4 @@ def test_per_row_heads_equal_one_run_per_row():
         batched[row], np.asarray(logits.unwrap("batch", "seq",
                                                "vocabulary"))[0], atol=1e-5)
   with pytest.raises(ValueError, match="heads is empty"):
-    interp.ZeroHeads.build(model.config, [[0], []])
+    interp.ZeroHeads.build(model.config, [])
