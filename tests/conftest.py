@@ -71,6 +71,8 @@ def _heavy(item) -> bool:
 # default model in processes of its own: one at a time with the others too.
 _REAL_MODEL_FILES = ("tests/loading/test_real_models.py",
                      "tests/interp/test_hf_parity.py",
+                     "tests/interp/test_decompose_hf.py",
+                     "tests/evals/test_lm_eval_parity.py",
                      "tests/interp/test_patching.py",
                      "tests/test_readme.py")
 

@@ -6,6 +6,11 @@
   on either model layout, `point_names(model)` lists them.
 * `run_with_cache(model, tokens, names=...)`: logits and activations of one
   forward pass.
+* Direct logit attribution: `decompose_resid` (the residual stream as the
+  sum of the embeddings' and each block's or head's output), then
+  `apply_final_norm` and `logit_attribution`; `weights(model, name)` reads
+  a weight by TransformerLens name (``"blocks.5.attn.W_O"``),
+  `weight_names` lists them.
 * Intervention layers: `AddVector` (steering), `Ablate` / `ZeroHeads`
   (zero or mean ablation), `Clamp`, `PatchValue` (activation patching);
   their values may be per row, and a `TokenRule` (``where=``) says which
@@ -18,6 +23,9 @@
   steers a model with one.
 * Activation patching sweeps: `patching_sweep` (every layer x position in
   one batched run) returning a `PatchingResult`; `LogitDiff` metric.
+* Causal tracing: ``patching_sweep(..., corrupt=GaussianNoise(positions),
+  window=10, metric=AnswerProb(answer))`` (noised embeddings, several
+  samples at once, restoring windows of blocks).
 * Attribution patching: `attribution_patching` (the gradient estimate of
   every cell of a sweep, per head and neuron too, in one compiled forward
   and backward pass) returning an `AttributionResult`.
@@ -30,6 +38,10 @@ from penzai_lm.interp.attribution import AttributionResult
 from penzai_lm.interp.control_vector_files import load_control_vector
 from penzai_lm.interp.control_vector_files import save_control_vector
 from penzai_lm.interp.control_vectors import ControlVector
+from penzai_lm.interp.decompose import apply_final_norm
+from penzai_lm.interp.decompose import decompose_resid
+from penzai_lm.interp.decompose import logit_attribution
+from penzai_lm.interp.decompose import ResidStack
 from penzai_lm.interp.interventions import Ablate
 from penzai_lm.interp.interventions import AddVector
 from penzai_lm.interp.interventions import Clamp
@@ -38,10 +50,14 @@ from penzai_lm.interp.interventions import ZeroHeads
 from penzai_lm.interp.lens import embed
 from penzai_lm.interp.lens import logits_from_embeddings
 from penzai_lm.interp.lens import unembed
-from penzai_lm.interp.patching import LogitDiff
+from penzai_lm.interp.metrics import AnswerProb
+from penzai_lm.interp.metrics import LogitDiff
 from penzai_lm.interp.patching import patching_sweep
 from penzai_lm.interp.patching import PatchingResult
 from penzai_lm.interp.token_rules import TokenRule
+from penzai_lm.interp.tracing import GaussianNoise
+from penzai_lm.interp.weights import weight_names
+from penzai_lm.interp.weights import weights
 from penzai_lm.model.captures import Capture
 from penzai_lm.model.hooks import head_coordinates
 from penzai_lm.model.hooks import heads_mask
@@ -57,10 +73,12 @@ __all__ = [
     "Ablate",
     "ActivationCache",
     "AddVector",
+    "AnswerProb",
     "AtLayers",
     "AttributionResult",
     "Capture",
     "Clamp",
+    "GaussianNoise",
     "ControlVector",
     "HookPoint",
     "Intervention",
@@ -68,14 +86,18 @@ __all__ = [
     "PatchValue",
     "PatchingResult",
     "Point",
+    "ResidStack",
     "TokenRule",
     "ZeroHeads",
+    "apply_final_norm",
     "attribution_patching",
+    "decompose_resid",
     "embed",
     "head_coordinates",
     "heads_mask",
     "insert_at",
     "load_control_vector",
+    "logit_attribution",
     "logits_from_embeddings",
     "parse_point",
     "patching_sweep",
@@ -83,4 +105,6 @@ __all__ = [
     "run_with_cache",
     "save_control_vector",
     "unembed",
+    "weight_names",
+    "weights",
 ]

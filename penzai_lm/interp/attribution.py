@@ -50,8 +50,8 @@ from penzai import pz
 from penzai_lm.interp.metric_checks import check_finite_metric
 from penzai_lm.interp.metric_checks import check_metric
 from penzai_lm.interp.metric_checks import metric_scalar
+from penzai_lm.interp.metrics import static_metric
 from penzai_lm.interp.patching import _default_metric
-from penzai_lm.interp.patching import _static
 from penzai_lm.interp.patching import PatchingResult
 from penzai_lm.interp.patching_inputs import check_tokens_arg
 from penzai_lm.model import points as points_lib
@@ -371,7 +371,7 @@ def attribution_patching(
   token_shape = {a: tokens.named_shape[a] for a in axes}
   probed = pz.freeze_params(_probed(model, names, token_shape))
   clean, corrupted, scores = _attribute(probed, tokens, positions,
-                                        _static(metric), jnp.float32(1.0))
+                                        static_metric(metric), jnp.float32(1.0))
   check_finite_metric(metric, {
       "its value on the clean run": clean,
       "its value on the corrupted run": corrupted,

@@ -15,8 +15,9 @@ import jax
 import numpy as np
 from penzai import pz
 
-from penzai_lm.interp.patching import _scalar
-from penzai_lm.interp.patching import LogitDiff
+from penzai_lm.interp.metrics import AnswerProb
+from penzai_lm.interp.metrics import LogitDiff
+from penzai_lm.interp.metrics import scalar
 
 
 def _metric_name(metric) -> str:
@@ -24,22 +25,23 @@ def _metric_name(metric) -> str:
 
 
 def check_metric(metric, vocab: int, seq: int) -> None:
-  """Checks a `LogitDiff`'s token ids against the vocabulary and its
+  """Checks a `LogitDiff`'s (or `AnswerProb`'s) token ids against the vocabulary and its
   position against the prompts' ``seq`` tokens (indexing under ``jax.jit``
   would clamp them silently).
 
   Raises:
     ValueError: naming the field, its value and the valid range.
   """
-  if not isinstance(metric, LogitDiff):
+  if not isinstance(metric, (LogitDiff, AnswerProb)):
     return
+  name = type(metric).__name__
   for field in ("answer", "wrong"):
-    token = getattr(metric, field)
+    token = getattr(metric, field, 0)
     if not 0 <= token < vocab:
-      raise ValueError(f"LogitDiff.{field}={token} is outside the model's"
+      raise ValueError(f"{name}.{field}={token} is outside the model's"
                        f" vocabulary [0, {vocab}).")
   if not -seq <= metric.position < seq:
-    raise ValueError(f"LogitDiff.position={metric.position} is outside the"
+    raise ValueError(f"{name}.position={metric.position} is outside the"
                      f" prompts' {seq} tokens ({-seq} to {seq - 1}).")
 
 
@@ -57,7 +59,7 @@ def metric_scalar(metric, out) -> jax.Array:
     raise TypeError(f"the metric {_metric_name(metric)} must return a scalar"
                     " number (a float, a 0-d array or named array), got"
                     f" {type(out).__name__}.")
-  return _scalar(out)
+  return scalar(out)
 
 
 def check_finite_metric(metric, values: dict[str, Any]) -> None:

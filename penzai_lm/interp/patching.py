@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -46,8 +45,17 @@ from penzai_lm.interp.patching_inputs import check_layers
 from penzai_lm.interp.patching_inputs import check_point
 from penzai_lm.interp.patching_inputs import check_positions
 from penzai_lm.interp.patching_inputs import check_tokens_arg
+from penzai_lm.interp.patching_inputs import check_window
 from penzai_lm.interp.patching_inputs import Position
 from penzai_lm.interp.patching_inputs import SWEEP_AXIS
+from penzai_lm.interp.metric_checks import check_metric
+from penzai_lm.interp.metrics import AnswerProb
+from penzai_lm.interp.metrics import LogitDiff
+from penzai_lm.interp.metrics import row_metric
+from penzai_lm.interp.metrics import static_metric
+from penzai_lm.interp.tracing import AddNoise
+from penzai_lm.interp.tracing import GaussianNoise
+from penzai_lm.interp.weights import weights
 from penzai_lm.model import points as points_lib
 from penzai_lm.model import TransformerLM
 
@@ -69,38 +77,6 @@ class SweepPatch(pz.nn.Layer):
   def __call__(self, x, /, **_side_inputs):
     out = pz.nx.nmap(jnp.where)(self.where, self.value.astype(x.dtype), x)
     return pz.nx.order_like(out, x)
-
-
-@dataclasses.dataclass(frozen=True)
-class LogitDiff:
-  """Metric: ``logit[answer] - logit[wrong]`` at one token position.
-
-  Averaged over any batch axes (a batch of prompts with the same answers).
-  Equal instances hash alike, so reusing one across sweeps reuses their
-  compiled programs.
-
-  Attributes:
-    answer: Token id of the clean answer (e.g. " Paris").
-    wrong: Token id of the corrupted answer (e.g. " Rome").
-    position: The ``seq`` index read (default -1, the last token).
-  """
-
-  answer: int
-  wrong: int
-  position: int = -1
-
-  def __post_init__(self):
-    for name in ("answer", "wrong", "position"):
-      value = getattr(self, name)
-      if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise ValueError(f"LogitDiff.{name} must be an int, got {value!r}.")
-      object.__setattr__(self, name, int(value))
-
-  def __call__(self, logits: pz.nx.NamedArray):
-    at = logits[{"seq": self.position}]
-    diff = (at[{"vocabulary": self.answer}]
-            - at[{"vocabulary": self.wrong}])
-    return jnp.mean(diff.unwrap(*diff.named_shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,62 +130,7 @@ class PatchingResult:
                              self.positions.index(position)])
 
 
-class _ByIdentity:
-  """Wraps an unhashable metric for jit's static arguments."""
-
-  def __init__(self, fn):
-    self.fn = fn
-
-  def __hash__(self):
-    return id(self.fn)
-
-  def __eq__(self, other):
-    return isinstance(other, _ByIdentity) and other.fn is self.fn
-
-  def __call__(self, *args):
-    return self.fn(*args)
-
-
-def _static(metric):
-  try:
-    hash(metric)
-  except TypeError:
-    return _ByIdentity(metric)
-  return metric
-
-
 # ------------------------------------------------------------ programs
-
-
-def _scalar(out) -> jax.Array:
-  """A metric's output as a float32 scalar (an error for anything else)."""
-  if isinstance(out, pz.nx.NamedArrayBase):
-    if out.named_shape or out.positional_shape:
-      raise ValueError(
-          "the metric must return a scalar per run; it returned a named"
-          f" array with axes {dict(out.named_shape)} and positional shape"
-          f" {out.positional_shape} (reduce the batch axes, e.g. a mean).")
-    out = out.unwrap()
-  try:
-    out = jnp.asarray(out)
-  except TypeError as e:
-    raise ValueError(
-        "the metric must return a scalar (a float or 0-d array), got"
-        f" {type(out).__name__}.") from e
-  if out.shape:
-    raise ValueError(
-        f"the metric must return a scalar per run, got shape {out.shape}"
-        " (reduce the batch axes, e.g. a mean).")
-  if not jnp.issubdtype(out.dtype, jnp.number) or jnp.issubdtype(
-      out.dtype, jnp.complexfloating):
-    raise ValueError(f"the metric must return a real number, got dtype"
-                     f" {out.dtype}.")
-  return out.astype(jnp.float32)
-
-
-def _row_metric(metric, axes):
-  """``metric`` of one run's logits given as a raw array over ``axes``."""
-  return lambda data: _scalar(metric(pz.nx.wrap(data).tag(*axes)))
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -231,9 +152,9 @@ def _last_logits(model, tokens):
 def _sweep_chunk(model, tokens, metric):
   """Metric of each ``sweep`` row of a patched model (one compilation per
   structure and shape: chunks pass the same model with other masks)."""
-  axes = (*(a for a in tokens.named_shape if a != SWEEP_AXIS), "vocabulary")
-  logits = model(tokens).unwrap(SWEEP_AXIS, *axes)
-  return jax.vmap(_row_metric(metric, axes))(logits)
+  logits = model(tokens)  # A corruption may add axes (noise samples).
+  axes = tuple(a for a in logits.named_shape if a != SWEEP_AXIS)
+  return jax.vmap(row_metric(metric, axes))(logits.unwrap(SWEEP_AXIS, *axes))
 
 
 def _patched(model, point, layers, stacked, clean, where):
@@ -273,14 +194,26 @@ def _default_metric(model, clean, corrupted):
   return LogitDiff(answer, wrong)
 
 
+def _traced_metric(model, clean):
+  if set(clean.named_shape) != {"seq"}:
+    raise ValueError(
+        "with a batch of prompts, pass metric= (e.g. AnswerProb(answer),"
+        " averaged over the batch).")
+  frozen = pz.freeze_params(model)
+  return AnswerProb(int(jnp.argmax(_last_logits(frozen, clean).unwrap(
+      "vocabulary"))))
+
+
 def patching_sweep(
     model,
     clean_tokens,
-    corrupted_tokens,
+    corrupted_tokens=None,
     *,
+    corrupt: GaussianNoise | None = None,
     point: str = "resid_pre",
     layers: int | Sequence[int] | None = None,
     positions: Any = None,
+    window: int = 1,
     metric: Callable[[pz.nx.NamedArray], Any] | None = None,
     batch_size: int | None = None,
 ) -> PatchingResult:
@@ -293,7 +226,12 @@ def patching_sweep(
     clean_tokens: One prompt (a list of ids, or a named array with ``seq``)
       or a batch of prompts (a list of equally long lists, or a named array
       with ``seq`` and batch axes).
-    corrupted_tokens: As ``clean_tokens``, with the same shape.
+    corrupted_tokens: As ``clean_tokens``, with the same shape; None: the
+      clean tokens, corrupted by ``corrupt``.
+    corrupt: A corruption of the corrupted runs' embeddings
+      (`GaussianNoise`: causal tracing), applied to every run but the
+      clean baseline, on top of ``corrupted_tokens``. Its samples are a
+      ``noise`` axis the metric sees as a batch axis.
     point: The block point patched (`penzai_lm.model.hooks`): e.g.
       ``"resid_pre"``, ``"attn_out"``, ``"mlp_out"``, ``"resid_post"``,
       ``"attn.head_out"`` (all heads at a position).
@@ -302,11 +240,17 @@ def patching_sweep(
       (one column: every position patched together, i.e. whole-layer
       patching), or a list whose entries are positions or tuples of
       positions patched together.
+    window: Restore ``window`` consecutive blocks at once around each
+      swept block (blocks ``layer - window // 2`` up to ``layer + (window -
+      1) // 2 + 1``, clipped to the model; Meng et al. restore 10 at
+      ``mlp_out`` and ``attn_out``); 1: the block alone.
     metric: ``metric(logits) -> scalar``, with ``logits`` one run's named
       array over ``seq``, ``vocabulary`` (and the batch axes of the tokens);
       traced under `jax.jit` and `jax.vmap`, so written with jax / named
       operations. Default: `LogitDiff` between the clean and the corrupted
-      run's top prediction at the last position (one prompt only).
+      run's top prediction at the last position (one prompt only); with
+      ``corrupt`` and no corrupted tokens, `AnswerProb` of the clean top
+      prediction.
     batch_size: Runs per compiled call (the patched runs, plus the clean
       and corrupted baselines, which run as two more rows of the first
       chunk); default all at once. Memory grows with it: the logits alone
@@ -326,7 +270,14 @@ def patching_sweep(
         "patching_sweep needs an uncached TransformerLM, got"
         f" {type(model).__name__}.")
   clean = check_tokens_arg(model, clean_tokens, "clean_tokens")
-  corrupted = check_tokens_arg(model, corrupted_tokens, "corrupted_tokens")
+  if corrupted_tokens is None and corrupt is None:
+    raise ValueError(
+        "give corrupted_tokens (a corrupted prompt) or corrupt= (e.g."
+        " GaussianNoise(positions=[...]) on the subject's tokens), or both.")
+  if corrupt is not None and not isinstance(corrupt, GaussianNoise):
+    raise ValueError(f"corrupt must be a GaussianNoise, got {corrupt!r}.")
+  corrupted = (clean if corrupted_tokens is None else
+               check_tokens_arg(model, corrupted_tokens, "corrupted_tokens"))
   if dict(clean.named_shape) != dict(corrupted.named_shape):
     raise ValueError(
         f"clean_tokens has shape {dict(clean.named_shape)} but"
@@ -337,6 +288,7 @@ def patching_sweep(
       *clean.named_shape)
   point = check_point(model, point)
   layers = check_layers(model, layers)
+  num_layers = model.config.num_layers
   seq = clean.named_shape["seq"]
   positions = check_positions(positions, seq)
   if metric is not None and not callable(metric):
@@ -344,20 +296,27 @@ def patching_sweep(
         f"metric must be callable (logits -> scalar), got {metric!r}.")
   rows = len(layers) * len(positions)
   batch_size = check_batch_size(batch_size)
+  window = check_window(window)
+  noise = None if corrupt is None else corrupt.noise(
+      model, weights(model, "embed.W_E"), seq)
 
-  if metric is None:
+  check_metric(metric, model.config.vocab_size, seq)
+  if metric is None and corrupted_tokens is None:
+    metric = _traced_metric(model, clean)
+  elif metric is None:
     metric = _default_metric(model, clean, corrupted)
-  metric = _static(metric)
+  metric = static_metric(metric)
   frozen = pz.freeze_params(model)
+  touched = sorted({t for l in layers for t in range(
+      max(0, l - window // 2), min(num_layers, l + (window - 1) // 2 + 1))})
   stacked = points_lib.is_stacked(
       points_lib.hook_points(model, point).get_sequence()[0])
-  num_layers = model.config.num_layers
   if stacked:
     clean_values = _capture_stacked(frozen, clean, point)
   else:
     cache = run_with_cache(model, clean,
-                           names=[f"blocks.{l}.{point}" for l in layers])
-    clean_values = {l: cache[f"blocks.{l}.{point}"] for l in layers}
+                           names=[f"blocks.{l}.{point}" for l in touched])
+    clean_values = {l: cache[f"blocks.{l}.{point}"] for l in touched}
 
   # Rows: 0 the clean run, 1 the corrupted run (the baselines, by the same
   # program), then 2 + i * P + j patches layers[i] at positions[j] into the
@@ -367,8 +326,9 @@ def patching_sweep(
   chunks = -(-total // batch_size)
   where = np.zeros((num_layers, chunks * batch_size, seq), bool)
   for i, layer in enumerate(layers):
+    near = slice(max(0, layer - window // 2), layer + (window - 1) // 2 + 1)
     for j, p in enumerate(positions):
-      where[layer, 2 + i * len(positions) + j, list(np.atleast_1d(p))] = True
+      where[near, 2 + i * len(positions) + j, list(np.atleast_1d(p))] = True
   token_axes = tuple(clean.named_shape)
   ids = np.broadcast_to(np.asarray(corrupted.unwrap(*token_axes)),
                         (chunks * batch_size, *clean.named_shape.values())
@@ -377,7 +337,13 @@ def patching_sweep(
   out = []
   for c in range(chunks):
     rows_c = slice(c * batch_size, (c + 1) * batch_size)
-    patched = _patched(frozen, point, layers, stacked, clean_values,
+    base = frozen
+    if noise is not None:  # Every row but the clean baseline (row 0).
+      rows_mask = np.arange(rows_c.start, rows_c.stop) > 0
+      base = points_lib.insert_at(base, "embed", AddNoise(
+          noise=noise, rows=pz.nx.wrap(jnp.asarray(rows_mask)).tag(
+              SWEEP_AXIS)))
+    patched = _patched(base, point, touched, stacked, clean_values,
                        where[:, rows_c])
     tokens = pz.nx.wrap(jnp.asarray(ids[rows_c])).tag(SWEEP_AXIS,
                                                       *token_axes)

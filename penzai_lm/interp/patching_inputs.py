@@ -124,3 +124,10 @@ def check_batch_size(batch_size) -> int | float:
     raise ValueError(f"batch_size must be a positive int or None, got"
                      f" {batch_size!r}.")
   return int(batch_size)
+
+
+def check_window(window) -> int:
+  if not _is_int(window) or window < 1:
+    raise ValueError(f"window must be an int >= 1 (blocks restored together),"
+                     f" got {window!r}.")
+  return int(window)
