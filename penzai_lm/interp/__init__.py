@@ -5,7 +5,8 @@
   `insert_at(model, name, layer)` patches a layer in at one or more points
   on either model layout, `point_names(model)` lists them.
 * `run_with_cache(model, tokens, names=...)`: logits and activations of one
-  forward pass.
+  forward pass (``return_loss=True``: and the next-token losses).
+* `token_losses(model, prompts)`: each prompt's per-token next-token loss.
 * Direct logit attribution: `decompose_resid` (the residual stream as the
   sum of the embeddings' and each block's or head's output), then
   `apply_final_norm` and `logit_attribution`; `weights(model, name)` reads
@@ -52,6 +53,7 @@ from penzai_lm.interp.lens import logits_from_embeddings
 from penzai_lm.interp.lens import unembed
 from penzai_lm.interp.metrics import AnswerProb
 from penzai_lm.interp.metrics import LogitDiff
+from penzai_lm.interp.losses import token_losses
 from penzai_lm.interp.patching import patching_sweep
 from penzai_lm.interp.patching import PatchingResult
 from penzai_lm.interp.token_rules import TokenRule
@@ -104,6 +106,7 @@ __all__ = [
     "point_names",
     "run_with_cache",
     "save_control_vector",
+    "token_losses",
     "unembed",
     "weight_names",
     "weights",

@@ -65,7 +65,13 @@ def unembed(model, resid: pz.nx.NamedArray, **side_inputs
 
 
 def embed(model, tokens: pz.nx.NamedArray) -> pz.nx.NamedArray:
-  """The raw embedding-table rows of ``tokens`` (before any scaling)."""
+  """The embedding-table rows of ``tokens``: the model's first layer only.
+
+  These are raw rows (in the parameter dtype), before the cast to the
+  activation dtype, the embedding scale (Gemma's ``sqrt(hidden_size)``)
+  and learned positions: not the value at the ``embed`` point of
+  `run_with_cache`. `logits_from_embeddings` applies those and the rest.
+  """
   layers = _body(model)
   if not isinstance(layers[0], pz.nn.EmbeddingLookup):
     raise ValueError("the model's first layer is not an embedding lookup.")
@@ -75,7 +81,12 @@ def embed(model, tokens: pz.nx.NamedArray) -> pz.nx.NamedArray:
 def logits_from_embeddings(model, embeddings: pz.nx.NamedArray, *,
                            token_positions=None, **side_inputs
                            ) -> pz.nx.NamedArray:
-  """The rest of the forward pass from `embed`'s output: logits.
+  """Logits from `embed`'s raw rows: the forward pass after the lookup.
+
+  It applies every layer after the embedding lookup, the cast, embedding
+  scale and learned positions included, so ``logits_from_embeddings(model,
+  embed(model, ids))`` equals ``model(ids)``. It does not take the value of
+  the ``embed`` point (which is already scaled).
 
   Args:
     model: The `TransformerLM` (frozen under ``jax.grad`` / ``jax.jit``).

@@ -93,6 +93,16 @@ FAMILY_PRESETS: dict[str, dict[str, Any]] = {
 FAMILIES = tuple(FAMILY_PRESETS)
 
 
+# Hugging Face config.json names of fields `TransformerConfig` names
+# otherwise: a config built with one of them gets an error naming ours.
+HF_FIELD_NAMES = {
+    "rms_norm_eps": "norm_eps", "layer_norm_eps": "norm_eps",
+    "layer_norm_epsilon": "norm_eps", "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
+    "intermediate_size": "mlp_hidden_size", "rope_theta": "rope_base",
+    "tie_word_embeddings": "tie_embeddings", "hidden_act": "activation",
+}
+
 # Names `jax.default_matmul_precision` takes, most precise first.
 MATMUL_PRECISIONS = ("float32", "tensorfloat32", "bfloat16")
 
@@ -226,6 +236,17 @@ class TransformerConfig:
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
+
+  def __new__(cls, *args, **fields):
+    del args  # The generated __init__ refuses positional arguments.
+    hf_names = sorted(set(fields) & set(HF_FIELD_NAMES))
+    if hf_names:
+      raise TypeError(
+          f"TransformerConfig has no field {hf_names[0]!r} (Hugging Face's"
+          f" name); it is called {HF_FIELD_NAMES[hf_names[0]]!r} here. To"
+          " build a config from a Hugging Face config.json, load the"
+          " checkpoint with penzai_lm.load / penzai_lm.loading.load_model.")
+    return super().__new__(cls)
 
   def __post_init__(self):
     self._resolve_features()

@@ -235,6 +235,11 @@ class Tokenizer:
   def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
     """Encodes text to token ids.
 
+    With the default ``add_bos=None`` the ids start with BOS when the model
+    adds it (`add_bos`; Gemma does, SmolLM2 does not), so
+    ``encode(" Paris")[0]`` may be BOS rather than the word: use `token_id`
+    for the id of one token.
+
     Args:
       text: The text. Substrings spelling a special token (e.g.
         ``<|im_start|>``) become that token.
@@ -257,6 +262,28 @@ class Tokenizer:
         raise ValueError("add_bos=True, but this tokenizer has no BOS token.")
       ids.insert(0, self.bos_id)
     return ids
+
+  def token_id(self, text: str) -> int:
+    """The id of the single token ``text`` encodes to, without BOS.
+
+    E.g. ``token_id(" Paris")`` for the logit of the answer " Paris"
+    (mind the leading space: most vocabularies spell a word after a space
+    as a token of its own).
+
+    Raises:
+      TypeError: If ``text`` is not a str.
+      ValueError: If ``text`` encodes to no token or to several.
+    """
+    ids = self.encode(text, add_bos=False)
+    if len(ids) != 1:
+      pieces = [self.id_to_token(i) for i in ids]
+      raise ValueError(
+          f"token_id({text!r}): the text encodes to {len(ids)} tokens, not"
+          f" one: ids {ids} = {pieces}. Use a text that is one token (check"
+          " the leading space: ' Paris' and 'Paris' differ), pick a token"
+          " of encode(text, add_bos=False) yourself, or compare"
+          " multi-token answers by their summed log-probabilities.")
+    return ids[0]
 
   def _check_ids(self, ids: Any) -> list[int]:
     arr = np.asarray(ids)
