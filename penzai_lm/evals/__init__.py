@@ -1,0 +1,15 @@
+"""lm-evaluation-harness for penzai_lm models (the optional ``[eval]``
+extra): `LM`, registered in lm-eval as ``penzai_lm``.
+
+* ``penzai_lm.evals.LM(model, tokenizer)`` scores a model in memory
+  (patched, spliced, steered, quantized or sharded) with
+  ``lm_eval.simple_evaluate(model=LM(...), tasks=[...])``;
+* ``python -m penzai_lm.evals --model penzai_lm --model_args
+  model=smollm2-135m-instruct --tasks ...`` is lm-eval's command line with
+  the model registered.
+"""
+
+from penzai_lm.evals.lm import LM
+from penzai_lm.evals.scoring import score_rows
+
+__all__ = ["LM", "score_rows"]
