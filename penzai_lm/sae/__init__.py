@@ -23,12 +23,19 @@
   SAELens directories, Gemma Scope 1 and 2 files, circuit-tracer layer
   files; `load_transcoders(path)` for circuit-tracer ``config.yaml`` sets
   (`TranscoderSet`) and cross-layer transcoders (`CrossLayerTranscoder`).
+* `dashboard(model, sae, prompts, features=[...])`
+  (`penzai_lm.sae.dashboard`): each feature's top activating tokens in
+  context, firing frequency, activation histogram and the logits its
+  decoder direction promotes; shown in a notebook, saved as one HTML file.
 """
 
 from penzai_lm.sae.attribution import FeatureAttribution
 from penzai_lm.sae.attribution import feature_attribution
 from penzai_lm.sae.autoencoder import SAEConfig
 from penzai_lm.sae.autoencoder import SparseAutoencoder
+from penzai_lm.sae.dashboard import Dashboard
+from penzai_lm.sae.dashboard import dashboard
+from penzai_lm.sae.dashboard import FeatureCard
 from penzai_lm.sae.edits import FeatureEdit
 from penzai_lm.sae.evaluation import SAEMetrics
 from penzai_lm.sae.evaluation import evaluate_sae
@@ -49,6 +56,8 @@ from penzai_lm.sae.training import train_sae_on_activations
 
 __all__ = [
     "CrossLayerTranscoder",
+    "Dashboard",
+    "FeatureCard",
     "FeatureAttribution",
     "FeatureEdit",
     "FeaturePoint",
@@ -61,6 +70,7 @@ __all__ = [
     "TrainConfig",
     "TrainingReport",
     "TranscoderSet",
+    "dashboard",
     "evaluate_sae",
     "feature_attribution",
     "load_sae",
