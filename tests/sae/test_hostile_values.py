@@ -90,6 +90,14 @@ def test_all_infinite_activations_are_refused():
                                      progress=False)
 
 
+def test_zero_activations_cannot_be_scaled_to_an_expected_norm():
+  acts = np.zeros((512, 32), np.float32)
+  config = sae_lib.TrainConfig(
+      **{**TINY, "normalize_activations": "expected_average_only_in"})
+  with pytest.raises(ValueError, match="mean norm 0.0: they cannot be scaled"):
+    sae_lib.train_sae_on_activations(acts, config, progress=False)
+
+
 def test_some_nan_rows_are_counted_not_silently_dropped():
   acts = _activations()
   acts[::7] = np.nan
