@@ -7,7 +7,10 @@ and every block's ``mlp_out``); dotted with each source's vector there (a
 feature's ``a * w_dec`` row at its layer and position, an error vector, a
 token embedding) it is the edge ``adjacency[target, source]``. Targets go in
 batches of ``batch_size``: one ``jax.vmap`` over the targets of a batch, one
-``jax.jit`` program for all batches.
+``jax.jit`` program for all batches. With ``max_memory_bytes`` the batches
+shrink and the feature edges are read out in chunks to fit the budget
+(`penzai_lm.circuits.budget`); the graph is the same. Without a feature
+cap the rows are written straight into the adjacency matrix.
 
 Targets, as circuit-tracer: the logits of the last position whose
 cumulative probability first reaches ``desired_logit_prob`` (at most
@@ -17,17 +20,24 @@ all of them in order, or, with ``max_feature_nodes``, the most influential
 ones, re-ranked by their influence on the logits through the rows computed
 so far every ``update_interval`` batches.
 
-Differences from circuit-tracer: prompts are token ids (tokenize first);
-the targets are always the salient logits (no custom targets yet); only
-per-layer transcoders.
+Differences from circuit-tracer: prompts are token ids (tokenize first),
+taken as given: circuit-tracer prepends a special token (BOS, else pad or
+EOS) to a prompt that does not start with one, so prepend the tokenizer's
+BOS id to get its graph; ``Graph.vocab_size`` is the model's logit count
+(circuit-tracer's is its tokenizer's ``vocab_size``); the targets are
+always the salient logits (no custom targets yet); only per-layer
+transcoders.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from penzai_lm.circuits import budget
 from penzai_lm.circuits.features import PromptFeatures
 from penzai_lm.circuits.features import check_transcoders
 from penzai_lm.circuits.features import prompt_features
@@ -41,7 +51,8 @@ from penzai_lm.model.transformer import TransformerLM
 def attribute(model: TransformerLM, transcoders, prompt, *,
               max_n_logits: int = 10, desired_logit_prob: float = 0.95,
               batch_size: int = 512, max_feature_nodes: int | None = None,
-              update_interval: int = 4, zero_positions: int = 1) -> Graph:
+              update_interval: int = 4, zero_positions: int = 1,
+              max_memory_bytes: int | None = None) -> Graph:
   """Computes the attribution graph of ``prompt`` (module docstring).
 
   Args:
@@ -61,16 +72,24 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
     zero_positions: Leading positions whose features and errors are left
       out (circuit-tracer's 1: the BOS token); 0 keeps every position, and
       then each target's row plus its ``b_dec`` terms adds up to its value.
+    max_memory_bytes: A budget for the call's working set
+      (`penzai_lm.circuits.budget`): batches are made smaller than
+      ``batch_size`` and the feature edges read out in chunks to fit it.
+      None: ``batch_size`` targets a batch, all features at once. The graph
+      is the same either way.
 
   Returns:
     The unpruned `Graph`.
 
   Raises:
-    TypeError, ValueError: for a bad argument, naming it.
+    TypeError, ValueError: for a bad argument, naming it; ValueError also
+      when ``max_memory_bytes`` cannot hold the graph (checked after the
+      forward pass, which finds the active features, before any backward
+      pass).
   """
   tokens = _check_args(model, prompt, max_n_logits, desired_logit_prob,
                        batch_size, max_feature_nodes, update_interval,
-                       zero_positions)
+                       zero_positions, max_memory_bytes)
   layers = check_transcoders(model, transcoders)
   linear = linearize(model, layers, tokens)
   forward = _forward(linear)
@@ -78,16 +97,14 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
                           np.asarray(forward["mlp_out"]), zero_positions)
   last = np.asarray(forward["logits"][-1], np.float32)
   logit_ids, probs = salient_logits(last, max_n_logits, desired_logit_prob)
-  rows = _Rows(linear, feats, np.asarray(forward["embed"], np.float32),
-               batch_size)
-  logit_rows = rows.logits(logit_ids)
   total = len(feats.layers)
   n_selected = total if max_feature_nodes is None else min(
       max_feature_nodes, total)
-  order, feature_rows = _feature_rows(rows, feats, logit_rows, probs,
-                                      n_selected, batch_size,
-                                      update_interval)
-  adjacency = _assemble(logit_rows, feature_rows, order, total)
+  rows = _Rows(linear, feats, np.asarray(forward["embed"], np.float32),
+               last.shape[0])
+  order, adjacency = _adjacency(rows, feats, logit_ids, probs, n_selected,
+                                batch_size, update_interval,
+                                max_memory_bytes)
   return Graph(
       input_tokens=tokens,
       active_features=np.stack([feats.layers, feats.positions, feats.ids],
@@ -97,6 +114,36 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
       logit_tokens=logit_ids.astype(np.int32), logit_probabilities=probs,
       adjacency_matrix=adjacency, num_layers=model.config.num_layers,
       vocab_size=last.shape[0])
+
+
+def _adjacency(rows: _Rows, feats: PromptFeatures, logit_ids, probs,
+               n_selected: int, batch_size: int, update_interval: int,
+               max_memory_bytes: int | None):
+  """``(visited feature indices, adjacency matrix)``, with the work split
+  by `budget.plan`. Without a feature cap the rows are written straight
+  into the matrix."""
+  total, n_logits = len(feats.layers), len(logit_ids)
+  n_nodes = rows.width - total + n_selected + n_logits
+  linear = rows.linear
+  rows.plan = budget.plan(
+      max_memory_bytes, batch_size=batch_size,
+      padded_features=rows.n_features + rows.n_padding, width=rows.width,
+      n_nodes=n_nodes,
+      n_held_rows=0 if n_selected == total else n_selected + n_logits,
+      num_layers=linear.num_layers,
+      seq=linear.tokens.named_shape["seq"], hidden=linear.width,
+      vocab=rows.vocab)
+  if n_selected == total:
+    adjacency = np.zeros((n_nodes, n_nodes), np.float32)
+    rows.logits(logit_ids, out=adjacency[n_nodes - n_logits:, :rows.width])
+    rows.features(feats, np.arange(total),
+                  out=adjacency[:total, :rows.width])
+    return np.arange(total), adjacency
+  logit_rows = rows.logits(logit_ids)
+  order, feature_rows = _feature_rows(rows, feats, logit_rows, probs,
+                                      n_selected, batch_size,
+                                      update_interval)
+  return order, _assemble(logit_rows, feature_rows, order, total)
 
 
 def salient_logits(logits: np.ndarray, max_n_logits: int,
@@ -126,13 +173,13 @@ def _zero_deltas(linear: LinearizedModel):
           jnp.zeros((linear.num_layers, seq, linear.width), jnp.float32))
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("chunk",))
 def _batch_rows(linear: LinearizedModel, sources: dict, layers, positions,
-                vectors, tokens, is_logit):
+                vectors, tokens, is_logit, *, chunk: int):
   """``[B, n_sources]`` rows for a batch of targets: feature targets read
   ``vectors[b]`` (``[D]``) at ``mlp_in[layers[b], positions[b]]``, logit
   targets (``is_logit[b]``) the demeaned logit of ``tokens[b]`` at the last
-  position."""
+  position. Feature sources are read out ``chunk`` at a time."""
   embed_zero, mlp_zero = _zero_deltas(linear)
   (mlp_in, last), pullback = jax.vjp(linear.targets, embed_zero, mlp_zero)
   vocab = last.shape[0]
@@ -141,28 +188,43 @@ def _batch_rows(linear: LinearizedModel, sources: dict, layers, positions,
     demeaned = jax.nn.one_hot(token, vocab, dtype=last.dtype) - 1.0 / vocab
     cotangent = (jnp.zeros_like(mlp_in).at[layer, position].set(
         jnp.where(logit, 0.0, vector)), jnp.where(logit, demeaned, 0.0))
-    grad_embed, grad_mlp = pullback(cotangent)
-    return _read_out(grad_embed, grad_mlp, sources)
+    return pullback(cotangent)
 
-  return jax.vmap(one)(layers, positions, vectors, tokens, is_logit)
+  grad_embed, grad_mlp = jax.vmap(one)(layers, positions, vectors, tokens,
+                                       is_logit)
+  return _read_out(grad_embed, grad_mlp, sources, chunk)
 
 
-def _read_out(grad_embed, grad_mlp, sources) -> jax.Array:
-  """One target's row: ``[features, errors (layer-major), tokens]``."""
-  at_features = grad_mlp[sources["layers"], sources["positions"]]
-  features = jnp.sum(at_features * sources["decoder"], axis=-1)
-  errors = jnp.sum(grad_mlp * sources["errors"], axis=-1).reshape(-1)
-  tokens = jnp.sum(grad_embed * sources["embed"], axis=-1)
-  return jnp.concatenate([features, errors, tokens])
+def _read_out(grad_embed, grad_mlp, sources, chunk: int) -> jax.Array:
+  """Rows ``[B, features + errors (layer-major) + tokens]`` from the
+  batch's gradients (``[B, T, D]`` at the embeddings, ``[B, L, T, D]`` at
+  the MLP outputs), the features ``chunk`` at a time (``[B, chunk, D]``
+  gathered per step)."""
+  batch, _, seq, width = grad_mlp.shape
+  flat = grad_mlp.reshape(batch, -1, width)
+  cells = sources["layers"] * seq + sources["positions"]
+
+  def features(step):
+    index, decoder = step
+    return jnp.einsum("bcd,cd->bc", flat[:, index], decoder)
+
+  steps = (cells.reshape(-1, chunk),
+           sources["decoder"].reshape(-1, chunk, width))
+  by_chunk = jax.lax.map(features, steps)  # [n_chunks, B, chunk]
+  feature_edges = jnp.moveaxis(by_chunk, 0, 1).reshape(batch, -1)
+  errors = jnp.einsum("bltd,ltd->blt", grad_mlp,
+                      sources["errors"]).reshape(batch, -1)
+  token_edges = jnp.einsum("btd,td->bt", grad_embed, sources["embed"])
+  return jnp.concatenate([feature_edges, errors, token_edges], axis=1)
 
 
 class _Rows:
-  """Computes rows in fixed-size batches: the last batch is padded, and
-  the feature sources to a power of two, so that one compiled program
-  serves every batch, logits and features alike (and prompts with similar
-  numbers of active features)."""
+  """Computes rows in fixed-size batches (``plan``, set before the first
+  rows): the last batch is padded, and the feature sources to a power of
+  two, so that one compiled program serves every batch, logits and
+  features alike (and prompts with similar numbers of active features)."""
 
-  def __init__(self, linear, feats: PromptFeatures, embed, batch_size):
+  def __init__(self, linear, feats: PromptFeatures, embed, vocab: int):
     n = len(feats.layers)
     pad = max(64, 1 << (n - 1).bit_length()) - n
     def padded(a):
@@ -173,41 +235,47 @@ class _Rows:
                     "decoder": padded(feats.decoder_vecs),
                     "errors": jnp.asarray(feats.errors),
                     "embed": jnp.asarray(embed)}
-    self.linear, self.batch_size = linear, batch_size
+    self.linear, self.plan, self.vocab = linear, None, vocab
     self.n_features, self.n_padding = n, pad
     self.width = n + feats.errors.shape[0] * feats.errors.shape[1] + len(
         embed)
 
-  def _run(self, layers, positions, vectors, tokens, is_logit):
-    n = len(vectors)
-    out = [np.zeros((0, self.width), np.float32)]
-    for start in range(0, n, self.batch_size):
-      stop = min(start + self.batch_size, n)
-      pad = self.batch_size - (stop - start)
+  def _run(self, layers, positions, vectors, tokens, is_logit, out):
+    n, size = len(vectors), self.plan.batch
+    if out is None:
+      out = np.zeros((n, self.width), np.float32)
+    for start in range(0, n, size):
+      stop = min(start + size, n)
+      pad = size - (stop - start)
       def padded(a):
         return np.concatenate([a[start:stop],
                                np.zeros((pad, *a.shape[1:]), a.dtype)])
       rows = np.asarray(_batch_rows(
           self.linear, self.sources, padded(layers), padded(positions),
-          padded(vectors), padded(tokens), padded(is_logit)))[:stop - start]
-      out.append(np.delete(rows, np.s_[self.n_features:self.n_features
-                                       + self.n_padding], axis=1))
-    return np.concatenate(out)
+          padded(vectors), padded(tokens), padded(is_logit),
+          chunk=self.plan.chunk))[:stop - start]
+      out[start:stop, :self.n_features] = rows[:, :self.n_features]
+      out[start:stop, self.n_features:] = rows[:, self.n_features
+                                               + self.n_padding:]
+    return out
 
-  def logits(self, tokens: np.ndarray) -> np.ndarray:
-    """Rows of the demeaned logits of ``tokens`` (last position)."""
+  def logits(self, tokens: np.ndarray, out=None) -> np.ndarray:
+    """Rows of the demeaned logits of ``tokens`` (last position), written
+    into ``out`` (``[len(tokens), width]``) if given."""
     zeros = np.zeros(len(tokens), np.int32)
     vectors = np.zeros((len(tokens), self.sources["embed"].shape[1]),
                        np.float32)
     return self._run(zeros, zeros, vectors, tokens.astype(np.int32),
-                     np.ones(len(tokens), bool))
+                     np.ones(len(tokens), bool), out)
 
-  def features(self, feats: PromptFeatures, index: np.ndarray) -> np.ndarray:
-    """Rows of the pre-activations of features ``index``."""
+  def features(self, feats: PromptFeatures, index: np.ndarray,
+               out=None) -> np.ndarray:
+    """Rows of the pre-activations of features ``index``, written into
+    ``out`` if given."""
     return self._run(feats.layers[index], feats.positions[index],
                      feats.encoder_vecs[index],
                      np.zeros(len(index), np.int32),
-                     np.zeros(len(index), bool))
+                     np.zeros(len(index), bool), out)
 
 
 def _feature_rows(rows: _Rows, feats: PromptFeatures, logit_rows, probs,
@@ -258,7 +326,7 @@ def _assemble(logit_rows, feature_rows, order, total: int) -> np.ndarray:
 
 def _check_args(model, prompt, max_n_logits, desired_logit_prob,
                 batch_size, max_feature_nodes, update_interval,
-                zero_positions) -> np.ndarray:
+                zero_positions, max_memory_bytes) -> np.ndarray:
   """The prompt as int32 ids, after checking every argument."""
   if not isinstance(model, TransformerLM):
     raise TypeError("attribute needs an uncached penzai_lm TransformerLM,"
@@ -281,8 +349,9 @@ def _check_args(model, prompt, max_n_logits, desired_logit_prob,
                            ("batch_size", batch_size, 1),
                            ("update_interval", update_interval, 1),
                            ("zero_positions", zero_positions, 0),
-                           ("max_feature_nodes", max_feature_nodes, 1)):
-    if name == "max_feature_nodes" and value is None:
+                           ("max_feature_nodes", max_feature_nodes, 1),
+                           ("max_memory_bytes", max_memory_bytes, 1)):
+    if name in ("max_feature_nodes", "max_memory_bytes") and value is None:
       continue
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
       raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")

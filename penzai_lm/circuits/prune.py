@@ -13,6 +13,14 @@ compute in float32 numpy, as circuit-tracer does in float32 torch:
   the logit nodes weighted by their probabilities.
 * edge influence: ``normalize(A)[t, s] * (influence[t] + w[t])`` on the
   matrix pruned to the kept nodes.
+
+Running sums (the thresholds' cumulative fractions) are accumulated in
+float64 and rounded to float32, as torch's float32 ``cumsum`` is on the
+CPU, so that the same scores give circuit-tracer's thresholds; a float32
+running sum over millions of edge scores would drift and move the edge
+threshold. Memory: `prune_graph` holds about two float32 copies of the
+matrix besides it (the pruned matrix, turned into the edge scores in place,
+and their sorted copy) and the edge mask; `compute_graph_scores` one.
 """
 
 from __future__ import annotations
@@ -23,12 +31,21 @@ import numpy as np
 
 from penzai_lm.circuits.graph import Graph
 
+_CHUNK = 1 << 18  # Scores per step of find_threshold's running sum.
+
 
 def normalize_matrix(matrix: np.ndarray) -> np.ndarray:
-  """``|matrix|`` with rows scaled to sum to 1 (zero rows stay zero)."""
-  normalized = np.abs(np.asarray(matrix, np.float32))
-  sums = normalized.sum(axis=1, keepdims=True)
-  return normalized / np.maximum(sums, np.float32(1e-10))
+  """``|matrix|`` with rows scaled to sum to 1 (zero rows stay zero), as a
+  new array."""
+  return _normalize_in_place(np.array(matrix, np.float32))
+
+
+def _normalize_in_place(matrix: np.ndarray) -> np.ndarray:
+  """`normalize_matrix` overwriting ``matrix`` (float32), with no second
+  n x n array."""
+  np.abs(matrix, out=matrix)
+  matrix /= np.maximum(matrix.sum(axis=1, keepdims=True), np.float32(1e-10))
+  return matrix
 
 
 def compute_influence(matrix: np.ndarray, weights: np.ndarray,
@@ -60,19 +77,43 @@ def compute_node_influence(adjacency: np.ndarray,
 def compute_edge_influence(pruned: np.ndarray,
                            logit_weights: np.ndarray) -> np.ndarray:
   """``[n, n]`` scores of every edge (see the module docstring)."""
-  normalized = normalize_matrix(pruned)
+  return _edge_influence_in_place(np.array(pruned, np.float32),
+                                  logit_weights)
+
+
+def _edge_influence_in_place(pruned: np.ndarray,
+                             logit_weights: np.ndarray) -> np.ndarray:
+  """`compute_edge_influence` overwriting ``pruned`` (float32)."""
+  normalized = _normalize_in_place(pruned)
   influence = compute_influence(normalized, logit_weights) + logit_weights
-  return normalized * influence[:, None]
+  normalized *= influence[:, None]
+  return normalized
 
 
 def find_threshold(scores: np.ndarray, threshold: float) -> np.float32:
   """The smallest score among the largest ones that together make up the
-  fraction ``threshold`` of the total."""
+  fraction ``threshold`` of the total (running sum as `_cumsum_as_torch`)."""
   ordered = np.sort(np.asarray(scores, np.float32).ravel())[::-1]
-  cumulative = np.cumsum(ordered, dtype=np.float32) / ordered.sum(
-      dtype=np.float32)
-  index = int(np.searchsorted(cumulative, np.float32(threshold)))
-  return ordered[min(index, len(ordered) - 1)]
+  total = ordered.sum(dtype=np.float32)
+  carry = np.zeros(1, np.float64)
+  # The running sum _CHUNK scores at a time (the same additions in the same
+  # order as one cumsum, without a second n x n array), in float64 rounded
+  # to float32 as torch's float32 cumsum on the CPU.
+  for start in range(0, len(ordered), _CHUNK):
+    running = np.cumsum(np.concatenate([carry,
+                                        ordered[start:start + _CHUNK]]))
+    cumulative = running[1:].astype(np.float32) / total
+    index = int(np.searchsorted(cumulative, np.float32(threshold)))
+    if index < len(cumulative):
+      return ordered[start + index]
+    carry = running[-1:]
+  return ordered[-1]
+
+
+def _cumsum_as_torch(values: np.ndarray) -> np.ndarray:
+  """torch's float32 cumsum on the CPU: accumulated in float64, each
+  partial sum rounded to float32."""
+  return np.cumsum(values, dtype=np.float64).astype(np.float32)
 
 
 def logit_weights(graph: Graph) -> np.ndarray:
@@ -126,7 +167,8 @@ def prune_graph(graph: Graph, node_threshold: float = 0.8,
   pruned = adjacency.copy()
   pruned[~node_mask] = 0
   pruned[:, ~node_mask] = 0
-  scores = compute_edge_influence(pruned, weights)
+  scores = _edge_influence_in_place(pruned, weights)
+  del pruned  # Now the scores.
   edge_mask = scores >= find_threshold(scores, edge_threshold)
   n_features = graph.n_features
 
@@ -142,7 +184,7 @@ def prune_graph(graph: Graph, node_threshold: float = 0.8,
     edge_mask[:, ~node_mask] = False
     drop_unconnected()
   order = np.argsort(-influence, kind="stable")
-  cumulative = np.cumsum(influence[order], dtype=np.float32) / influence.sum(
+  cumulative = _cumsum_as_torch(influence[order]) / influence.sum(
       dtype=np.float32)
   final = np.zeros_like(influence)
   final[order] = cumulative

@@ -2,6 +2,7 @@
 worked out by hand, and against circuit-tracer 0.5's own functions on
 random acyclic graphs."""
 
+import tracemalloc
 import types
 
 import numpy as np
@@ -172,3 +173,57 @@ def test_partial_influences_match_circuit_tracer():
       torch.tensor(rows), device="cpu")
   np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-5, atol=1e-7)
   assert ours[:g.n_features].any()
+
+
+def test_pruning_and_scoring_hold_few_matrix_copies():
+  """prune_graph holds the pruned copy (turned into the edge scores in
+  place), their sorted copy and the edge mask; compute_graph_scores one
+  normalized copy. Measured with tracemalloc (numpy reports its buffers),
+  in units of one float32 n x n matrix."""
+  g = _random_graph(1, n_layers=4, n_pos=10, n_features=2400)
+  matrix = g.n_nodes ** 2 * 4
+  tracemalloc.start()
+  try:
+    pruned = circuits.prune_graph(g)
+    prune_peak = tracemalloc.get_traced_memory()[1] / matrix
+    tracemalloc.reset_peak()
+    circuits.compute_graph_scores(g)
+    scores_peak = tracemalloc.get_traced_memory()[1] / matrix
+  finally:
+    tracemalloc.stop()
+  assert 0 < pruned.edge_mask.sum() < pruned.edge_mask.size
+  assert prune_peak < 2.5  # Pruned/scores, sorted, the mask (1/4).
+  assert scores_peak < 1.4  # One normalized copy.
+
+
+def test_threshold_running_sum_in_chunks_is_one_cumsum(monkeypatch):
+  """find_threshold's chunked running sum picks the same score as one
+  float64 cumsum (rounded to float32) over all the scores."""
+  monkeypatch.setattr(prune, "_CHUNK", 7)
+  rng = np.random.default_rng(3)
+  scores = (np.abs(rng.standard_normal(200)) ** 3).astype(np.float32)
+  ordered = np.sort(scores)[::-1]
+  cumulative = np.cumsum(ordered, dtype=np.float64).astype(
+      np.float32) / ordered.sum(dtype=np.float32)
+  for threshold in np.linspace(0, 1, 101):
+    index = int(np.searchsorted(cumulative, np.float32(threshold)))
+    assert prune.find_threshold(scores, threshold) == ordered[
+        min(index, len(ordered) - 1)]
+
+
+def test_threshold_running_sum_is_torchs_on_a_million_scores():
+  """Over a million edge scores a float32 running sum drifts; torch's
+  float32 cumsum (circuit-tracer's find_threshold) accumulates in float64
+  on the CPU, and so does ours: the same score is picked at every
+  threshold (with our total; torch's own sum may differ in the last
+  bit, as its summation order is its own)."""
+  torch, _ = _circuit_tracer_graph()
+  rng = np.random.default_rng(0)
+  scores = (np.abs(rng.standard_normal(1_000_000)) ** 3).astype(np.float32)
+  ordered = np.sort(scores)[::-1]
+  running = torch.cumsum(torch.from_numpy(ordered.copy()), 0).numpy()
+  np.testing.assert_array_equal(prune._cumsum_as_torch(ordered), running)
+  fractions = running / ordered.sum(dtype=np.float32)
+  for threshold in np.linspace(0.5, 0.999, 12):
+    index = int(np.searchsorted(fractions, np.float32(threshold)))
+    assert prune.find_threshold(scores, threshold) == ordered[index]

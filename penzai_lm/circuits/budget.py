@@ -1,0 +1,104 @@
+"""Sizing `attribute`'s work to a memory budget (``max_memory_bytes``).
+
+Rows are computed ``batch`` targets at a time, and within a batch the
+feature edges ``chunk`` source features at a time; what a batch holds,
+in float32, is about::
+
+    per target: 3 * width              (its row, on device and on the host)
+              + 2 * chunk * D          (the decoder rows of one chunk)
+              + 16 * (L + 1) * T * D   (the backward pass through L blocks)
+              + 2 * V                  (the logit cotangent)
+
+with ``width`` the number of source nodes (features padded, errors,
+tokens). What the whole call holds besides is the graph's adjacency matrix
+(``n_nodes`` squared), and with ``max_feature_nodes`` the rows computed so
+far as well (twice: they are re-ordered into the matrix at the end). These
+are estimates of the working set (XLA's buffers and Python's are not
+counted), not a hard limit.
+
+Budget or not, a chunk gathers at most `STEP_FLOATS` floats
+(``batch * chunk * D``) at once: one gather of every feature's ``D``
+gradient entries for the whole batch would be ``batch * features * D``
+floats (gigabytes for real transcoders), and small steps are also faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_F32 = 4
+STEP_FLOATS = 1 << 21  # Most floats one read-out step gathers (8 MiB).
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How `attribute` splits its work.
+
+  Attributes:
+    batch: Targets per backward batch.
+    chunk: Source features per read-out step within a batch (divides the
+      padded number of features).
+  """
+
+  batch: int
+  chunk: int
+
+
+def per_target_bytes(width: int, chunk: int, num_layers: int, seq: int,
+                     hidden: int, vocab: int) -> int:
+  """Estimated bytes one target of a batch holds (module docstring)."""
+  return _F32 * (3 * width + 2 * chunk * hidden
+                 + 16 * (num_layers + 1) * seq * hidden + 2 * vocab)
+
+
+def fixed_bytes(n_nodes: int, n_held_rows: int, width: int) -> int:
+  """Bytes held for the whole call: the adjacency matrix, and the rows
+  held for re-ranking (twice) when features are capped."""
+  return _F32 * (n_nodes * n_nodes + 2 * n_held_rows * width)
+
+
+def default_chunk(batch: int, padded_features: int, hidden: int) -> int:
+  """The largest power of two at most ``padded_features`` whose step,
+  ``batch * chunk * hidden`` floats, is at most `STEP_FLOATS` (at least
+  1)."""
+  fits = max(1, STEP_FLOATS // (batch * hidden))
+  return min(padded_features, 1 << (fits.bit_length() - 1))
+
+
+def plan(max_memory_bytes: int | None, *, batch_size: int,
+         padded_features: int, width: int, n_nodes: int, n_held_rows: int,
+         num_layers: int, seq: int, hidden: int, vocab: int) -> Plan:
+  """The largest batch (at most ``batch_size``) and chunk (a power of two,
+  at most ``padded_features``, itself a power of two, and at most
+  `default_chunk`) whose estimated memory fits ``max_memory_bytes``;
+  without a budget, ``batch_size`` and `default_chunk`.
+
+  Raises:
+    ValueError: if the graph alone, or one target with one-feature chunks,
+      does not fit the budget, with the sizes and what to change.
+  """
+  chunk = default_chunk(batch_size, padded_features, hidden)
+  if max_memory_bytes is None:
+    return Plan(batch_size, chunk)
+  fixed = fixed_bytes(n_nodes, n_held_rows, width)
+  if fixed >= max_memory_bytes:
+    raise ValueError(
+        f"max_memory_bytes={max_memory_bytes} is too small: the graph's"
+        f" adjacency matrix ({n_nodes} nodes) and held rows alone need about"
+        f" {fixed} bytes. Raise max_memory_bytes, or lower"
+        " max_feature_nodes (or shorten the prompt) for a smaller graph.")
+  left = max_memory_bytes - fixed
+  while True:
+    batch = min(batch_size, left // per_target_bytes(
+        width, chunk, num_layers, seq, hidden, vocab))
+    if batch >= min(batch_size, 16) or chunk == 1:
+      break  # Shrink the chunk rather than the batch below 16 targets.
+    chunk //= 2
+  if batch < 1:
+    need = fixed + per_target_bytes(width, 1, num_layers, seq, hidden, vocab)
+    raise ValueError(
+        f"max_memory_bytes={max_memory_bytes} is too small: one target"
+        f" batch needs about {need} bytes with this graph ({n_nodes} nodes,"
+        f" {width} sources). Raise max_memory_bytes or lower"
+        " max_feature_nodes.")
+  return Plan(int(batch), chunk)
