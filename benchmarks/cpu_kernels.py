@@ -6,10 +6,15 @@ format: float32/bfloat16/float16 in-major (penzai's own layout; loaded
 projections are out-major, as the unembedding), and int8,
 q8_0 and q4_1 blocks (out-major). "xla" runs the same product with
 ``jnp.dot`` on the weights as they lie (quantized ones dequantized in the
-program, as without the kernels). Reports the median step time and weights
-per second; medians of --repeats.
+program, as without the kernels). ``bf16-out`` is bfloat16 out-major (the
+loaders' layout). A format with the suffix ``-x8``
+(``int8-x8``, ``q8_0-x8``, ``q4_1-x8``) runs the kernels with
+``int8_activations=True`` (the rows quantized to int8 blocks, integer dot
+products: `penzai_lm/kernels/matvec_x8.cc`). Reports the median step time
+and weights per second; medians of --repeats.
 
   python benchmarks/cpu_kernels.py [--repeats 20] [--formats bf16,q8_0]
+      [--rows 1,8] [--no-xla]
 """
 
 from __future__ import annotations
@@ -40,33 +45,42 @@ def _weights(fmt: str, rng):
     if fmt in ("f32", "bf16", "f16"):
       dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}[fmt]
       out.append((jnp.asarray(w.T.copy()).astype(dtype),))
+    elif fmt == "bf16-out":
+      out.append((jnp.asarray(w).astype(jnp.bfloat16),))
     else:
-      q = qformats.quantize(w, fmt)
+      q = qformats.quantize(w, fmt.removesuffix("-x8"))
       out.append(q)
   return out
 
 
-def _k(arrays) -> int:
+def _k(fmt, arrays) -> int:
+  if fmt == "bf16-out":
+    return arrays[0].shape[1]
   return arrays[0].shape[0] if isinstance(arrays, tuple) else arrays.shape[1]
 
 
 def _product(fmt, x, arrays, kernels: bool):
+  if fmt == "bf16-out":
+    if kernels:
+      return ops.dense(x, arrays[0], out_major=True)
+    return jnp.dot(x, arrays[0].T, preferred_element_type=jnp.float32)
   if fmt in ("f32", "bf16", "f16"):
     if kernels:
       return ops.dense(x, arrays[0], out_major=False)
     return jnp.dot(x, arrays[0], preferred_element_type=jnp.float32)
   if not kernels:
     return x @ arrays.dequantize().T
-  if fmt in ("int8", "q8_0"):
-    return ops.q8(x, arrays.qs, arrays.scale)
-  return ops.q4(x, arrays.qs, arrays.scale, arrays.mins)
+  x8 = fmt.endswith("-x8")
+  if fmt.removesuffix("-x8") in ("int8", "q8_0"):
+    return ops.q8(x, arrays.qs, arrays.scale, int8_activations=x8)
+  return ops.q4(x, arrays.qs, arrays.scale, arrays.mins, int8_activations=x8)
 
 
 def _step(fmt, kernels: bool):
   def step(x, weights):
     total = 0.0
     for arrays in weights:
-      y = _product(fmt, x[:, :_k(arrays)], arrays, kernels)
+      y = _product(fmt, x[:, :_k(fmt, arrays)], arrays, kernels)
       total = total + y[:, :4].sum()
     return total
   return step
@@ -84,25 +98,31 @@ def _time(fn, *args, repeats):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--formats", default="f32,bf16,f16,int8,q8_0,q4_1")
+  parser.add_argument(
+      "--formats",
+      default=("f32,bf16,bf16-out,f16,int8,int8-x8,q8_0,q8_0-x8,q4_1,"
+               "q4_1-x8"))
   parser.add_argument("--rows", default="1,8")
   parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--no-xla", action="store_true",
+                      help="time the kernels only")
   args = parser.parse_args()
   if not ops.available():
     raise SystemExit("the CPU kernels are not available here")
   rng = np.random.default_rng(0)
   n_weights = sum(k * n for k, n in SHAPES) * LAYERS + 576 * VOCAB
   print(f"{n_weights / 1e6:.1f}M weights per step; {jax.devices()}")
-  print(f"{'format':6} {'rows':>4} {'xla ms':>8} {'kernel ms':>9} "
+  print(f"{'format':8} {'rows':>4} {'xla ms':>8} {'kernel ms':>9} "
         f"{'kernel Gw/s':>11} {'speedup':>7}")
   for fmt in args.formats.split(","):
     weights = _weights(fmt, rng)
     kernel, xla = jax.jit(_step(fmt, True)), jax.jit(_step(fmt, False))
     for rows in map(int, args.rows.split(",")):
       x = jnp.asarray(rng.standard_normal((rows, 1536), np.float32))
-      t_xla = _time(xla, x, weights, repeats=args.repeats)
+      t_xla = (float("nan") if args.no_xla
+               else _time(xla, x, weights, repeats=args.repeats))
       t_k = _time(kernel, x, weights, repeats=args.repeats)
-      print(f"{fmt:6} {rows:4d} {t_xla * 1e3:8.2f} {t_k * 1e3:9.2f} "
+      print(f"{fmt:8} {rows:4d} {t_xla * 1e3:8.2f} {t_k * 1e3:9.2f} "
             f"{n_weights / t_k / 1e9:11.1f} {t_xla / t_k:6.2f}x", flush=True)
 
 

@@ -1,7 +1,8 @@
 """Compiles penzai_lm's CPU kernels on first use and registers them with XLA.
 
-The kernels (`matvec.cc`, `attention.cc` and `sampler.cc`, sharing
-`common.h`; `sampler.cc` also `row_ops.h`; and `rows.cc`) are C++
+The kernels (`matvec.cc`, `matvec_x8.cc`, `attention.cc` and
+`sampler.cc`, sharing `common.h`; `sampler.cc` also `row_ops.h`,
+`matvec_x8.cc` also `int8_dot.h`; and `rows.cc`) are C++
 against the XLA FFI headers that ship with jaxlib, built into one library
 once per machine with the system C++ compiler (``-O3 -march=native``:
 the vector width and the F16C instructions matter) and loaded with
@@ -57,13 +58,14 @@ TARGETS = (
     "pzlm_matvec_out_f32", "pzlm_matvec_out_bf16", "pzlm_matvec_out_f16",
     "pzlm_matvec_in_f32", "pzlm_matvec_in_bf16", "pzlm_matvec_in_f16",
     "pzlm_matvec_q8", "pzlm_matvec_q8_16", "pzlm_matvec_q4",
+    "pzlm_matvec_q8_x8", "pzlm_matvec_q4_x8",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
     "pzlm_decode_attention_f16", "pzlm_rows", "pzlm_after", "pzlm_sample",
 )
 _DIR = pathlib.Path(__file__).parent
-_SOURCES = (_DIR / "matvec.cc", _DIR / "attention.cc", _DIR / "rows.cc",
-            _DIR / "sampler.cc")
-_HEADERS = (_DIR / "common.h", _DIR / "row_ops.h")
+_SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "attention.cc",
+            _DIR / "rows.cc", _DIR / "sampler.cc")
+_HEADERS = (_DIR / "common.h", _DIR / "row_ops.h", _DIR / "int8_dot.h")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
           "-w")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 
 import jax
@@ -167,12 +168,20 @@ def on_one_cpu(model) -> bool:
           and all(d.platform == "cpu" for d in devices))
 
 
-def with_cpu_kernels(model):
+def with_cpu_kernels(model, *, int8_activations: bool = False):
   """``model`` with its plain Linear, EmbeddingLookup and EmbeddingDecode
   layers replaced by their kernel versions, its plain cached attention layers by
   `KernelCachedAttention`, and every layer with a ``use_cpu_kernel`` field
   (`penzai_lm.quantization.QuantizedLinear`) switched on; unchanged if the
-  kernels are unavailable."""
+  kernels are unavailable.
+
+  Args:
+    model: A penzai model.
+    int8_activations: Also switch on the ``int8_activations`` field of the
+      layers that have one (quantized layers: their small products then
+      quantize the activations to int8 blocks, `ops.q8`). Layers already on
+      the kernels keep their setting unless this is set.
+  """
   if not ops.available():
     return model
   model = (pz.select(model).at_instances_of(InPlaceKVCachingAttention)
@@ -182,15 +191,22 @@ def with_cpu_kernels(model):
   # rebuilds the model). None of these layers holds another.
   return (pz.select(model).at_subtrees_where(
       lambda x: (type(x) in _SWAPS
-                 or getattr(x, "use_cpu_kernel", None) is False))
-          .apply(_kernel_layer))
+                 or getattr(x, "use_cpu_kernel", None) is False
+                 or (int8_activations
+                     and getattr(x, "int8_activations", None) is False)))
+          .apply(functools.partial(_kernel_layer,
+                                   int8_activations=int8_activations)))
 
 
-def _kernel_layer(layer):
+def _kernel_layer(layer, int8_activations: bool):
   swap = _SWAPS.get(type(layer))
-  if swap is None:  # A layer with a ``use_cpu_kernel`` field.
-    return dataclasses.replace(layer, use_cpu_kernel=True)
-  return swap(layer)
+  if swap is not None:
+    return swap(layer)
+  # A layer with a ``use_cpu_kernel`` field.
+  if int8_activations and hasattr(layer, "int8_activations"):
+    return dataclasses.replace(layer, use_cpu_kernel=True,
+                               int8_activations=True)
+  return dataclasses.replace(layer, use_cpu_kernel=True)
 
 
 # Plain penzai layers (not subclasses, whose calls may differ) -> kernels.

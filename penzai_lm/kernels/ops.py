@@ -51,9 +51,32 @@ def dense(x: jax.Array, w: jax.Array, *, out_major: bool) -> jax.Array:
   return _call(f"pzlm_matvec_{side}_{kind}", n, x, w)
 
 
-def q8(x: jax.Array, qs: jax.Array, scale: jax.Array) -> jax.Array:
+def q8(x: jax.Array, qs: jax.Array, scale: jax.Array, *,
+       int8_activations: bool = False) -> jax.Array:
   """``x @ w.T`` with ``w[n, k] = qs[n, k] * scale[n, k // block]``
-  (``qs: int8[N, K]``, ``scale: f32[N, K // block]``)."""
+  (``qs: int8[N, K]``, ``scale: f32[N, K // block]``).
+
+  With ``int8_activations`` (`matvec_x8.cc`), each row of ``x`` is first
+  quantized to int8 blocks of 32 (q8_0's rule, `quantize_rows`) and the
+  products are integer dot products (VNNI where the CPU has it; see
+  `int8_dot_isa`): it needs ``K % 32 == 0`` and blocks of 32 or one scale
+  per output. The result is the product of the rounded activations
+  ``q * d`` with ``w``: each activation is off by at most ``d / 2`` (1/254
+  of its block's largest magnitude). A block holding a NaN or an infinity
+  makes its row's outputs NaN.
+
+  Raises:
+    ValueError: If ``int8_activations`` is set for a shape it does not
+      cover.
+  """
+  if int8_activations:
+    k = qs.shape[1]
+    if k % 32 or scale.shape[1] not in (1, k // 32):
+      raise ValueError(
+          f"q8 with int8_activations needs K % 32 == 0 and blocks of 32 or"
+          f" one scale per output; got K={k}, scale {scale.shape}. Call it"
+          " with int8_activations=False.")
+    return _call("pzlm_matvec_q8_x8", qs.shape[0], x, qs, scale)
   return _call("pzlm_matvec_q8", qs.shape[0], x, qs, scale)
 
 
@@ -65,11 +88,48 @@ def q8_16(x: jax.Array, qs: jax.Array, scale: jax.Array,
   return _call("pzlm_matvec_q8_16", qs.shape[0], x, qs, scale, mins)
 
 
-def q4(x: jax.Array, qs: jax.Array, scale: jax.Array,
-       mins: jax.Array) -> jax.Array:
+def q4(x: jax.Array, qs: jax.Array, scale: jax.Array, mins: jax.Array, *,
+       int8_activations: bool = False) -> jax.Array:
   """``x @ w.T`` with 4-bit blocks of 32 along K (``qs: uint8[N, K // 2]``
-  in ggml's nibble order, ``scale`` and ``mins``: ``f32[N, K // 32]``)."""
-  return _call("pzlm_matvec_q4", qs.shape[0], x, qs, scale, mins)
+  in ggml's nibble order, ``scale`` and ``mins``: ``f32[N, K // 32]``).
+
+  With ``int8_activations`` the nibbles are dotted in integers with ``x``
+  quantized as in `q8`, and the offsets multiply each block's sum of the
+  rounded ``x``: the result is the float product of the rounded
+  activations with ``w``, as for `q8`.
+  """
+  target = "pzlm_matvec_q4_x8" if int8_activations else "pzlm_matvec_q4"
+  return _call(target, qs.shape[0], x, qs, scale, mins)
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The int8 blocks the ``int8_activations`` products use, in numpy.
+
+  Args:
+    x: ``f32[R, K]``, ``K % 32 == 0``.
+
+  Returns:
+    ``(q, d)``: ``int8[R, K]`` and ``f32[R, K // 32]`` with
+    ``x ~= q * d`` per block of 32: ``d = max|x| / 127`` and
+    ``q = rint(x * (1 / d))`` in float32 (0 where the block is all zeros).
+  """
+  x = np.asarray(x, np.float32)
+  rows, k = x.shape
+  blocks = x.reshape(rows, k // 32, 32)
+  d = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+  with np.errstate(divide="ignore"):
+    inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+  q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
+  return q.reshape(rows, k), d
+
+
+def int8_dot_isa() -> str:
+  """The instructions the ``int8_activations`` products use in this build:
+  ``avx512vnni``, ``avx512bw``, ``avxvnni``, ``avx2`` or ``portable``
+  (`int8_dot.h`)."""
+  _require_kernels()
+  isa = ctypes.CFUNCTYPE(ctypes.c_char_p)(("pzlm_int8_dot_isa", cpu_kernels()))
+  return isa().decode()
 
 
 def rows(table: jax.Array, ids: jax.Array) -> jax.Array:

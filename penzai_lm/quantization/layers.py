@@ -73,6 +73,12 @@ class QuantizedLinear(pz.nn.Layer):
     format: The weight layout (`penzai_lm.quantization.formats.LAYOUTS`).
     use_cpu_kernel: Run small products on the CPU kernels (set by the
       engine for models on one CPU device).
+    int8_activations: In the kernels, quantize the activations to int8
+      blocks of 32 and take integer dot products (llama.cpp's scheme;
+      `penzai_lm.kernels.ops.q8`): faster, and off by the activations'
+      rounding. Applies to the int8, q8_0, q4_0 and q4_1 formats with
+      ``K % 32 == 0``; others ignore it. Set by
+      ``penzai_lm.kernels.with_cpu_kernels(model, int8_activations=True)``.
   """
 
   qs: pz.ParameterLike[pz.nx.NamedArray]
@@ -82,6 +88,7 @@ class QuantizedLinear(pz.nn.Layer):
   out_axes: tuple[tuple[str, int], ...] = _static()
   format: str = _static()
   use_cpu_kernel: bool = _static(default=False)
+  int8_activations: bool = _static(default=False)
 
   def _arrays(self):
     """The weight's arrays as ``[N, ...]`` jax arrays."""
@@ -111,12 +118,14 @@ class QuantizedLinear(pz.nn.Layer):
       qs, scale, mins = self._arrays()
       k = math.prod(s for _, s in self.in_axes)
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
+      x8 = (self.int8_activations and k % 32 == 0
+            and scale.shape[1] in (1, k // 32))
       if self.format in formats.FOUR_BIT:
-        y = ops.q4(flat, qs, scale, mins)
+        y = ops.q4(flat, qs, scale, mins, int8_activations=x8)
       elif mins is not None:
         y = ops.q8_16(flat, qs, scale, mins)
       else:
-        y = ops.q8(flat, qs, scale)
+        y = ops.q8(flat, qs, scale, int8_activations=x8)
       shape = [x.named_shape[a] for a in row_axes] + [
           s for _, s in self.out_axes]
       return pz.nx.NamedArray(

@@ -1,0 +1,240 @@
+"""The quantized products with int8 activations (`matvec_x8.cc`).
+
+Each is checked two ways: against numpy on the same int8 activations
+(`ops.quantize_rows`: integer dot products, so float rounding only), and
+against the float product, within the bound that the activations' rounding
+allows (|x - q * d| <= d / 2 per value). The library built for this machine
+uses its best instructions (`ops.int8_dot_isa`); `test_every_isa_path`
+builds the kernel again for the other paths this CPU can run (AVX-512
+without VNNI, AVX2, portable) so that each is tested here.
+"""
+
+import ctypes
+import pathlib
+import platform
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+from penzai import pz
+
+from penzai_lm.kernels import build
+from penzai_lm.kernels import ops
+from penzai_lm.kernels import with_cpu_kernels
+from penzai_lm.model import TransformerConfig
+from penzai_lm.model import build_transformer
+from penzai_lm.quantization import QuantizedLinear
+from penzai_lm.quantization import quantize
+
+pytestmark = pytest.mark.skipif(not ops.available(),
+                                reason="no C++ compiler for the kernels")
+
+# (rows, K, N): one block (K = 32: only the half step), a half step at the
+# end (96, 544), rows past the 4-row passes, N off the 4-output blocks.
+SHAPES = [(1, 576, 1536), (3, 96, 7), (5, 32, 9), (17, 1536, 13),
+          (8, 544, 33), (2, 64, 1)]
+
+
+def _x(rows, k, seed=0):
+  x = np.random.default_rng(seed).standard_normal((rows, k), np.float32)
+  x[0, :32] = 0  # an all-zero block: d = 0
+  if rows > 1:
+    x[1, -32:] *= 1e4  # a block far larger than the rest of its row
+  return x
+
+
+def _q8(n, k, blocks, seed=2):
+  rng = np.random.default_rng(seed)
+  qs = rng.integers(-128, 128, (n, k), dtype=np.int8)
+  qs[0, :5] = -128  # |w| = 128 must not overflow a signed byte
+  scale = rng.uniform(1e-3, 1e-1, (n, blocks)).astype(np.float32)
+  w = (qs.astype(np.float64).reshape(n, blocks, -1)
+       * scale[..., None]).reshape(n, k)
+  return qs, scale, w
+
+
+def _q4(n, k, seed=3):
+  rng = np.random.default_rng(seed)
+  qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+  scale = rng.uniform(1e-3, 1e-1, (n, k // 32)).astype(np.float32)
+  mins = rng.uniform(-1, 0, (n, k // 32)).astype(np.float32)
+  blocks = qs.reshape(n, k // 32, 16)  # ggml's nibble order
+  nibbles = np.concatenate([blocks & 15, blocks >> 4], -1).astype(np.float64)
+  w = (nibbles * scale[..., None] + mins[..., None]).reshape(n, k)
+  return qs, scale, mins, w
+
+
+def _dequantized_x(x):
+  q, d = ops.quantize_rows(x)
+  rows, k = x.shape
+  return (q.astype(np.float64).reshape(rows, k // 32, 32)
+          * d[..., None].astype(np.float64)).reshape(rows, k)
+
+
+def _rounding_bound(x, w):
+  """|x8 product - float product| <= sum |w| * d / 2 (+ float rounding)."""
+  rows, k = x.shape
+  d = np.abs(x.reshape(rows, k // 32, 32)).max(-1) / 127
+  half = np.repeat(d / 2, 32, axis=1)
+  return half @ np.abs(w).T * (1 + 1e-5) + 1e-5 * np.abs(x) @ np.abs(w).T
+
+
+def _check(got, x, w):
+  """``got`` against numpy on the int8 activations, and the float bound."""
+  want = _dequantized_x(x) @ w.T
+  scale = np.abs(x) @ np.abs(w).T
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale.max())
+  exact = x.astype(np.float64) @ (w.T)
+  assert (np.abs(got - exact) <= _rounding_bound(x, w)).all()
+
+
+def test_quantize_rows_follows_q8_0():
+  x = _x(3, 96)
+  q, d = ops.quantize_rows(x)
+  blocks = x.reshape(3, 3, 32)
+  np.testing.assert_array_equal(d, np.abs(blocks).max(-1) / np.float32(127))
+  assert d[0, 0] == 0 and (q[0, :32] == 0).all()
+  assert np.abs(q).max() == 127
+  err = np.abs(q.reshape(3, 3, 32) * d[..., None] - blocks)
+  assert (err <= d[..., None] / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+@pytest.mark.parametrize("per_output", [False, True])
+def test_q8_int8_activations(rows, k, n, per_output):
+  qs, scale, w = _q8(n, k, 1 if per_output else k // 32)
+  x = _x(rows, k)
+  got = np.asarray(jax.jit(lambda *a: ops.q8(*a, int8_activations=True))(
+      x, qs, scale))
+  assert got.shape == (rows, n) and got.dtype == np.float32
+  _check(got, x, w)
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_q4_int8_activations(rows, k, n):
+  qs, scale, mins, w = _q4(n, k)
+  x = _x(rows, k)
+  got = np.asarray(jax.jit(lambda *a: ops.q4(*a, int8_activations=True))(
+      x, qs, scale, mins))
+  assert got.shape == (rows, n) and got.dtype == np.float32
+  _check(got, x, w)
+
+
+def test_non_finite_activations_give_nan_rows():
+  qs, scale, _ = _q8(8, 64, 2)
+  q4s, s4, m4, _ = _q4(8, 64)
+  x = _x(3, 64)
+  x[1, 40] = np.inf
+  x[2, 3] = np.nan
+  for got in (ops.q8(x, qs, scale, int8_activations=True),
+              ops.q4(x, q4s, s4, m4, int8_activations=True)):
+    got = np.asarray(got)
+    assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all()
+
+
+def test_unsupported_shapes_are_errors():
+  with pytest.raises(ValueError, match="K % 32 == 0"):
+    ops.q8(_x(1, 48), np.zeros((4, 48), np.int8), np.ones((4, 3), np.float32),
+           int8_activations=True)
+  with pytest.raises(ValueError, match="blocks of 32"):
+    ops.q8(_x(1, 64), np.zeros((4, 64), np.int8), np.ones((4, 4), np.float32),
+           int8_activations=True)
+
+
+def _cpu_flags() -> set[str]:
+  try:
+    line = build._cpu_fingerprint()
+  except OSError:
+    return set()
+  return set(line.split())
+
+
+# Flags that force each path (on top of -march=native), and the CPU flags
+# it needs.
+_PATHS = {
+    "avx512bw": (("-mno-avx512vnni", "-mno-avxvnni"), {"avx512bw"}),
+    "avx2": (("-mno-avx512f", "-mno-avxvnni"), {"avx2"}),
+    "portable": (("-mno-avx", "-mno-sse4.1", "-mno-f16c"), set()),
+}
+
+
+@pytest.mark.parametrize("isa", sorted(_PATHS))
+def test_every_isa_path(isa, tmp_path):
+  flags, needs = _PATHS[isa]
+  compiler = build.find_compiler()
+  if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+    pytest.skip("x86-64 paths need an x86-64 compiler")
+  if not needs <= _cpu_flags():
+    pytest.skip(f"this CPU lacks {needs - _cpu_flags()}")
+  library = tmp_path / f"x8_{isa}.so"
+  kernels = pathlib.Path(build.__file__).parent
+  done = subprocess.run(
+      [compiler, *build._FLAGS, *flags, f"-I{jax.ffi.include_dir()}",
+       f"-I{kernels}", str(kernels / "matvec_x8.cc"), "-o", str(library)],
+      capture_output=True, text=True)
+  if done.returncode and "unrecognized command-line option" in done.stderr:
+    pytest.skip(f"{compiler} lacks one of {flags}")
+  assert done.returncode == 0, done.stderr[-2000:]
+  lib = ctypes.cdll.LoadLibrary(str(library))
+  assert ctypes.CFUNCTYPE(ctypes.c_char_p)(
+      ("pzlm_int8_dot_isa", lib))().decode() == isa
+  for name in ("q8_x8", "q4_x8"):
+    jax.ffi.register_ffi_target(
+        f"pzlm_test_{isa}_{name}",
+        jax.ffi.pycapsule(getattr(lib, f"pzlm_matvec_{name}")),
+        platform="cpu")
+  for rows, k, n in SHAPES[1:]:
+    x = _x(rows, k)
+    out = jax.ShapeDtypeStruct((rows, n), np.float32)
+    qs, scale, w = _q8(n, k, k // 32)
+    got = jax.ffi.ffi_call(f"pzlm_test_{isa}_q8_x8", out)(x, qs, scale)
+    want = ops.q8(x, qs, scale, int8_activations=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                               atol=1e-5 * np.abs(np.asarray(want)).max())
+    _check(np.asarray(got), x, w)
+    qs, scale, mins, w = _q4(n, k)
+    got = jax.ffi.ffi_call(f"pzlm_test_{isa}_q4_x8", out)(x, qs, scale, mins)
+    want = ops.q4(x, qs, scale, mins, int8_activations=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                               atol=1e-5 * np.abs(np.asarray(want)).max())
+    _check(np.asarray(got), x, w)
+
+
+def _small_model():
+  config = TransformerConfig(
+      family="llama", vocab_size=97, hidden_size=64, num_layers=2,
+      num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
+      max_position_embeddings=256)
+  return build_transformer(config, seed=0)
+
+
+def _logits(model):
+  tokens = pz.nx.wrap(np.random.default_rng(0).integers(
+      1, 97, (2, 3)).astype(np.int32)).tag("batch", "seq")
+  fn = jax.jit(lambda m, t: m(t).untag("batch", "seq", "vocabulary")
+               .data_array)
+  return np.asarray(fn(model, tokens)), fn.lower(model, tokens).as_text()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+def test_with_cpu_kernels_int8_activations(fmt):
+  q = quantize(_small_model(), fmt)
+  plain = with_cpu_kernels(q)
+  x8 = with_cpu_kernels(q, int8_activations=True)
+  layers = pz.select(x8).at_instances_of(QuantizedLinear).get_sequence()
+  assert layers and all(l.int8_activations and l.use_cpu_kernel
+                        for l in layers)
+  # A model already on the kernels is switched too; plain stays off.
+  again = with_cpu_kernels(plain, int8_activations=True)
+  assert all(l.int8_activations for l in pz.select(again).at_instances_of(
+      QuantizedLinear).get_sequence())
+  want, hlo = _logits(plain)  # 6 rows: the kernels
+  assert "pzlm_matvec_q" in hlo and "_x8" not in hlo
+  got, hlo = _logits(x8)
+  assert "_x8" in hlo
+  # Activations rounded to ~1/254 of each block's largest value: logits
+  # stay within 2% of their range, and are not bit-equal.
+  scale = np.abs(want).max()
+  np.testing.assert_allclose(got, want, atol=2e-2 * scale, rtol=0)
+  assert not np.array_equal(got, want)
