@@ -14,13 +14,29 @@ The standard figures (SAELens's evals, Gemma Scope's tables):
   (zero - clean)``: 1 when splicing costs nothing, 0 when it is as bad as
   deleting the value.
 
-Tokens an autoencoder is not trained on are left alone (neither replaced
-nor zeroed, nor counted in the SAE figures), as in training
-(`penzai_lm.sae.training`): the first ``skip_positions`` of each window
-(the attention sink at position 0) and, given ``max_norm``, tokens whose
-value is longer than it (other attention sinks, with norms ~100x the
-rest). Cross-entropies count the predictions made at positions from
-``skip_positions`` on.
+Two conventions (``compatible=``), which differ in which tokens count:
+
+* ``None`` (the default, as in training, `penzai_lm.sae.training`): tokens
+  an autoencoder is not trained on are left alone (neither replaced nor
+  zeroed, nor counted in the SAE figures): the first ``skip_positions`` of
+  each window (default 1: the attention sink at position 0) and, given
+  ``max_norm``, tokens whose value is longer than it (other attention
+  sinks, with norms ~100x the rest). Cross-entropies count the
+  predictions made at positions from ``skip_positions`` on.
+* ``"saelens"``: SAELens 6's ``run_evals`` (``get_recons_loss``,
+  ``get_sparsity_and_variance_metrics``) with its default
+  ``exclude_special_tokens=True``, on the same windows (no BOS prepended):
+  every position counts (no skipped positions, no norm limit); tokens
+  whose id is special (``ignore_tokens``, default the model config's BOS,
+  EOS and padding ids) are left out of the SAE figures and keep their
+  value in the spliced run, and the predictions made at them are not
+  counted; the zero-ablated run zeroes the value at every token, special
+  ones included. Averages are over tokens (as SAELens's concatenated
+  per-token means), so `ce_recovered` is SAELens's ``ce_loss_score``.
+
+Given ``ignore_tokens``, the default convention also leaves those tokens
+alone (and zeroes them neither) and does not count the predictions made
+at them.
 """
 
 from __future__ import annotations
@@ -43,6 +59,7 @@ from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 
 _FAR = 1 << 30
+_COMPATIBLE = (None, "saelens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,20 +98,22 @@ class SAEMetrics:
 @pz.pytree_dataclass
 class Replace(pz.nn.Layer):
   """Replaces the value by an autoencoder's reconstruction (or by zeros,
-  with ``sae=None``) at the tokens ``where`` selects whose value's norm is
-  at most ``max_norm`` (at every token, with no limit: what a "replace"
-  splice does)."""
+  with ``sae=None``) at the tokens ``where`` and ``keep`` (a bool named
+  array over ``batch`` / ``seq``, or a scalar) select whose value's norm
+  is at most ``max_norm`` (at every token, with no limits: what a
+  "replace" splice does)."""
 
   sae: SparseAutoencoder | None
   where: TokenRule
   max_norm: pz.nx.NamedArray
+  keep: pz.nx.NamedArray
 
   def __call__(self, x, /, **side_inputs):
     if self.sae is None:
       out = pz.nx.zeros(x.named_shape, x.dtype)
     else:
       out = self.sae.forward(x).astype(x.dtype)
-    mask = self.where.mask(side_inputs) & (
+    mask = self.where.mask(side_inputs) & self.keep & (
         _norm(x, self.sae_axes(x)) <= self.max_norm)
     return pz.nx.order_like(pz.nx.nmap(jnp.where)(mask, out, x), x)
 
@@ -110,8 +129,9 @@ def _norm(x, axes):
 
 
 def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
-                 point: str | None = None, skip_positions: int = 1,
-                 max_norm: float | None = None, rows: int = 8
+                 point: str | None = None, skip_positions: int | None = None,
+                 max_norm: float | None = None, rows: int = 8,
+                 compatible: str | None = None, ignore_tokens=None
                  ) -> SAEMetrics:
   """The figures of the module docstring for ``sae`` at ``point``.
 
@@ -121,15 +141,29 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
     tokens: ``[windows, length]`` ids (the windows are run ``rows`` at a
       time; a last partial group is run on its own).
     point: Where it reads (default: its config's ``hook_point``).
-    skip_positions: Leading tokens of each window left alone.
+    skip_positions: Leading tokens of each window left alone (default 1;
+      ``compatible="saelens"`` allows only 0).
     max_norm: Tokens whose value is longer are left alone (None: none;
-      `train_sae` passes its ``TrainingReport.norm_limit``).
+      `train_sae` passes its ``TrainingReport.norm_limit``; not with
+      ``compatible="saelens"``).
     rows: Windows per forward pass.
+    compatible: None (penzai_lm's convention) or ``"saelens"`` (SAELens's
+      ``run_evals`` numbers): see the module docstring.
+    ignore_tokens: Ids left alone wherever they occur (SAELens's
+      ``exclude_special_tokens``); default: none, or with
+      ``compatible="saelens"`` the model config's BOS, EOS and padding ids.
 
   Raises:
-    ValueError: for a transcoder, a missing point, too short windows, or
-      ids outside the vocabulary.
+    ValueError: for a transcoder, a missing point, too short windows, ids
+      outside the vocabulary, an unknown ``compatible``, or
+      ``skip_positions`` / ``max_norm`` with ``compatible="saelens"``.
   """
+  if compatible not in _COMPATIBLE:
+    raise ValueError(f"compatible must be one of {_COMPATIBLE}, got"
+                     f" {compatible!r}.")
+  skip_positions, ignore = _conventions(model.config, compatible,
+                                        skip_positions, max_norm,
+                                        ignore_tokens)
   if sae.config.is_transcoder:
     raise ValueError("evaluate_sae measures SAEs (one point read and"
                      " written); this autoencoder is a transcoder.")
@@ -154,31 +188,41 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
   rule = TokenRule.positions(skip_positions, _FAR)
   limit = pz.nx.wrap(jnp.asarray(
       np.inf if max_norm is None else max_norm, jnp.float32))
-  models = {
-      "clean": model,
-      "spliced": points_lib.insert_at(model, point, Replace(sae, rule, limit)),
-      "zero": points_lib.insert_at(model, point, Replace(None, rule, limit)),
-  }
+  everywhere = (TokenRule.positions(0, _FAR),
+                pz.nx.wrap(jnp.asarray(np.inf, jnp.float32)),
+                pz.nx.wrap(jnp.asarray(True)))
   axes = tuple(reader.input_axes)
-  totals = dict.fromkeys(("clean", "spliced", "zero", "error", "l0",
-                          "count", "sums", "squares"), 0.0)
+  totals = dict.fromkeys(("clean", "spliced", "zero", "predictions", "error",
+                          "l0", "count", "sums", "squares"), 0.0)
   fired = np.zeros(sae.config.num_features, bool)
   for start in range(0, windows.shape[0], rows):
     group = windows[start:start + rows]
+    kept = ~np.isin(group, ignore)
+    keep = pz.nx.wrap(jnp.asarray(kept)).tag("batch", "seq")
+    left_alone = (rule, limit, keep)
+    zeroed = everywhere if compatible == "saelens" else left_alone
+    models = {
+        "clean": model,
+        "spliced": points_lib.insert_at(model, point,
+                                        Replace(sae, *left_alone)),
+        "zero": points_lib.insert_at(model, point, Replace(None, *zeroed)),
+    }
+    counted = kept[:, :-1] & (np.arange(group.shape[1] - 1) >= skip_positions)
     ids = pz.nx.wrap(jnp.asarray(group)).tag("batch", "seq")
     for name, m in models.items():
-      totals[name] += float(_ce_sum(m, ids, skip_positions))
-    stats = jax.device_get(_sae_stats(sae, reader(group), limit.data_array,
-                                      axes=axes))
+      totals[name] += float(_ce_sum(m, ids, jnp.asarray(counted)))
+    totals["predictions"] += int(counted.sum())
+    stats = jax.device_get(_sae_stats(
+        sae, reader(group), limit.data_array,
+        jnp.asarray(kept[:, skip_positions:].reshape(-1)), axes=axes))
     for name in ("error", "l0", "count", "squares"):
       totals[name] += float(stats[name])
     totals["sums"] = totals["sums"] + stats["sums"].astype(np.float64)
     fired |= stats["fired"]
-  n = totals["count"]
-  predictions = windows.shape[0] * (windows.shape[1] - 1 - skip_positions)
-  if not n:
+  n, predictions = totals["count"], totals["predictions"]
+  if not n or not predictions:
     raise ValueError("no token of these windows is evaluated: all are"
-                     " skipped or longer than max_norm.")
+                     " skipped, in ignore_tokens or longer than max_norm.")
   spread = totals["squares"] - float(np.square(totals["sums"]).sum()) / n
   return SAEMetrics(
       tokens=int(n), l0=totals["l0"] / n,
@@ -189,31 +233,61 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
       ce_zero_ablated=totals["zero"] / predictions)
 
 
+def _conventions(config, compatible, skip_positions, max_norm, ignore_tokens
+                 ) -> tuple[int, np.ndarray]:
+  """``(skip_positions, ignored ids)`` for ``compatible``'s convention."""
+  if compatible == "saelens":
+    if skip_positions not in (None, 0) or max_norm is not None:
+      raise ValueError(
+          "compatible='saelens' evaluates every position with no norm"
+          f" limit, as SAELens does; got skip_positions={skip_positions!r},"
+          f" max_norm={max_norm!r}: drop them (or drop compatible= for"
+          " penzai_lm's convention).")
+    skip_positions = 0
+    if ignore_tokens is None:
+      ignore_tokens = [i for i in (config.bos_token_id, *config.eos_token_ids,
+                                   config.pad_token_id) if i is not None]
+  elif skip_positions is None:
+    skip_positions = 1
+  if isinstance(skip_positions, bool) or not isinstance(skip_positions, int
+                                                        ) or skip_positions < 0:
+    raise ValueError(f"skip_positions must be an int >= 0, got"
+                     f" {skip_positions!r}.")
+  if ignore_tokens is not None and (
+      isinstance(ignore_tokens, (int, str, bytes))
+      or not hasattr(ignore_tokens, "__iter__")):
+    raise TypeError(f"ignore_tokens must be a list of token ids, got"
+                    f" {ignore_tokens!r}.")
+  ids = np.asarray(list(ignore_tokens or ()))
+  if ids.size:
+    check_token_ids(ids, config.vocab_size, "ignore_tokens")
+  return skip_positions, ids.astype(np.int32)
+
+
 @jax.jit
-def _ce_sum(model, ids, skip):
-  """Summed next-token cross-entropy of the predictions made at positions
-  ``skip .. length - 2`` (``skip`` traced: one program for any). Blocks
-  of one structure share one trace."""
+def _ce_sum(model, ids, counted):
+  """Summed next-token cross-entropy of the predictions ``counted``
+  (``[rows, length - 1]`` bool: made at positions ``0 .. length - 2``).
+  Blocks of one structure share one trace."""
   logits = share_block_traces(model)(ids).unwrap("batch", "seq", "vocabulary")
   logits = logits.astype(jnp.float32)
   tokens = ids.unwrap("batch", "seq")
   logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
   nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
-  counted = jnp.arange(nll.shape[1]) >= skip
   return jnp.where(counted, nll, 0.0).sum()
 
 
 @functools.partial(jax.jit, static_argnames=("axes",))
-def _sae_stats(sae, x, limit, *, axes):
-  """Sums over the tokens of ``x`` ``[tokens, d]`` no longer than
-  ``limit``."""
-  kept = jnp.linalg.norm(x, axis=-1) <= limit
+def _sae_stats(sae, x, limit, keep, *, axes):
+  """Sums over the tokens of ``x`` ``[tokens, d]`` that ``keep`` selects
+  and are no longer than ``limit``."""
+  kept = keep & (jnp.linalg.norm(x, axis=-1) <= limit)
   named = pz.nx.wrap(x.reshape(x.shape[0], *(n for _, n in axes))).tag(
       "tokens", *(a for a, _ in axes))
   features = sae.encode(named).unwrap("tokens", FEATURES)
   recon = sae.forward(named).unwrap("tokens", *(a for a, _ in axes))
   error = jnp.square(recon.reshape(x.shape) - x).sum(-1)
-  active = (features > 0) & kept[:, None]
+  active = (features != 0) & kept[:, None]
   kept_x = jnp.where(kept[:, None], x, 0.0)
   return {"error": jnp.where(kept, error, 0.0).sum(), "l0": active.sum(),
           "fired": active.any(0), "count": kept.sum(),

@@ -1,9 +1,32 @@
 """`TrainConfig`: how `penzai_lm.sae.train_sae` trains an autoencoder.
 
-Defaults are SAELens's where it has one (learning rate 3e-4, Adam betas 0.9
-/ 0.999, gradient clip 1, AuxK coefficient 1, JumpReLU bandwidth 0.05 and
-initial threshold 0.01, a 1000-step dead-feature window); a bad value is a
-ValueError naming the field.
+These defaults are SAELens 6's: learning rate 3e-4 (constant, no warm-up
+or decay), Adam betas 0.9 / 0.999, gradient clip 1, AuxK coefficient 1,
+TopK decoder-norm rescaling, JumpReLU bandwidth 0.05, initial threshold
+0.01 and L0 coefficient 1, 4096 tokens per batch, 128-token windows, a
+1000-step dead-feature window.
+
+These differ from SAELens 6's (`TrainConfig` keeps them: changing them
+would change what existing scripts train; set them to SAELens's values to
+train as it does):
+
+=========================  ======================  =====================
+field                      penzai_lm               SAELens 6
+=========================  ======================  =====================
+``b_dec_init``             "geometric_median"      "zeros" (its only one)
+``normalize_activations``  "expected_average_      "none"
+                           only_in"
+``max_norm_ratio``         10 (drops sink tokens)  None (no such filter)
+``skip_positions``         1 (no BOS prepended)    0 (``seqpos_slice``
+                                                   ``(None,)``, with
+                                                   ``prepend_bos`` true)
+``k``                      32                      100
+``l1_coefficient``         5                       1
+=========================  ======================  =====================
+
+SAELens also initializes decoder rows to norm 0.1 (``decoder_init_norm``)
+and, by default, trains on special tokens too (``exclude_special_tokens``
+false). A bad value is a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -28,7 +51,8 @@ _FLOATS = ("aux_k_coefficient", "l1_coefficient", "l0_coefficient",
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-  """How to train an autoencoder (defaults: SAELens's where it has one).
+  """How to train an autoencoder (defaults: module docstring, which lists
+  those that differ from SAELens 6's).
 
   Attributes:
     activation: "relu" (L1 penalty), "topk" or "jumprelu" (L0 penalty).

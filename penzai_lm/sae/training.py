@@ -116,7 +116,8 @@ class TrainingReport:
 
 
 def train_sae(model, point: str, tokens, config: TrainConfig, *,
-              eval_tokens=None, save_to=None, progress: bool = True
+              eval_tokens=None, save_to=None, progress: bool = True,
+              model_name: str | None = None
               ) -> tuple[SparseAutoencoder, TrainingReport]:
   """Trains an SAE on the values at ``point`` (module docstring).
 
@@ -130,8 +131,14 @@ def train_sae(model, point: str, tokens, config: TrainConfig, *,
     config: A `TrainConfig`.
     eval_tokens: ``[windows, length]`` held-out ids for the evaluation
       (default: ``config.eval_windows`` windows held out of ``tokens``).
-    save_to: A directory to write the SAE to in SAELens's format.
+    save_to: A directory to write the SAE to in SAELens's format, with the
+      metadata SAELens's ``ActivationsStore.from_sae`` reads
+      (``context_size``, ``prepend_bos`` false: windows are cut from the
+      ids as given, ``seqpos_slice`` ``[skip_positions, null]``,
+      ``hook_name``, ``model_name``).
     progress: Show a progress bar.
+    model_name: Recorded as the saved metadata's ``model_name`` (the name
+      TransformerLens loads the model by).
 
   Returns:
     ``(sae, report)``: the trained `SparseAutoencoder` (reading ``point``)
@@ -162,8 +169,8 @@ def train_sae(model, point: str, tokens, config: TrainConfig, *,
                            rows=config.model_batch)
     report = dataclasses.replace(report, evaluation=metrics)
   if save_to is not None:
-    report = dataclasses.replace(report, saved_to=_save(sae, report,
-                                                        save_to))
+    report = dataclasses.replace(report, saved_to=_save(
+        sae, report, save_to, model_name))
   return sae, report
 
 
@@ -342,13 +349,14 @@ def _log_entry(pending, step: int, cfg: TrainConfig) -> LogEntry:
                   dead_fraction=means["dead_fraction"], lr=means["lr"])
 
 
-def _save(sae, report: TrainingReport, directory) -> Path:
+def _save(sae, report: TrainingReport, directory, model_name) -> Path:
   cfg = report.config
   metadata = {"context_size": cfg.context_length, "prepend_bos": False,
+              "seqpos_slice": [cfg.skip_positions, None],
               "training_tokens": report.tokens,
               "l0": report.final.l0 if report.history else None,
               "trained_by": "penzai_lm.sae.train_sae"}
   if report.evaluation is not None:
     metadata["ce_loss_recovered"] = report.evaluation.ce_recovered
     metadata["explained_variance"] = report.evaluation.explained_variance
-  return save_sae(sae, directory, metadata=metadata)
+  return save_sae(sae, directory, model_name=model_name, metadata=metadata)

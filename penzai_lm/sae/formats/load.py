@@ -157,6 +157,7 @@ def load_transcoders(path, *, model=None, input_point: str | None = None,
 
 
 def save_sae(sae: SparseAutoencoder, directory, *, model_name: str | None = None,
+             context_size: int | None = None, prepend_bos: bool | None = None,
              metadata: dict | None = None) -> Path:
   """Saves ``sae`` in SAELens's format (``cfg.json`` +
   ``sae_weights.safetensors``), readable by ``sae_lens.SAE.load_from_disk``
@@ -168,6 +169,10 @@ def save_sae(sae: SparseAutoencoder, directory, *, model_name: str | None = None
       replaced, each written to a temporary file and renamed into place
       (never through a link planted there: `penzai_lm.file_access`).
     model_name: Recorded as ``metadata.model_name``.
+    context_size, prepend_bos: Recorded as ``metadata.context_size`` /
+      ``metadata.prepend_bos``: the window length the autoencoder was
+      trained on and whether a BOS was prepended to each window (SAELens's
+      ``ActivationsStore.from_sae`` needs both and ``hook_name``).
     metadata: More ``metadata`` fields: a dict of str keys and JSON values,
       none of the keys save_sae writes itself (``hook_name``,
       ``model_name``, ``sae_lens_version``...).
@@ -180,5 +185,25 @@ def save_sae(sae: SparseAutoencoder, directory, *, model_name: str | None = None
       that sets a key save_sae writes.
     TypeError: for metadata that is not JSON.
   """
+  extra = {}
+  if context_size is not None:
+    if isinstance(context_size, bool) or not isinstance(
+        context_size, int) or context_size <= 0:
+      raise ValueError(f"context_size must be an int > 0, got"
+                       f" {context_size!r}.")
+    extra["context_size"] = context_size
+  if prepend_bos is not None:
+    if not isinstance(prepend_bos, bool):
+      raise TypeError(f"prepend_bos must be True or False, got"
+                      f" {prepend_bos!r}.")
+    extra["prepend_bos"] = prepend_bos
+  if extra and metadata is not None and not isinstance(metadata, dict):
+    raise TypeError(f"metadata must be a dict with str keys, got"
+                    f" {metadata!r}.")
+  clash = sorted(set(extra) & set(metadata or {}))
+  if clash:
+    raise ValueError(f"metadata sets {clash}, also passed as arguments;"
+                     " pass each once.")
+  merged = {**(metadata or {}), **extra} if extra else metadata
   return saelens.write_saelens(sae, directory, model_name=model_name,
-                               metadata=metadata)
+                               metadata=merged)
