@@ -31,6 +31,7 @@ from lm_eval.api.registry import register_model
 from penzai_lm.evals.requests import encode_pair
 from penzai_lm.evals.requests import generation_options
 from penzai_lm.evals.requests import load_from_args
+from penzai_lm.evals.scoring import score_next
 from penzai_lm.evals.scoring import score_rows
 from penzai_lm.generation.text import generate_text
 from penzai_lm.model import TransformerLM
@@ -110,20 +111,50 @@ class LM(_LMBase):
 
   def _score(self, pairs: list[tuple[list[int], list[int]]]
              ) -> list[tuple[float, bool]]:
-    """(sum log-prob, all greedy) of each continuation after its context,
-    scored in batches of rows of similar length."""
+    """(sum log-prob, all greedy) of each continuation after its context.
+
+    One-token continuations of the same context share one row (its
+    candidates scored together: a multiple-choice question is one pass, as
+    lm-eval's ``hf`` model caches such logits); the others are scored
+    whole. Rows go in batches of similar length."""
     rows = [(ctx + cont)[-(self.max_length + 1):] for ctx, cont in pairs]
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     out: list[Any] = [None] * len(rows)
-    for start in range(0, len(order), self.batch_size):
-      chunk = order[start:start + self.batch_size]
+    shared: dict[tuple[int, ...], list[int]] = {}
+    whole = []
+    for i, (row, (_, cont)) in enumerate(zip(rows, pairs)):
+      if len(cont) == 1:
+        shared.setdefault(tuple(row[:-1]), []).append(i)
+      else:
+        whole.append(i)
+    for chunk in self._batches(whole, lambda i: len(rows[i])):
       batch = [rows[i] for i in chunk]
-      batch += [batch[-1]] * (self.batch_size - len(batch))  # One shape.
-      for i, (logprobs, greedy) in zip(
-          chunk, score_rows(self.model, batch, engine=self.engine)):
+      for i, (logprobs, greedy) in zip(chunk, score_rows(
+          self.model, self._fill(batch), engine=self.engine)):
         n = len(pairs[i][1])
         out[i] = (float(logprobs[-n:].sum()), bool(greedy[-n:].all()))
+    contexts = list(shared)
+    for chunk in self._batches(range(len(contexts)),
+                               lambda c: len(contexts[c])):
+      members = [shared[contexts[c]] for c in chunk]
+      scored = score_next(
+          self.model, self._fill([list(contexts[c]) for c in chunk]),
+          self._fill([[rows[i][-1] for i in m] for m in members]),
+          engine=self.engine)
+      for m, (logprobs, top) in zip(members, scored):
+        for i, logprob in zip(m, logprobs):
+          out[i] = (float(logprob), top == rows[i][-1])
     return out
+
+  def _batches(self, items, length):
+    """``items`` longest first, in batches of ``batch_size``."""
+    order = sorted(items, key=lambda i: -length(i))
+    return [order[s:s + self.batch_size]
+            for s in range(0, len(order), self.batch_size)]
+
+  def _fill(self, batch: list) -> list:
+    """``batch`` padded with copies of its last entry to ``batch_size``
+    (one program shape)."""
+    return batch + [batch[-1]] * (self.batch_size - len(batch))
 
   def loglikelihood(self, requests, disable_tqdm: bool = False):
     del disable_tqdm

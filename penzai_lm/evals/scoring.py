@@ -5,6 +5,9 @@ top choice (what lm-eval's ``loglikelihood`` requests need).
 `TokenScores` sits after the model's logits (like
 `penzai_lm.interp.loss_layer.TokenLosses`) and records both into state;
 the program returns only them, never the ``(tokens, vocabulary)`` logits.
+`NextTokenScores` scores several candidate next tokens after each row's
+last token (`score_next`): the one pass a multiple-choice question with
+one-token answers needs, instead of one pass per answer.
 Rows are left-padded to generation's length buckets
 (`penzai_lm.interp.activation_cache.padded_length`), so batches of many
 lengths share a few programs.
@@ -53,6 +56,34 @@ class TokenScores(pz.nn.Layer):
     return logits
 
 
+@pz.pytree_dataclass
+class NextTokenScores(pz.nn.Layer):
+  """Records, at each row's last position, the log-probability of each of
+  its candidate next tokens and the argmax.
+
+  Attributes:
+    candidates: Candidate ids, the batch axes and ``choices``.
+    logprobs: State: float32, the batch axes and ``choices``.
+    top: State: int32 argmax, the batch axes.
+  """
+
+  candidates: pz.nx.NamedArray
+  logprobs: pz.StateVariable
+  top: pz.StateVariable
+
+  def __call__(self, logits, /, **side_inputs):
+    del side_inputs
+    scores = logits[{"seq": -1}].astype(jnp.float32).untag("vocabulary")
+    normalizer = pz.nx.nmap(jax.nn.logsumexp)(scores)
+    picked = pz.nx.nmap(lambda row, ids: row[ids])(
+        scores, self.candidates.untag("choices")).tag("choices")
+    self.logprobs.value = pz.nx.order_like(picked - normalizer,
+                                           self.logprobs.value)
+    self.top.value = pz.nx.order_like(
+        pz.nx.nmap(jnp.argmax)(scores).astype(jnp.int32), self.top.value)
+    return logits
+
+
 def _with_scores(model, tokens):
   shape = dict(tokens.named_shape)
   layer = TokenScores(
@@ -89,3 +120,44 @@ def score_rows(model, rows: list[list[int]], *, engine=None
   seq = logprobs.shape[1]
   return [(logprobs[r, seq - n:seq - 1], greedy[r, seq - n:seq - 1])
           for r, n in enumerate(lengths)]
+
+
+def _bucket(n: int) -> int:
+  """Candidates per row padded to a power of two (at least 4)."""
+  return max(4, 1 << (n - 1).bit_length())
+
+
+def score_next(model, rows: list[list[int]], candidates: list[list[int]],
+               *, engine=None) -> list[tuple[np.ndarray, int]]:
+  """Scores candidate next tokens after each row.
+
+  Args:
+    model: An uncached `TransformerLM`.
+    rows: Token id lists (at least one token each, at most the context).
+    candidates: Per row, the ids whose log-probabilities are wanted after
+      its last token.
+    engine: The `penzai_lm.Engine` whose program cache is used.
+
+  Returns:
+    Per row ``(log-probabilities of its candidates, argmax id)``.
+  """
+  ids, padding, lengths = token_batch(model, rows, bucketed=True)
+  check_context(model.config, lengths)
+  width = _bucket(max(len(c) for c in candidates))
+  table = np.zeros((len(rows), width), np.int32)
+  for r, row in enumerate(candidates):
+    table[r, :len(row)] = row
+  batch = {"batch": len(rows)}
+  layer = NextTokenScores(
+      candidates=pz.nx.wrap(jnp.asarray(table)).tag("batch", "choices"),
+      logprobs=pz.StateVariable(pz.nx.zeros({**batch, "choices": width},
+                                            jnp.float32),
+                                label="eval_next_logprobs"),
+      top=pz.StateVariable(pz.nx.zeros(batch, jnp.int32), label="eval_top"))
+  body = pz.nn.Sequential([*model.body.sublayers, layer])
+  resolve_engine(engine).forward(dataclasses.replace(model, body=body), ids,
+                                 padding=padding, return_logits=False)
+  logprobs = np.asarray(layer.logprobs.value.unwrap("batch", "choices"))
+  top = np.asarray(layer.top.value.unwrap("batch"))
+  return [(logprobs[r, :len(c)], int(top[r]))
+          for r, c in enumerate(candidates)]
