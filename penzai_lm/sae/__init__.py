@@ -31,7 +31,6 @@
 
 from penzai_lm.sae.attribution import FeatureAttribution
 from penzai_lm.sae.attribution import feature_attribution
-from penzai_lm.sae.autoencoder import SAEConfig
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.dashboard import Dashboard
 from penzai_lm.sae.dashboard import dashboard
@@ -45,6 +44,7 @@ from penzai_lm.sae.formats import TranscoderSet
 from penzai_lm.sae.formats import load_sae
 from penzai_lm.sae.formats import load_transcoders
 from penzai_lm.sae.formats import save_sae
+from penzai_lm.sae.sae_config import SAEConfig
 from penzai_lm.sae.splice import FeaturePoint
 from penzai_lm.sae.splice import Splice
 from penzai_lm.sae.splice import splice

@@ -47,11 +47,11 @@ from tqdm.auto import tqdm
 
 from penzai_lm.sae import activations as acts_lib
 from penzai_lm.sae import train_step as step_lib
-from penzai_lm.sae.autoencoder import SAEConfig
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.evaluation import SAEMetrics
 from penzai_lm.sae.evaluation import evaluate_sae
 from penzai_lm.sae.formats import save_sae
+from penzai_lm.sae.sae_config import SAEConfig
 from penzai_lm.sae.train_config import TrainConfig
 
 # Activations that fix the input scale and b_dec before the first step.

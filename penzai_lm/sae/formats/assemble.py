@@ -12,10 +12,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from penzai_lm.sae.autoencoder import SAEConfig
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.formats import hook_names
 from penzai_lm.sae.formats.errors import SAEFormatError
+from penzai_lm.sae.sae_config import SAEConfig
 
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16,
                                        jnp.float16, jnp.float64))
