@@ -113,36 +113,40 @@ class LM(_LMBase):
              ) -> list[tuple[float, bool]]:
     """(sum log-prob, all greedy) of each continuation after its context.
 
-    One-token continuations of the same context share one row (its
-    candidates scored together: a multiple-choice question is one pass, as
-    lm-eval's ``hf`` model caches such logits); the others are scored
-    whole. Rows go in batches of similar length."""
+    Requests whose rows differ only in their last token (the choices of a
+    multiple-choice question, when each is one token after a shared
+    prefix) share one pass over the common part, their last tokens scored
+    together as candidates (as lm-eval's ``hf`` model caches the logits of
+    one-token continuations); the others are scored whole. Rows go in
+    batches of similar length."""
     rows = [(ctx + cont)[-(self.max_length + 1):] for ctx, cont in pairs]
     out: list[Any] = [None] * len(rows)
-    shared: dict[tuple[int, ...], list[int]] = {}
-    whole = []
-    for i, (row, (_, cont)) in enumerate(zip(rows, pairs)):
-      if len(cont) == 1:
-        shared.setdefault(tuple(row[:-1]), []).append(i)
-      else:
-        whole.append(i)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, row in enumerate(rows):
+      groups.setdefault(tuple(row[:-1]), []).append(i)
+    whole = [m[0] for k, m in groups.items()
+             if len(m) == 1 and len(pairs[m[0]][1]) > 1]
+    shared = [k for k, m in groups.items()
+              if not (len(m) == 1 and len(pairs[m[0]][1]) > 1)]
     for chunk in self._batches(whole, lambda i: len(rows[i])):
       batch = [rows[i] for i in chunk]
       for i, (logprobs, greedy) in zip(chunk, score_rows(
           self.model, self._fill(batch), engine=self.engine)):
         n = len(pairs[i][1])
         out[i] = (float(logprobs[-n:].sum()), bool(greedy[-n:].all()))
-    contexts = list(shared)
-    for chunk in self._batches(range(len(contexts)),
-                               lambda c: len(contexts[c])):
-      members = [shared[contexts[c]] for c in chunk]
+    for chunk in self._batches(range(len(shared)), lambda c: len(shared[c])):
+      members = [groups[shared[c]] for c in chunk]
       scored = score_next(
-          self.model, self._fill([list(contexts[c]) for c in chunk]),
+          self.model, self._fill([list(shared[c]) for c in chunk]),
           self._fill([[rows[i][-1] for i in m] for m in members]),
           engine=self.engine)
-      for m, (logprobs, top) in zip(members, scored):
-        for i, logprob in zip(m, logprobs):
-          out[i] = (float(logprob), top == rows[i][-1])
+      for m, (logprobs, greedy, picked, top) in zip(members, scored):
+        for i, last in zip(m, picked):
+          head = len(pairs[i][1]) - 1  # Continuation tokens in the prefix.
+          before = logprobs[len(logprobs) - head:] if head else logprobs[:0]
+          flags = greedy[len(greedy) - head:] if head else greedy[:0]
+          out[i] = (float(before.sum() + last),
+                    bool(flags.all()) and top == rows[i][-1])
     return out
 
   def _batches(self, items, length):

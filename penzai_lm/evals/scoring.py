@@ -128,8 +128,10 @@ def _bucket(n: int) -> int:
 
 
 def score_next(model, rows: list[list[int]], candidates: list[list[int]],
-               *, engine=None) -> list[tuple[np.ndarray, int]]:
-  """Scores candidate next tokens after each row.
+               *, engine=None
+               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+  """Scores each row's tokens after its first, and candidate next tokens
+  after its last, in one pass.
 
   Args:
     model: An uncached `TransformerLM`.
@@ -139,7 +141,9 @@ def score_next(model, rows: list[list[int]], candidates: list[list[int]],
     engine: The `penzai_lm.Engine` whose program cache is used.
 
   Returns:
-    Per row ``(log-probabilities of its candidates, argmax id)``.
+    Per row ``(logprobs, greedy, candidate logprobs, argmax id)``: the first
+    two as `score_rows` returns them, then the log-probability of each
+    candidate after the row and the most likely next token.
   """
   ids, padding, lengths = token_batch(model, rows, bucketed=True)
   check_context(model.config, lengths)
@@ -148,16 +152,21 @@ def score_next(model, rows: list[list[int]], candidates: list[list[int]],
   for r, row in enumerate(candidates):
     table[r, :len(row)] = row
   batch = {"batch": len(rows)}
-  layer = NextTokenScores(
+  patched, tokens = _with_scores(model, ids)
+  nexts = NextTokenScores(
       candidates=pz.nx.wrap(jnp.asarray(table)).tag("batch", "choices"),
       logprobs=pz.StateVariable(pz.nx.zeros({**batch, "choices": width},
                                             jnp.float32),
                                 label="eval_next_logprobs"),
       top=pz.StateVariable(pz.nx.zeros(batch, jnp.int32), label="eval_top"))
-  body = pz.nn.Sequential([*model.body.sublayers, layer])
-  resolve_engine(engine).forward(dataclasses.replace(model, body=body), ids,
+  body = pz.nn.Sequential([*patched.body.sublayers, nexts])
+  resolve_engine(engine).forward(dataclasses.replace(patched, body=body), ids,
                                  padding=padding, return_logits=False)
-  logprobs = np.asarray(layer.logprobs.value.unwrap("batch", "choices"))
-  top = np.asarray(layer.top.value.unwrap("batch"))
-  return [(logprobs[r, :len(c)], int(top[r]))
-          for r, c in enumerate(candidates)]
+  logprobs = np.asarray(tokens.logprobs.value.unwrap("batch", "seq"))
+  greedy = np.asarray(tokens.greedy.value.unwrap("batch", "seq"))
+  picked = np.asarray(nexts.logprobs.value.unwrap("batch", "choices"))
+  top = np.asarray(nexts.top.value.unwrap("batch"))
+  seq = logprobs.shape[1]
+  return [(logprobs[r, seq - n:seq - 1], greedy[r, seq - n:seq - 1],
+           picked[r, :len(candidates[r])], int(top[r]))
+          for r, n in enumerate(lengths)]
