@@ -14,25 +14,8 @@ from penzai_lm.interp import save_control_vector
 from tests.interp.conftest import HIDDEN
 from tests.interp.conftest import make_cv
 from tests.interp.conftest import vec
+from tests.interp.conftest import write_cv_gguf
 
-
-def _write(path, tensors, *, arch="controlvector", hint="llama",
-           layer_count=None, drop_arch=False):
-  """Writes a GGUF file with GGUFWriter (tensors: list of (name, array))."""
-  w = gguf.GGUFWriter(path, arch)
-  if drop_arch:
-    del w.kv_data[0]["general.architecture"]
-  if hint is not None:
-    w.add_string(f"{arch}.model_hint", hint)
-  w.add_uint32(f"{arch}.layer_count",
-               len(tensors) if layer_count is None else layer_count)
-  for name, array in tensors:
-    w.add_tensor(name, array)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-  return path
 
 
 def _repeng_export_gguf(directions, model_type, path):
@@ -175,13 +158,13 @@ def test_llama_cpp_generator_style_file_loads(tmp_path):
 
 def test_row_shaped_tensor_is_accepted_like_ggml_n_dims(tmp_path):
   # numpy (1, n) is ggml ne = [n, 1]: ggml_n_dims == 1, llama.cpp accepts it.
-  path = _write(tmp_path / "row.gguf", [("direction.2", vec(2)[None, :])])
+  path = write_cv_gguf(tmp_path / "row.gguf", [("direction.2", vec(2)[None, :])])
   cv = load_control_vector(path)
   np.testing.assert_array_equal(cv.directions[2], vec(2))
 
 
 def test_duplicate_layer_indices_are_summed_like_llama_cpp(tmp_path):
-  path = _write(tmp_path / "dup.gguf", [
+  path = write_cv_gguf(tmp_path / "dup.gguf", [
       ("direction.1", vec(1)), ("direction.01", vec(2))])
   cv = load_control_vector(path)
   np.testing.assert_array_equal(cv.directions[1], vec(1) + vec(2))
@@ -263,19 +246,19 @@ def test_missing_file_is_an_os_error(tmp_path):
 
 
 def test_wrong_architecture(tmp_path):
-  path = _write(tmp_path / "model.gguf", [("direction.1", vec(1))],
+  path = write_cv_gguf(tmp_path / "model.gguf", [("direction.1", vec(1))],
                 arch="llama")
   with pytest.raises(ValueError,
                      match="general.architecture 'llama', not 'controlvector'"):
     load_control_vector(path)
-  path = _write(tmp_path / "noarch.gguf", [("direction.1", vec(1))],
+  path = write_cv_gguf(tmp_path / "noarch.gguf", [("direction.1", vec(1))],
                 drop_arch=True)
   with pytest.raises(ValueError, match="has no general.architecture"):
     load_control_vector(path)
 
 
 def test_direction_zero(tmp_path):
-  path = _write(tmp_path / "zero.gguf",
+  path = write_cv_gguf(tmp_path / "zero.gguf",
                 [("direction.0", vec(0)), ("direction.1", vec(1))])
   with pytest.raises(ValueError,
                      match="direction.0 is invalid: llama.cpp numbers"
@@ -286,13 +269,13 @@ def test_direction_zero(tmp_path):
 def test_nan_values(tmp_path):
   v = vec(1)
   v[3] = np.nan
-  path = _write(tmp_path / "nan.gguf", [("direction.1", v)])
+  path = write_cv_gguf(tmp_path / "nan.gguf", [("direction.1", v)])
   with pytest.raises(ValueError, match=r"direction.1 has 1 NaN/inf value"):
     load_control_vector(path)
 
 
 def test_mixed_lengths(tmp_path):
-  path = _write(tmp_path / "mixed.gguf",
+  path = write_cv_gguf(tmp_path / "mixed.gguf",
                 [("direction.1", vec(1)), ("direction.2", vec(2, size=4))])
   with pytest.raises(ValueError,
                      match="direction.2 has 4 values but direction.1 has 8"):
@@ -300,14 +283,14 @@ def test_mixed_lengths(tmp_path):
 
 
 def test_two_dimensional_tensor(tmp_path):
-  path = _write(tmp_path / "2d.gguf",
+  path = write_cv_gguf(tmp_path / "2d.gguf",
                 [("direction.1", np.ones((2, HIDDEN), np.float32))])
   with pytest.raises(ValueError, match=r"shape \(2, 8\).*1-D"):
     load_control_vector(path)
 
 
 def test_non_f32_tensor(tmp_path):
-  path = _write(tmp_path / "f16.gguf",
+  path = write_cv_gguf(tmp_path / "f16.gguf",
                 [("direction.1", vec(1).astype(np.float16))])
   with pytest.raises(ValueError, match="F16; llama.cpp accepts only F32"):
     load_control_vector(path)
@@ -317,13 +300,13 @@ def test_non_f32_tensor(tmp_path):
     "token_embd.weight", "direction", "direction.x", "direction.-1",
     "direction.1.weight"])
 def test_bad_tensor_name(tmp_path, name):
-  path = _write(tmp_path / "name.gguf", [(name, vec(1))])
+  path = write_cv_gguf(tmp_path / "name.gguf", [(name, vec(1))])
   with pytest.raises(ValueError, match="only tensors named direction.N"):
     load_control_vector(path)
 
 
 def test_no_tensors(tmp_path):
-  path = _write(tmp_path / "empty.gguf", [])
+  path = write_cv_gguf(tmp_path / "empty.gguf", [])
   with pytest.raises(ValueError, match="no direction tensors"):
     load_control_vector(path)
 

@@ -3,7 +3,6 @@ match the tensors, and links planted where a vector is saved."""
 
 import os
 
-import gguf
 import numpy as np
 import pytest
 
@@ -11,23 +10,9 @@ from penzai_lm.interp import load_control_vector
 from penzai_lm.interp import save_control_vector
 from tests.interp.conftest import make_cv
 from tests.interp.conftest import vec
+from tests.interp.conftest import write_cv_gguf
 from tests.test_file_access import finishes
 
-
-def _write(path, tensors, layer_count, *, signed=False):
-  w = gguf.GGUFWriter(path, "controlvector")
-  w.add_string("controlvector.model_hint", "llama")
-  if signed:
-    w.add_int32("controlvector.layer_count", layer_count)
-  elif layer_count is not None:
-    w.add_uint32("controlvector.layer_count", layer_count)
-  for name, array in tensors:
-    w.add_tensor(name, array)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-  return path
 
 
 def test_a_fifo_is_refused_without_blocking(tmp_path):
@@ -39,16 +24,17 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
 
 
 def test_a_layer_count_that_is_not_the_tensor_count_is_refused(tmp_path):
-  path = _write(tmp_path / "cv.gguf", [("direction.1", vec(1))], 40)
+  path = write_cv_gguf(tmp_path / "cv.gguf", [("direction.1", vec(1))],
+                       layer_count=40)
   with pytest.raises(ValueError, match="controlvector.layer_count is 40 but"
                      r" the file has 1 direction tensor\(s\)"):
     load_control_vector(path)
   # What llama.cpp's generator (int32) and repeng (uint32) write loads, and a
   # file without the key too (llama.cpp reads none of these keys).
   for signed, count in ((True, 2), (False, 2), (False, None)):
-    path = _write(tmp_path / f"ok{signed}{count}.gguf",
-                  [("direction.1", vec(1)), ("direction.2", vec(2))], count,
-                  signed=signed)
+    path = write_cv_gguf(tmp_path / f"ok{signed}{count}.gguf",
+                         [("direction.1", vec(1)), ("direction.2", vec(2))],
+                         layer_count=count, signed=signed)
     assert sorted(load_control_vector(path).directions) == [1, 2]
 
 

@@ -44,6 +44,19 @@ def write_saelens(directory, cfg, tensors):
                     {k: np.asarray(v) for k, v in tensors.items()})
 
 
+def saelens_dir(directory, d=D, **cfg_changes):
+  """A valid JumpReLU SAELens directory of width ``d`` (``cfg.json``
+  fields overridden by ``cfg_changes``)."""
+  arrays = random_arrays(d, F, d, threshold=True)
+  cfg = {"architecture": "jumprelu", "d_in": d, "d_sae": F,
+         "dtype": "float32",
+         "metadata": {"sae_lens_version": "6.0.0",
+                      "hook_name": "blocks.0.hook_resid_post"}}
+  cfg.update(cfg_changes)
+  write_saelens(directory, cfg, saelens_tensors(arrays))
+  return directory
+
+
 def saelens_tensors(arrays):
   out = {"W_enc": arrays["w_enc"], "b_enc": arrays["b_enc"],
          "W_dec": arrays["w_dec"], "b_dec": arrays["b_dec"]}

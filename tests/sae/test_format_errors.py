@@ -15,23 +15,12 @@ from tests.model.configs import config
 from tests.sae.format_files import D
 from tests.sae.format_files import F
 from tests.sae.format_files import ct_layer
-from tests.sae.format_files import saelens_tensors
-from tests.sae.format_files import write_saelens
+from tests.sae.format_files import saelens_dir
 from tests.sae.random_saes import random_arrays
 from tests.sae.random_saes import random_sae
 
 SAEFormatError = sae_lib.SAEFormatError
 
-
-def _good_saelens(directory, **cfg_changes):
-  arrays = random_arrays(D, F, D, threshold=True)
-  cfg = {"architecture": "jumprelu", "d_in": D, "d_sae": F,
-         "dtype": "float32",
-         "metadata": {"sae_lens_version": "6.0.0",
-                      "hook_name": "blocks.0.hook_resid_post"}}
-  cfg.update(cfg_changes)
-  write_saelens(directory, cfg, saelens_tensors(arrays))
-  return directory
 
 
 def _rewrite(directory, change):
@@ -55,7 +44,7 @@ BAD_SAELENS = {
     "truncated": (lambda d: _truncate(d / "sae_weights.safetensors"),
                   r"sae_weights.safetensors.*truncated"),
     "unknown architecture": (
-        lambda d: _good_saelens(d, architecture="gated"),
+        lambda d: saelens_dir(d, architecture="gated"),
         r"cfg.json: field 'architecture' is 'gated'; supported"),
     "missing field": (lambda d: _edit_cfg(d, lambda c: c.pop("d_sae")),
                       r"cfg.json: field 'd_sae' is missing"),
@@ -75,7 +64,7 @@ BAD_SAELENS = {
     "not json": (lambda d: (d / "cfg.json").write_text("{'d_in': 16"),
                  r"Cannot parse .*cfg.json"),
     "normalized transcoder": (
-        lambda d: _good_saelens(d, architecture="jumprelu_transcoder",
+        lambda d: saelens_dir(d, architecture="jumprelu_transcoder",
                                 d_out=D, apply_b_dec_to_input=False,
                                 normalize_activations="layer_norm"),
         r"field 'normalize_activations' is 'layer_norm' on a transcoder"),
@@ -113,7 +102,7 @@ def _edit_cfg(directory, change):
 @pytest.mark.parametrize("case", sorted(BAD_SAELENS))
 def test_bad_saelens_files_name_file_and_field(tmp_path, case):
   damage, message = BAD_SAELENS[case]
-  directory = _good_saelens(tmp_path / "sae")
+  directory = saelens_dir(tmp_path / "sae")
   damage(directory)
   model = config("llama_gqa") if case == "model mismatch" else None
   with pytest.raises(SAEFormatError, match=message):
@@ -121,7 +110,7 @@ def test_bad_saelens_files_name_file_and_field(tmp_path, case):
 
 
 def test_a_point_override_loads_an_unknown_hook(tmp_path):
-  directory = _good_saelens(tmp_path)
+  directory = saelens_dir(tmp_path)
   _edit_cfg(directory, lambda c: c["metadata"].update(hook_name="hook_embed"))
   with pytest.raises(SAEFormatError, match="'hook_embed'.*pass point="):
     sae_lib.load_sae(directory)

@@ -18,8 +18,8 @@ from tests.model.configs import config
 from tests.sae.format_files import D
 from tests.sae.format_files import F
 from tests.sae.format_files import ct_layer
+from tests.sae.format_files import saelens_dir
 from tests.sae.format_files import saelens_tensors
-from tests.sae.format_files import write_saelens
 from tests.sae.random_saes import random_arrays
 from tests.sae.random_saes import random_sae
 from tests.test_file_access import finishes
@@ -34,16 +34,6 @@ def _config_yaml(directory, **fields):
   (directory / "config.yaml").write_text(yaml.safe_dump({**SET, **fields}))
   return directory
 
-
-def _saelens(directory, d=D, **cfg_changes):
-  arrays = random_arrays(d, F, d, threshold=True)
-  cfg = {"architecture": "jumprelu", "d_in": d, "d_sae": F,
-         "dtype": "float32",
-         "metadata": {"sae_lens_version": "6.0.0",
-                      "hook_name": "blocks.0.hook_resid_post"}}
-  cfg.update(cfg_changes)
-  write_saelens(directory, cfg, saelens_tensors(arrays))
-  return directory
 
 
 # -- circuit-tracer configs are confined to their folder ------------------
@@ -110,7 +100,7 @@ def test_two_files_for_one_block_are_ambiguous(tmp_path):
                                   "params.npz", "layer_0.safetensors"])
 def test_a_fifo_is_refused_without_blocking(tmp_path, name):
   if name == "cfg.json":
-    _saelens(tmp_path)
+    saelens_dir(tmp_path)
     (tmp_path / name).unlink()
   os.mkfifo(tmp_path / name)
   point = "blocks.0.mlp_in" if name.startswith("layer") else None
@@ -174,7 +164,7 @@ def test_deeply_nested_yaml_is_a_clear_error(tmp_path):
 
 
 def test_an_overflowing_log_threshold_is_refused(tmp_path):
-  directory = _saelens(tmp_path)
+  directory = saelens_dir(tmp_path)
   path = directory / "sae_weights.safetensors"
   a = random_arrays(D, F, D, threshold=True)
   tensors = saelens_tensors(a)
@@ -189,14 +179,14 @@ def test_an_overflowing_log_threshold_is_refused(tmp_path):
 def test_points_must_exist_in_the_model(tmp_path):
   model = config("llama_gqa")  # 3 blocks, hidden size 32.
   for layer in (99, 3):
-    directory = _saelens(tmp_path / str(layer), d=32, metadata={
+    directory = saelens_dir(tmp_path / str(layer), d=32, metadata={
         "sae_lens_version": "6.0.0",
         "hook_name": f"blocks.{layer}.hook_resid_post"})
     with pytest.raises(SAEFormatError, match=rf"cfg.json: the point it reads:"
                        rf" 'blocks.{layer}.resid_post' does not exist: the"
                        " model has 3 blocks"):
       sae_lib.load_sae(directory, model=model)
-  assert sae_lib.load_sae(_saelens(tmp_path / "ok", d=32), model=model)
+  assert sae_lib.load_sae(saelens_dir(tmp_path / "ok", d=32), model=model)
 
 
 def test_a_transcoder_set_must_fit_the_model(tmp_path):
@@ -268,15 +258,15 @@ def test_a_cross_layer_transcoder_has_one_width(tmp_path):
     ("int8", r"field 'dtype' is 'int8', not one of"),
 ])
 def test_unusable_dtypes_are_refused(tmp_path, stored, message):
-  directory = _saelens(tmp_path, dtype=stored)
+  directory = saelens_dir(tmp_path, dtype=stored)
   with pytest.raises(SAEFormatError, match=message):
     sae_lib.load_sae(directory)
   with pytest.raises(ValueError, match="dtype must be one of"):
-    sae_lib.load_sae(_saelens(tmp_path / "ok"), dtype=ml_dtypes.float8_e4m3fn)
+    sae_lib.load_sae(saelens_dir(tmp_path / "ok"), dtype=ml_dtypes.float8_e4m3fn)
 
 
 def test_activation_fn_kwargs_must_be_an_object(tmp_path):
-  directory = _saelens(tmp_path, sae_lens_version="5.0.0",
+  directory = saelens_dir(tmp_path, sae_lens_version="5.0.0",
                        activation_fn_kwargs=[32], metadata={
                            "hook_name": "blocks.0.hook_resid_post"})
   with pytest.raises(SAEFormatError, match=r"cfg.json: field"

@@ -3,7 +3,6 @@ was (bit for bit op by op, to float rounding compiled), features are recorded wh
 and edited per row without recompiling, transcoders replace what they
 predict, and bad requests are clear errors."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from penzai import pz
