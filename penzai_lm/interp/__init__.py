@@ -11,7 +11,7 @@
   sum of the embeddings' and each block's or head's output), then
   `apply_final_norm` and `logit_attribution`; `weights(model, name)` reads
   a weight by TransformerLens name (``"blocks.5.attn.W_O"``),
-  `weight_names` lists them.
+  `weight_names` lists them (`WeightTable`: many reads, one walk).
 * Intervention layers: `AddVector` (steering), `Ablate` / `ZeroHeads`
   (zero or mean ablation), `Clamp`, `PatchValue` (activation patching);
   their values may be per row, and a `TokenRule` (``where=``) says which
@@ -59,6 +59,7 @@ from penzai_lm.interp.patching import PatchingResult
 from penzai_lm.interp.token_rules import TokenRule
 from penzai_lm.interp.tracing import GaussianNoise
 from penzai_lm.interp.weights import weight_names
+from penzai_lm.interp.weights import WeightTable
 from penzai_lm.interp.weights import weights
 from penzai_lm.model.captures import Capture
 from penzai_lm.model.hooks import head_coordinates
@@ -90,6 +91,7 @@ __all__ = [
     "Point",
     "ResidStack",
     "TokenRule",
+    "WeightTable",
     "ZeroHeads",
     "apply_final_norm",
     "attribution_patching",

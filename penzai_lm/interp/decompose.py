@@ -40,7 +40,7 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.interp.activation_cache import run_with_cache
-from penzai_lm.interp.weights import weight_names
+from penzai_lm.interp.weights import WeightTable
 from penzai_lm.interp.weights import weights
 from penzai_lm.model.hooks import head_coordinates
 
@@ -93,12 +93,12 @@ def _frozen_norm(config, scale, shift_free_full, terms):
   return terms / denominator[..., None] * scale
 
 
-def _head_terms(model, cache, block: int):
+def _head_terms(model, table, cache, block: int):
   """(labels, ``[heads (+ bias), batch, seq, embedding]``) of a block's
   attention, through Gemma's post norm when the model has one."""
   config = model.config
   z = cache[f"blocks.{block}.attn.head_out"]
-  w_o = weights(model, f"blocks.{block}.attn.W_O")
+  w_o = table[f"blocks.{block}.attn.W_O"]
   per_head = pz.nx.nmap(jnp.dot)(z.untag("projection").astype(jnp.float32),
                                  w_o.untag("projection", "embedding")
                                  ).tag("embedding")
@@ -106,29 +106,29 @@ def _head_terms(model, cache, block: int):
            for h in range(config.num_heads)]
   terms = [_array(h, "batch", "seq", "embedding") for h in heads]
   labels = [f"blocks.{block}.attn.head{h}" for h in range(config.num_heads)]
-  names = weight_names(model)
-  if f"blocks.{block}.attn.b_O" in names:
-    bias = _array(weights(model, f"blocks.{block}.attn.b_O"), "embedding")
+  if f"blocks.{block}.attn.b_O" in table:
+    bias = _array(table[f"blocks.{block}.attn.b_O"], "embedding")
     terms.append(jnp.broadcast_to(bias, terms[0].shape))
     labels.append(f"blocks.{block}.attn.b_O")
   terms = jnp.stack(terms)
-  if f"blocks.{block}.ln1_post.w" in names:
-    scale = _array(weights(model, f"blocks.{block}.ln1_post.w"), "embedding")
+  if f"blocks.{block}.ln1_post.w" in table:
+    scale = _array(table[f"blocks.{block}.ln1_post.w"], "embedding")
     terms = _frozen_norm(config, scale, terms.sum(0), terms)
   return labels, terms
 
 
-def _embed_terms(model, cache, lengths):
+def _embed_terms(table, cache, lengths):
   """(labels, terms) of the embeddings: tokens, and learned positions
   apart when the model has them."""
   embed = _array(cache["embed"], "batch", "seq", "embedding")
-  if "pos_embed.W_pos" not in weight_names(model):
+  if "pos_embed.W_pos" not in table:
     return ["embed"], [embed]
-  table = _array(weights(model, "pos_embed.W_pos"), "positions", "embedding")
+  positions_table = _array(table["pos_embed.W_pos"], "positions",
+                           "embedding")
   seq = embed.shape[1]
   positions = np.arange(seq)[None, :] - (seq - np.asarray(lengths))[:, None]
   pos = jnp.where(positions[..., None] >= 0,
-                  table[np.maximum(positions, 0)], 0.0)
+                  positions_table[np.maximum(positions, 0)], 0.0)
   return ["embed", "pos_embed"], [embed - pos, pos]
 
 
@@ -169,11 +169,12 @@ def decompose_resid(model, tokens, *, layer: int | None = None,
   names = ["embed", resid, *(f"blocks.{i}.{p}" for i in range(layer)
                              for p in (attn, "mlp_out"))]
   cache = run_with_cache(model, tokens, names=names, logits=False)
-  labels, terms = _embed_terms(model, cache, cache.lengths)
+  table = WeightTable(model)
+  labels, terms = _embed_terms(table, cache, cache.lengths)
   terms = [t[None] for t in terms]
   for i in range(layer):
     if per_head:
-      head_labels, head_terms = _head_terms(model, cache, i)
+      head_labels, head_terms = _head_terms(model, table, cache, i)
       labels += head_labels
       terms.append(head_terms)
     else:
@@ -212,12 +213,13 @@ def apply_final_norm(model, stack: ResidStack) -> ResidStack:
                                        else "."))
   full = _array(stack.resid, "batch", "seq", "embedding")
   terms = _array(stack.components, *AXES)
-  scale = _array(weights(model, "ln_final.w"), "embedding")
+  table = WeightTable(model)
+  scale = _array(table["ln_final.w"], "embedding")
   normed = _frozen_norm(config, scale, full, jnp.concatenate(
       [terms, full[None]]))
   terms, resid, labels = normed[:-1], normed[-1], stack.labels
-  if "ln_final.b" in weight_names(model):
-    shift = _array(weights(model, "ln_final.b"), "embedding")
+  if "ln_final.b" in table:
+    shift = _array(table["ln_final.b"], "embedding")
     terms = jnp.concatenate([terms, jnp.broadcast_to(shift, resid.shape)[None]])
     resid, labels = resid + shift, (*labels, "ln_final.b")
   return dataclasses.replace(

@@ -139,43 +139,59 @@ def weights(model, name: str) -> pz.nx.NamedArray:
     ValueError: for a name this model does not have (with the names it
       has), or a block outside the model.
   """
-  if not isinstance(name, str):
-    raise TypeError(f"a weight name must be a str, got {name!r}.")
-  try:
-    block, keys = _candidates(name)
-  except KeyError:
-    close = difflib.get_close_matches(name, weight_names(model), 1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(
-        f"unknown weight {name!r}{hint}; weight_names(model) lists this"
-        " model's, e.g. 'blocks.0.attn.W_O', 'unembed.W_U'.") from None
-  num_layers = model.config.num_layers
-  if block is not None and not 0 <= block < num_layers:
-    raise ValueError(
-        f"{name!r} does not exist: the model has {num_layers} blocks"
-        f" (blocks.0 to blocks.{num_layers - 1}).")
-  table = _table(model)
-  for key in keys:
-    found, stacked_block = _resolve(table, block, key)
-    if found is not None:
-      return _value(found, stacked_block)
-  raise ValueError(
-      f"this model has no {name!r} (its family has no such weight: e.g."
-      " biases exist only in GPT-2 and Qwen2, post norms only in Gemma);"
-      " weight_names(model) lists the ones it has.")
+  return WeightTable(model)[name]
 
 
 def weight_names(model) -> list[str]:
   """Every TransformerLens weight name ``model`` has, model-level names
   first, then block by block."""
-  table = _table(model)
-  names = [n for n in _MODEL
-           if any(_resolve(table, None, k)[0] is not None for k in _MODEL[n])]
-  num_layers = model.config.num_layers
-  per_block = [*_BLOCK, "mlp.W_in"]
-  for i in range(num_layers):
-    for short in per_block:
-      keys = _W_IN if short == "mlp.W_in" else (_BLOCK[short],)
-      if any(_resolve(table, i, k)[0] is not None for k in keys):
-        names.append(f"blocks.{i}.{short}")
-  return names
+  return WeightTable(model).names
+
+
+class WeightTable:
+  """A model's weights by TransformerLens name, from one walk over the
+  model (for reading many: `weights` and `weight_names` make one each).
+
+  Attributes:
+    names: The names this model has (as `weight_names`).
+  """
+
+  def __init__(self, model):
+    self._table = _table(model)
+    self._num_layers = model.config.num_layers
+    names = [n for n in _MODEL if any(
+        _resolve(self._table, None, k)[0] is not None for k in _MODEL[n])]
+    for i in range(self._num_layers):
+      for short in (*_BLOCK, "mlp.W_in"):
+        keys = _W_IN if short == "mlp.W_in" else (_BLOCK[short],)
+        if any(_resolve(self._table, i, k)[0] is not None for k in keys):
+          names.append(f"blocks.{i}.{short}")
+    self.names = names
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.names
+
+  def __getitem__(self, name: str) -> pz.nx.NamedArray:
+    """The weight ``name`` (as `weights`)."""
+    if not isinstance(name, str):
+      raise TypeError(f"a weight name must be a str, got {name!r}.")
+    try:
+      block, keys = _candidates(name)
+    except KeyError:
+      close = difflib.get_close_matches(name, self.names, 1)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      raise ValueError(
+          f"unknown weight {name!r}{hint}; weight_names(model) lists this"
+          " model's, e.g. 'blocks.0.attn.W_O', 'unembed.W_U'.") from None
+    if block is not None and not 0 <= block < self._num_layers:
+      raise ValueError(
+          f"{name!r} does not exist: the model has {self._num_layers} blocks"
+          f" (blocks.0 to blocks.{self._num_layers - 1}).")
+    for key in keys:
+      found, stacked_block = _resolve(self._table, block, key)
+      if found is not None:
+        return _value(found, stacked_block)
+    raise ValueError(
+        f"this model has no {name!r} (its family has no such weight: e.g."
+        " biases exist only in GPT-2 and Qwen2, post norms only in Gemma);"
+        " weight_names(model) lists the ones it has.")

@@ -32,6 +32,7 @@ from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.dashboard_html import cards_html
 from penzai_lm.sae.dashboard_html import page_html
+from penzai_lm.sae.evaluation import sae_point
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,13 +191,7 @@ def dashboard(model, sae: SparseAutoencoder, prompts, *, features,
     ValueError: for a transcoder, no point, bad feature ids or sizes, text
       prompts without a tokenizer, or empty prompts.
   """
-  if sae.config.is_transcoder:
-    raise ValueError("dashboard shows SAEs (one point read and written);"
-                     " this autoencoder is a transcoder.")
-  point = point or sae.config.hook_point
-  if point is None:
-    raise ValueError("the autoencoder's config names no point: pass"
-                     " point='blocks.{i}.resid_post' (or another).")
+  point = sae_point(sae, point, "dashboard")
   features = _check_features(features, sae.config.num_features)
   k, bins, logits, rows = (_check_int(n, v, 1) for n, v in (
       ("k", k), ("bins", bins), ("logits", logits), ("rows", rows)))

@@ -128,6 +128,22 @@ def _norm(x, axes):
   return pz.nx.nmap(jnp.sqrt)(squares)
 
 
+def sae_point(sae: SparseAutoencoder, point: str | None, what: str) -> str:
+  """The point an SAE reads and writes: ``point``, else its config's.
+
+  Raises:
+    ValueError: for a transcoder (it writes another point), or no point.
+  """
+  if sae.config.is_transcoder:
+    raise ValueError(f"{what} takes SAEs (one point read and written); this"
+                     " autoencoder is a transcoder.")
+  point = point or sae.config.hook_point
+  if point is None:
+    raise ValueError("the autoencoder's config names no point: pass"
+                     " point='blocks.{i}.resid_post' (or another).")
+  return point
+
+
 def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
                  point: str | None = None, skip_positions: int | None = None,
                  max_norm: float | None = None, rows: int = 8,
@@ -164,13 +180,7 @@ def evaluate_sae(model, sae: SparseAutoencoder, tokens, *,
   skip_positions, ignore = _conventions(model.config, compatible,
                                         skip_positions, max_norm,
                                         ignore_tokens)
-  if sae.config.is_transcoder:
-    raise ValueError("evaluate_sae measures SAEs (one point read and"
-                     " written); this autoencoder is a transcoder.")
-  point = point or sae.config.hook_point
-  if point is None:
-    raise ValueError("the autoencoder's config names no point: pass"
-                     " point='blocks.{i}.resid_post' (or another).")
+  point = sae_point(sae, point, "evaluate_sae")
   windows = np.asarray(tokens)
   check_token_ids(windows, model.config.vocab_size, "tokens")
   windows = windows.astype(np.int32)
