@@ -257,14 +257,19 @@ def logit_attribution(model, stack: ResidStack, answers, wrong=None, *,
     model's (pre soft-cap) logit difference at that position.
 
   Raises:
-    ValueError: for a stack not through the final norm, or token ids
-      outside the vocabulary.
+    ValueError: for a stack not through the final norm, token ids outside
+      the vocabulary, or a position outside the stack.
   """
   if not stack.normed:
     raise ValueError("logit_attribution needs the terms through the final"
                      " norm: logit_attribution(model, apply_final_norm(model,"
                      " stack), ...).")
   rows = stack.components.named_shape["batch"]
+  seq = stack.components.named_shape["seq"]
+  if (not isinstance(position, int) or isinstance(position, bool)
+      or not -seq <= position < seq):
+    raise ValueError(f"position must be an int in [{-seq}, {seq}) (the"
+                     f" stack's {seq} positions), got {position!r}.")
   vocab = model.config.vocab_size
   answers = _per_row(answers, rows, vocab, "answers")
   w_u = _array(weights(model, "unembed.W_U"), "embedding", "vocabulary")

@@ -195,10 +195,10 @@ def dashboard(model, sae: SparseAutoencoder, prompts, *, features,
   features = _check_features(features, sae.config.num_features)
   k, bins, logits, rows = (_check_int(n, v, 1) for n, v in (
       ("k", k), ("bins", bins), ("logits", logits), ("rows", rows)))
-  if (not isinstance(context, (tuple, list)) or len(context) != 2
-      or any(_check_int("context", c, 0) != c for c in context)):
+  if not isinstance(context, (tuple, list)) or len(context) != 2:
     raise ValueError(f"context must be (before, after) token counts, got"
                      f" {context!r}.")
+  context = tuple(_check_int("context", c, 0) for c in context)
   prompts = list(prompts) if not isinstance(prompts, str) else [prompts]
   if any(isinstance(p, str) for p in prompts):
     if tokenizer is None:

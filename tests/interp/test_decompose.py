@@ -114,6 +114,8 @@ def test_weights_by_name_on_both_layouts_and_quantized():
         m, interp.decompose_resid(m, PROMPTS)), 97), r"\[0, 97\)"),
     (lambda m: interp.logit_attribution(m, interp.apply_final_norm(
         m, interp.decompose_resid(m, PROMPTS)), [1, 2, 3]), "one per row"),
+    (lambda m: interp.logit_attribution(m, interp.apply_final_norm(
+        m, interp.decompose_resid(m, PROMPTS)), 3, position=5), "position"),
 ])
 def test_bad_requests_are_clear_errors(call, message):
   model = penzai_lm.build_transformer(config("llama_gqa", True), seed=3)
