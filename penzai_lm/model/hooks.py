@@ -19,8 +19,10 @@ point                  value (axes besides the batch axes and ``seq``)
                        norm), added to the residual stream
 ``blocks.{i}.resid_mid``   the residual stream between attention and MLP
 ``blocks.{i}.mlp_in``      the MLP's input: the residual stream after the
-                       pre-MLP norm (TransformerLens ``ln2.hook_normalized``,
-                       where transcoders read)
+                       pre-MLP norm, its weights applied (circuit-tracer's
+                       ``mlp.hook_in``, where transcoders read; files
+                       reading ``ln2.hook_normalized``, before the weights,
+                       are folded at load)
 ``blocks.{i}.mlp.neurons``  the MLP's hidden activations (after the gate):
                        ``neurons``
 ``blocks.{i}.mlp_out``     the MLP branch's output (after Gemma's post norm)

@@ -87,7 +87,7 @@ def _theirs(arch, norm, rescale, b_dec_in, d_in=D, hook="blocks.1",
   cfg = {"architecture": arch, "d_in": d_in, "d_sae": F,
          "apply_b_dec_to_input": b_dec_in, "normalize_activations": norm,
          "reshape_activations": reshape,
-         "metadata": {"hook_name": (f"{hook}.ln2.hook_normalized"
+         "metadata": {"hook_name": (f"{hook}.mlp.hook_in"
                                     if transcoder else f"{hook}.hook_resid_post"
                                     if reshape == "none"
                                     else f"{hook}.attn.hook_z")}}

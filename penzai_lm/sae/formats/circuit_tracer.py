@@ -7,7 +7,10 @@
 * ``feature_input_hook`` / ``feature_output_hook``: TransformerLens hook
   names without the block (``mlp.hook_in``, ``ln2.hook_normalized``,
   ``hook_resid_mid``; ``hook_mlp_out``, ``mlp.hook_out``), mapped by
-  `penzai_lm.sae.formats.hook_names`;
+  `penzai_lm.sae.formats.hook_names`; ``ln2.hook_normalized`` (Gemma
+  Scope transcoders' "gemma" config) is before the pre-MLP norm's weights,
+  which are folded into each block's encoder and skip from ``model=``
+  (`penzai_lm.sae.formats.norm_fold`; ``fold_norm=False`` skips that);
 * ``transcoders``: optional list of per-block files, paths relative to the
   config's directory and confined to it, or (only with ``allow_outside``)
   absolute paths and ``hf://org/repo/file`` (found in the local Hugging
@@ -67,6 +70,8 @@ from penzai_lm.sae.formats.errors import require_tensor
 from penzai_lm.sae.formats.errors import where
 from penzai_lm.sae.formats.layer_files import CONFIG
 from penzai_lm.sae.formats.layer_files import layer_paths
+from penzai_lm.sae.formats.norm_fold import NormReader
+from penzai_lm.sae.formats.norm_fold import fold_autoencoder
 
 KINDS = ("transcoder_set", "cross_layer_transcoder")
 _THRESHOLD = "activation_function.threshold"
@@ -79,11 +84,15 @@ class TranscoderSet:
   Attributes:
     transcoders: Block ``i``'s transcoder at index ``i``.
     input_hook, output_hook: The config's hook names.
+    norm_folded: Whether the pre-MLP norm's weights were folded into the
+      arrays (a hook such as ``ln2.hook_normalized`` is before them; the
+      transcoders read ``mlp_in``, after them: `norm_fold`).
   """
 
   transcoders: tuple[SparseAutoencoder, ...]
   input_hook: str
   output_hook: str
+  norm_folded: bool = False
 
   def __len__(self) -> int:
     return len(self.transcoders)
@@ -205,19 +214,36 @@ def _sizes(sae: SparseAutoencoder) -> tuple[int, int, int]:
   return c.input_size, c.num_features, c.output_size
 
 
+def file_hooks(config: dict, input_point, output_point):
+  """The config's (input, output) hooks where they name the points (None
+  where the caller's point overrides them)."""
+  return (config["feature_input_hook"] if input_point is None else None,
+          config["feature_output_hook"] if output_point is None else None)
+
+
 def read_transcoder_set(directory: Path, config: dict, *, model=None,
                         input_point=None, output_point=None, dtype=None,
-                        allow_outside=False) -> TranscoderSet:
-  """The set's transcoders, one per listed block, of one size."""
+                        allow_outside=False, fold_norm=True
+                        ) -> TranscoderSet:
+  """The set's transcoders, one per listed block, of one size, with the
+  norm's weights folded in where a hook is before them (`norm_fold`)."""
   cfg_path = directory / CONFIG
   files = layer_paths(config, directory, r"layer_(\d+)\.safetensors",
                       allow_outside=allow_outside)
-  out = []
+  norms = NormReader(model, fold_norm)
+  in_hook, out_hook = file_hooks(config, input_point, output_point)
+  out, folded = [], False
   for layer, file in enumerate(files):
     read, write = points(config, cfg_path, layer, input_point, output_point,
                           model)
-    out.append(read_layer_file(file, point=read, output_point=write,
-                               model=model, dtype=dtype))
+    sae = read_layer_file(file, point=read, output_point=write, model=model,
+                          dtype=dtype)
+    fold_in = norms.weights(in_hook, read,
+                            where(cfg_path, "feature_input_hook"))
+    fold_out = norms.weights(out_hook, write,
+                             where(cfg_path, "feature_output_hook"))
+    folded = folded or fold_in is not None or fold_out is not None
+    out.append(fold_autoencoder(sae, fold_in, fold_out, file))
     if _sizes(out[-1]) != _sizes(out[0]):
       raise SAEFormatError(
           f"{file} is a transcoder of (d_in, d_transcoder, d_out) ="
@@ -225,4 +251,4 @@ def read_transcoder_set(directory: Path, config: dict, *, model=None,
           " transcoder set's blocks all have one size (the files come from"
           " different sets or models).")
   return TranscoderSet(tuple(out), config["feature_input_hook"],
-                       config["feature_output_hook"])
+                       config["feature_output_hook"], norm_folded=folded)

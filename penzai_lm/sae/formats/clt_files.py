@@ -15,6 +15,7 @@ import numpy as np
 from penzai_lm.sae.formats import hook_names
 from penzai_lm.sae.formats import tensor_files
 from penzai_lm.sae.formats.assemble import resolve_dtype
+from penzai_lm.sae.formats.circuit_tracer import file_hooks
 from penzai_lm.sae.formats.circuit_tracer import points
 from penzai_lm.sae.formats.circuit_tracer import warn_negative
 from penzai_lm.sae.formats.cross_layer import CrossLayerTranscoder
@@ -22,9 +23,12 @@ from penzai_lm.sae.formats.errors import SAEFormatError
 from penzai_lm.sae.formats.errors import check_shape
 from penzai_lm.sae.formats.errors import check_unexpected
 from penzai_lm.sae.formats.errors import require_tensor
+from penzai_lm.sae.formats.errors import where
 from penzai_lm.sae.formats.layer_files import CONFIG
 from penzai_lm.sae.formats.layer_files import confined
 from penzai_lm.sae.formats.layer_files import layer_paths
+from penzai_lm.sae.formats.norm_fold import NormReader
+from penzai_lm.sae.formats.norm_fold import fold_clt_inputs
 
 
 def _same_size(sizes: list[tuple[Path, int, int]], file: Path, f: int,
@@ -132,10 +136,30 @@ def _check_model(arrays: dict, read: str, write: str, model,
     hook_names.point_axes(last, d, config, f"{cfg_path}: the CLT's d_model")
 
 
+def _fold(arrays: dict, config: dict, cfg_path: Path, input_point,
+          output_point, model, fold_norm: bool) -> dict:
+  """``arrays`` with each block's pre-MLP norm weights folded into its
+  encoder and skip when the input hook is before them (`norm_fold`)."""
+  in_hook, out_hook = file_hooks(config, input_point, output_point)
+  norms = NormReader(model, fold_norm)
+  n = arrays["w_enc"].shape[0]
+  if out_hook is not None and hook_names.normalized_norm(out_hook):
+    raise SAEFormatError(
+        f"{where(cfg_path, 'feature_output_hook')} is {out_hook!r}, before"
+        " a norm's weights; a cross-layer transcoder writing there is not"
+        " supported (pass output_point=).")
+  per = [norms.weights(in_hook, f"blocks.{l}.mlp_in",
+                       where(cfg_path, "feature_input_hook"))
+         for l in range(n)]
+  return arrays if per[0] is None else fold_clt_inputs(arrays, per)
+
+
 def read_clt(directory: Path, config: dict, *, model=None, input_point=None,
-             output_point=None, dtype=None, allow_outside=False
-             ) -> CrossLayerTranscoder:
-  """Loads the CLT ``config`` (``directory``'s ``config.yaml``) describes."""
+             output_point=None, dtype=None, allow_outside=False,
+             fold_norm=True) -> CrossLayerTranscoder:
+  """Loads the CLT ``config`` (``directory``'s ``config.yaml``) describes,
+  with each block's norm weights folded in where the input hook is before
+  them (`norm_fold`)."""
   cfg_path = directory / CONFIG
   if config.get("transcoders") is not None:
     arrays = _gemma_scope_2(layer_paths(config, directory,
@@ -148,6 +172,8 @@ def read_clt(directory: Path, config: dict, *, model=None, input_point=None,
   read, write = points(config, cfg_path, 0, input_point, output_point, model)
   if model is not None:
     _check_model(arrays, read, write, model, cfg_path)
+  arrays = _fold(arrays, config, cfg_path, input_point, output_point, model,
+                 fold_norm)
   return CrossLayerTranscoder.from_arrays(
       **arrays, input_point=hook_names.split_point(read)[1],
       output_point=hook_names.split_point(write)[1],

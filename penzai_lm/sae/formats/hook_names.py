@@ -14,12 +14,27 @@ TransformerLens                             penzai_lm
 ``hook_mlp_out``                            ``mlp_out``
 ``attn.hook_z``                             ``attn.head_out``
 ``mlp.hook_post``                           ``mlp.neurons``
-``ln2.hook_normalized``, ``mlp.hook_in``    ``mlp_in``
+``mlp.hook_in``                             ``mlp_in``
+``ln2.hook_normalized``                     ``mlp_in``, weights folded
+                                            (see below)
 ``mlp.hook_out``                            ``mlp_out`` (models without a
                                             post-MLP norm: see below)
 ``hook_mlp_in``                             ``resid_mid`` (TransformerLens
                                             takes it before ``ln2``)
 ==========================================  ===============================
+
+``ln2.hook_normalized`` is the pre-MLP norm's output *before* its weights
+(TransformerLens's ``RMSNorm`` / ``LayerNorm`` hook ``x / rms`` and apply
+``w`` (and ``b``) after it; circuit-tracer maps it to Hugging Face's
+``_norm`` output), while ``mlp_in`` is after them. The loaders fold the
+weights of the model passed as ``model=`` into the arrays
+(`penzai_lm.sae.formats.norm_fold`), so that the loaded autoencoder reads
+``mlp_in`` and computes what the file's did; without the model they refuse
+(``fold_norm=False`` loads the arrays as they are). ``mlp.hook_in``
+(circuit-tracer's MLP input, TransformerLens 3's bridge) is after the
+weights and is ``mlp_in`` itself; it is the name written for ``mlp_in``.
+``ln1.hook_normalized`` and ``ln_final.hook_normalized`` have no penzai_lm
+point and are refused as unknown names.
 
 circuit-tracer's ``mlp.hook_out`` is the MLP's own output: before Gemma's
 post-MLP norm, which penzai_lm's ``mlp_out`` includes, so with a model of
@@ -64,12 +79,15 @@ TL_BLOCK_HOOKS = {
     "mlp.hook_out": "mlp_out",
     "hook_mlp_in": "resid_mid",
 }
-# The name written for each point (the first TransformerLens name above).
+# Hooks on a norm's output before its weights -> that norm's TransformerLens
+# weight prefix (`penzai_lm.interp.weights`): the point above is after them.
+NORMALIZED_HOOKS = {"ln2.hook_normalized": "ln2"}
+# The name written for each point (one that means the value stored).
 POINT_TO_TL = {
     "resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid",
     "resid_post": "hook_resid_post", "attn_out": "hook_attn_out",
     "mlp_out": "hook_mlp_out", "attn.head_out": "attn.hook_z",
-    "mlp.neurons": "mlp.hook_post", "mlp_in": "ln2.hook_normalized",
+    "mlp.neurons": "mlp.hook_post", "mlp_in": "mlp.hook_in",
 }
 HF_BLOCK_HOOKS = {
     "output": "resid_post",
@@ -92,6 +110,14 @@ def from_transformer_lens(name: str, layer: int | None = None) -> str | None:
   if point is None or layer is None:
     return None
   return f"blocks.{layer}.{point}"
+
+
+def normalized_norm(name: str) -> str | None:
+  """The norm (``"ln2"``) whose weights lie between TransformerLens hook
+  ``name`` (with or without ``blocks.{i}.``) and its penzai_lm point, or
+  None when the point is the hook's value."""
+  m = _TL.match(name)
+  return NORMALIZED_HOOKS.get(m.group(2) if m is not None else name)
 
 
 def from_hugging_face(name: str) -> str | None:

@@ -44,8 +44,8 @@ def _existing(path) -> Path:
 
 
 def load_sae(path, *, model=None, point: str | None = None,
-             output_point: str | None = None, input_axes=None, dtype=None
-             ) -> SparseAutoencoder:
+             output_point: str | None = None, input_axes=None, dtype=None,
+             fold_norm: bool = True) -> SparseAutoencoder:
   """Loads a sparse autoencoder or transcoder from disk (formats above).
 
   Args:
@@ -55,12 +55,20 @@ def load_sae(path, *, model=None, point: str | None = None,
       error) and the sizes, and gives the head layout of attention-output SAEs (SAELens
       ``hook_z``, Gemma Scope ``-att``), which need it (or ``input_axes``).
     point: The point it reads, overriding the file's hook name (needed when
-      the file names none or one penzai_lm does not know).
+      the file names none or one penzai_lm does not know); the arrays then
+      read that point as they are (no norm weights folded in).
     output_point: The point a transcoder writes, overriding the file's.
     input_axes: The input's axes, ``{"name": size, ...}`` or ``((name,
       size), ...)`` flattened in the file's order (overrides the point's).
     dtype: The dtype to load in (default: SAELens's ``dtype`` field, else
       float32).
+    fold_norm: For a file whose hook is TransformerLens's
+      ``ln2.hook_normalized`` (the pre-MLP norm's output before its
+      weights), fold ``model``'s weights of that norm into the arrays so
+      that the autoencoder reads (and an SAE writes) ``mlp_in``, which is
+      after them (`penzai_lm.sae.formats.norm_fold`); this needs the model
+      itself. False loads the arrays as they are, which is right only if
+      the norm's weights are all 1.
 
   Returns:
     A checked `SparseAutoencoder` whose config names its points.
@@ -68,15 +76,19 @@ def load_sae(path, *, model=None, point: str | None = None,
   Raises:
     FileNotFoundError: if ``path`` does not exist.
     SAEFormatError: for a file that is not one of the formats, or is
-      malformed; the message names the file and field.
+      malformed, or (``fold_norm``) whose hook is before a norm's weights
+      when ``model`` is not a model or a weight is nearly zero; the message
+      names the file and field.
   """
   path = _existing(path)
   kwargs = dict(model=model, point=point, output_point=output_point,
                 input_axes=input_axes, dtype=dtype)
+  if not isinstance(fold_norm, bool):
+    raise TypeError(f"fold_norm must be True or False, got {fold_norm!r}.")
   if path.is_dir():
     for name in (saelens.CFG, gemma_scope.GS1_FILE, gemma_scope.GS2_FILE):
       if (path / name).exists():  # The reader refuses a FIFO or device.
-        return load_sae(path / name, **kwargs)
+        return load_sae(path / name, fold_norm=fold_norm, **kwargs)
     if (path / circuit_tracer.CONFIG).exists():
       raise SAEFormatError(f"{path} is a circuit-tracer directory"
                            f" ({circuit_tracer.CONFIG}): load it with"
@@ -87,7 +99,7 @@ def load_sae(path, *, model=None, point: str | None = None,
         " (Gemma Scope 2); pass the file itself if it has another name.")
   if path.name == saelens.CFG or (path.name == saelens.WEIGHTS and (
       path.parent / saelens.CFG).exists()):
-    return saelens.read_saelens(path.parent, **kwargs)
+    return saelens.read_saelens(path.parent, fold_norm=fold_norm, **kwargs)
   if path.suffix == ".npz":
     return gemma_scope.read_gemma_scope_1(path, **kwargs)
   if path.suffix != ".safetensors":
@@ -113,7 +125,7 @@ def load_sae(path, *, model=None, point: str | None = None,
 
 def load_transcoders(path, *, model=None, input_point: str | None = None,
                      output_point: str | None = None, dtype=None,
-                     allow_outside: bool = False
+                     allow_outside: bool = False, fold_norm: bool = True
                      ) -> circuit_tracer.TranscoderSet | CrossLayerTranscoder:
   """Loads circuit-tracer transcoders from a ``config.yaml`` (or its
   directory): a `TranscoderSet` (``model_kind: transcoder_set``) or a
@@ -129,11 +141,17 @@ def load_transcoders(path, *, model=None, input_point: str | None = None,
       blocks than the model has) and its sizes match.
     input_point, output_point: Block-relative points (``"mlp_in"``,
       ``"mlp_out"``) overriding ``feature_input_hook`` /
-      ``feature_output_hook``.
+      ``feature_output_hook`` (the arrays then read and write them as they
+      are).
     dtype: The dtype to load in (default float32, as circuit-tracer).
     allow_outside: Also load absolute paths, ``hf://`` files (from the
       local Hugging Face cache) and relative paths that leave the config's
       folder; only for configs you trust.
+    fold_norm: As for `load_sae`: with ``feature_input_hook:
+      ln2.hook_normalized`` (circuit-tracer's "gemma" transcoders), fold
+      each block's pre-MLP norm weights from ``model`` (needed) into its
+      encoder and skip, so that it reads ``mlp_in``; False uses the arrays
+      as they are.
 
   Raises:
     FileNotFoundError: if ``path`` does not exist.
@@ -153,7 +171,7 @@ def load_transcoders(path, *, model=None, input_point: str | None = None,
           else clt_files.read_clt)
   return read(directory, config, model=model, input_point=input_point,
               output_point=output_point, dtype=dtype,
-              allow_outside=allow_outside)
+              allow_outside=allow_outside, fold_norm=fold_norm)
 
 
 def save_sae(sae: SparseAutoencoder, directory, *, model_name: str | None = None,
@@ -162,6 +180,11 @@ def save_sae(sae: SparseAutoencoder, directory, *, model_name: str | None = None
   """Saves ``sae`` in SAELens's format (``cfg.json`` +
   ``sae_weights.safetensors``), readable by ``sae_lens.SAE.load_from_disk``
   and by `load_sae`.
+
+  The points become TransformerLens hook names (`formats.hook_names`);
+  ``mlp_in`` is written as ``mlp.hook_in`` (the MLP's input, after the
+  pre-MLP norm's weights, as circuit-tracer and TransformerLens 3's bridge
+  name it), not ``ln2.hook_normalized``, which is before them.
 
   Args:
     sae: The autoencoder.

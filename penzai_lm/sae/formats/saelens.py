@@ -23,6 +23,10 @@ with SAELens's pre-6.0 defaults: ``hook_point`` -> ``hook_name``,
 * ``hook_name`` / ``hook_name_out`` (TransformerLens names), or
   ``hf_hook_name`` / ``hf_hook_name_out`` (preferred when present:
   `penzai_lm.sae.formats.hook_names`); ``hook_head_index`` must be null.
+  A ``ln2.hook_normalized`` hook is before the pre-MLP norm's weights,
+  which are folded into the arrays from ``model=``
+  (`penzai_lm.sae.formats.norm_fold`); ``mlp_in`` is written as
+  ``mlp.hook_in``.
 
 Weights: ``W_enc`` ``[d_in, d_sae]``, ``b_enc`` ``[d_sae]``, ``W_dec``
 ``[d_sae, d_out]``, ``b_dec`` ``[d_out]``, ``threshold`` ``[d_sae]``
@@ -53,6 +57,8 @@ from penzai_lm.sae.formats.errors import check_unexpected
 from penzai_lm.sae.formats.errors import config_field
 from penzai_lm.sae.formats.errors import require_tensor
 from penzai_lm.sae.formats.errors import where
+from penzai_lm.sae.formats.norm_fold import NormReader
+from penzai_lm.sae.formats.norm_fold import fold_autoencoder
 
 CFG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
@@ -168,7 +174,8 @@ def _read_weights(file: Path, cfg: dict, cfg_path: Path, arch: str):
 def _points(cfg: dict, cfg_path: Path, point, output_point, config,
             transcoder: bool):
   """The points read and written: the caller's, else from the hook names
-  (Hugging Face names first: they are exact)."""
+  (Hugging Face names first: they are exact); each with the
+  TransformerLens hook it came from (None otherwise)."""
   if cfg.get("hook_head_index") is not None:
     raise SAEFormatError(
         f"{where(cfg_path, 'hook_head_index')} is {cfg['hook_head_index']}:"
@@ -177,10 +184,12 @@ def _points(cfg: dict, cfg_path: Path, point, output_point, config,
 
   def find(tl_key, hf_key, given, what):
     if given is not None:
-      return given
+      return given, None
     hf, tl = cfg.get(hf_key), cfg.get(tl_key)
     found = hook_names.from_hugging_face(hf) if isinstance(hf, str) else None
-    if found is None and isinstance(tl, str):
+    if found is not None:
+      return found, None
+    if isinstance(tl, str):
       found = hook_names.from_transformer_lens(tl)
       hook_names.check_mlp_hook_out(tl, found, config, where(cfg_path, tl_key))
     if found is None and (tl is not None or hf is not None):
@@ -189,16 +198,30 @@ def _points(cfg: dict, cfg_path: Path, point, output_point, config,
           f" {tl if tl is not None else hf!r}, which is not a point penzai_lm"
           f" knows; pass {what}= (e.g. 'blocks.3.resid_post'). Known names:"
           f" {sorted(hook_names.TL_BLOCK_HOOKS)} after 'blocks.{{i}}.'.")
-    return found
+    return found, tl if found is not None else None
 
   read = find("hook_name", "hf_hook_name", point, "point")
   write = (find("hook_name_out", "hf_hook_name_out", output_point,
-                "output_point") if transcoder else None)
+                "output_point") if transcoder else (None, None))
   return read, write
 
 
+def _fold(sae: SparseAutoencoder, cfg_path: Path, read_hook, write_hook,
+          model, fold_norm: bool) -> SparseAutoencoder:
+  """``sae`` with the pre-MLP norm's weights folded in where its file's
+  hooks are before them (`norm_fold`); an SAE is folded on both sides."""
+  norms = NormReader(model, fold_norm)
+  c = sae.config
+  read = norms.weights(read_hook, c.hook_point, where(cfg_path, "hook_name"))
+  write = (norms.weights(write_hook, c.output_point,
+                         where(cfg_path, "hook_name_out"))
+           if c.is_transcoder else read)
+  return fold_autoencoder(sae, read, write, cfg_path)
+
+
 def read_saelens(directory: Path, *, model=None, point=None, output_point=None,
-                 input_axes=None, dtype=None) -> SparseAutoencoder:
+                 input_axes=None, dtype=None, fold_norm=True
+                 ) -> SparseAutoencoder:
   """Loads an SAELens directory (see the module docstring and
   `penzai_lm.sae.load_sae`)."""
   cfg_path = directory / CFG
@@ -242,14 +265,15 @@ def read_saelens(directory: Path, *, model=None, point=None, output_point=None,
                           kind="bool", default=False) if is_topk else False)
   arrays = _read_weights(weights, cfg, cfg_path, arch)
   config = hook_names.model_config(model)
-  read, write = _points(cfg, cfg_path, point, output_point, config,
-                        transcoder)
-  return make_autoencoder(
+  (read, read_hook), (write, write_hook) = _points(
+      cfg, cfg_path, point, output_point, config, transcoder)
+  sae = make_autoencoder(
       cfg_path, arrays, activation=activation, transcoder=transcoder,
       point=read, output_point=write, model=model, input_axes=input_axes,
       dtype=resolve_dtype(dtype, cfg.get("dtype"), cfg_path), k=k,
       apply_b_dec_to_input=b_dec_in, normalize_activations=norm,
       rescale_acts_by_decoder_norm=rescale)
+  return _fold(sae, cfg_path, read_hook, write_hook, model, fold_norm)
 
 
 # -- writing ------------------------------------------------------------------
