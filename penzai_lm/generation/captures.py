@@ -12,7 +12,10 @@ On the host, a row's values are its real slots in order (cache positions
 i.e. one value per token of ``prompt + generated tokens``, aligned with
 ``result.prompt_lengths[r]`` and ``result.tokens[r]``. Attention weights
 (``attn.pattern``) have the cache slots as keys; they are cut the same way,
-so ``kv_seq`` counts the row's tokens too.
+so ``kv_seq`` counts the row's tokens too. On a mesh spanning several
+processes (hosts), the buffers' rows and features may be split across them:
+every process gathers the whole buffers (a collective, reached by every
+process in the same order, as SPMD host code is).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import dataclasses
 
 import numpy as np
 from penzai import pz
+
+from penzai_lm.runtime.host import to_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +44,14 @@ class CaptureBuffers:
   def read(cls, specs, state: dict, positions: pz.nx.NamedArray,
            batch_axis: str) -> CaptureBuffers:
     """From the model's state values (by label) and cache positions."""
-    real = np.asarray(positions.unwrap(batch_axis, "seq")) >= 0
+    real = to_host(positions.unwrap(batch_axis, "seq")) >= 0
     values = {}
     for spec in specs:
       value = spec.take(state[spec.label])
       features = tuple(a for a in value.named_shape
                        if a not in (batch_axis, "seq"))
-      values[spec.name] = (np.asarray(value.unwrap(batch_axis, "seq",
-                                                   *features)), features)
+      values[spec.name] = (to_host(value.unwrap(batch_axis, "seq",
+                                                 *features)), features)
     return cls(real, values)
 
   def row(self, row: int, start: int, stop: int
