@@ -5,8 +5,12 @@ One small random Llama (SmolLM2-like, shrunk: ``--layers`` blocks of width
 transformers and saved as a Hugging Face directory (safetensors, a
 word-level ``tokenizer.json``); random per-layer transcoders (ReLU or
 JumpReLU, optionally with skip connections) are saved in circuit-tracer's
-transcoder-set layout (``config.yaml`` listing ``layer_{i}.safetensors``).
-Both sides read the same files, offline:
+transcoder-set layout (``config.yaml`` listing ``layer_{i}.safetensors``),
+or with ``--clt`` a random cross-layer transcoder (ReLU or JumpReLU, no
+skip: circuit-tracer's ``load_clt`` reads none) in its CLT layout
+(``W_enc_{i}.safetensors`` and ``W_dec_{i}.safetensors``, features reading
+``mlp.hook_in`` and writing ``hook_mlp_out``). Both sides read the same
+files, offline:
 
 * circuit-tracer: `benchmarks/peers/circuit_tracer_child.py` in the
   virtualenv of `benchmarks/peers/setup_circuit_tracer.sh` (TransformerLens
@@ -26,7 +30,7 @@ sets and the two scores, then wall times and peak RSS.
 Not part of CI. Usage:
   bash benchmarks/peers/setup_circuit_tracer.sh   # once
   python benchmarks/circuits_vs_circuit_tracer.py [--activation relu]
-      [--skip] [--layers 4] [--hidden 64] [--features 256] [--seq 8]
+      [--skip | --clt] [--layers 4] [--hidden 64] [--features 256] [--seq 8]
       [--max-feature-nodes N] [--batch-size 512] [--max-memory-bytes B]
       [--keep DIR]
 """
@@ -117,6 +121,32 @@ def write_transcoders(out: Path, args) -> Path:
   return config
 
 
+def write_clt(out: Path, args) -> Path:
+  """A random cross-layer transcoder in circuit-tracer's layout; returns
+  the ``config.yaml`` path."""
+  rng = np.random.default_rng(args.seed + 1)
+  d, f, n = args.hidden, args.features, args.layers
+  for layer in range(n):
+    tensors = {
+        f"W_enc_{layer}": rng.normal(0, 1 / np.sqrt(d), (f, d)),
+        f"b_enc_{layer}": rng.normal(0, 0.3, f),
+        f"b_dec_{layer}": rng.normal(0, 0.05, d),
+    }
+    if args.activation == "jumprelu":
+      tensors[f"threshold_{layer}"] = rng.uniform(0.2, 0.8, f)
+    save_file({k: v.astype(np.float32) for k, v in tensors.items()},
+              str(out / f"W_enc_{layer}.safetensors"))
+    w_dec = rng.normal(0, 0.3 / np.sqrt(d * (n - layer)), (f, n - layer, d))
+    save_file({f"W_dec_{layer}": w_dec.astype(np.float32)},
+              str(out / f"W_dec_{layer}.safetensors"))
+  config = out / "config.yaml"
+  config.write_text(yaml.safe_dump({
+      "model_kind": "cross_layer_transcoder", "scan": "penzai_lm-benchmark",
+      "feature_input_hook": "mlp.hook_in",
+      "feature_output_hook": "hook_mlp_out"}))
+  return config
+
+
 def run_penzai(args) -> None:
   """The penzai_lm side (``--side penzai``): same outputs as the child."""
   jax.config.update("jax_default_matmul_precision", "highest")
@@ -141,7 +171,7 @@ def run_penzai(args) -> None:
       "selected_features", "logit_tokens", "logit_probabilities",
       "adjacency_matrix")}
   arrays.update(node_mask=pruned.node_mask.astype(np.uint8),
-                edge_mask=pruned.edge_mask.astype(np.uint8),
+                edge_mask=pruned.dense_edge_mask(graph).astype(np.uint8),
                 cumulative_scores=pruned.cumulative_scores)
   result = {"replacement": replacement, "completeness": completeness,
             "seconds": times, "cpu_seconds": cpu,
@@ -254,6 +284,9 @@ def main():
                       default="jumprelu")
   parser.add_argument("--skip", action="store_true",
                       help="transcoders with skip connections")
+  parser.add_argument("--clt", action="store_true",
+                      help="a cross-layer transcoder instead of per-layer"
+                      " ones")
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--hidden", type=int, default=64)
   parser.add_argument("--vocab", type=int, default=256)
@@ -273,6 +306,9 @@ def main():
   if args.side == "penzai":
     run_penzai(args)
     return
+  if args.clt and args.skip:
+    parser.error("--clt takes no --skip: circuit-tracer's load_clt reads no"
+                 " skip connection from CLT files.")
   if not args.peer_python.exists():
     sys.exit(f"{args.peer_python} not found: run"
              " `bash benchmarks/peers/setup_circuit_tracer.sh` first.")
@@ -285,7 +321,7 @@ def main():
     model_dir.mkdir(parents=True, exist_ok=True)
     tc_dir.mkdir(exist_ok=True)
     write_model(model_dir, args)
-    config = write_transcoders(tc_dir, args)
+    config = (write_clt if args.clt else write_transcoders)(tc_dir, args)
     common = ["--model", str(model_dir), "--transcoders", str(config),
               "--prompt", prompt, "--max-n-logits", str(args.max_n_logits),
               "--batch-size", str(args.batch_size)]
@@ -304,9 +340,11 @@ def main():
 
 
 def _print(args, prompt, rows, ours: dict, theirs: dict) -> None:
+  kind = "cross-layer transcoder" if args.clt else "transcoders"
   print(f"Random Llama: {args.layers} blocks, width {args.hidden}, vocab"
-        f" {args.vocab}; {args.activation} transcoders,"
-        f" {args.features} features{', skip' if args.skip else ''};"
+        f" {args.vocab}; {args.activation} {kind},"
+        f" {args.features} features{' per block' if args.clt else ''}"
+        f"{', skip' if args.skip else ''};"
         f" prompt {prompt}")
   print(f"TransformerLens vs transformers logits (peer side): max abs diff"
         f" {theirs['tl_vs_hf_max_abs_logit']:.2e}")

@@ -14,7 +14,10 @@ transformer_lens, torch), never in the project's. Offline throughout:
   (``from_config`` installs them at once, and
   ``from_pretrained_and_transcoders`` needs a hub name);
 * the transcoders: the set's ``config.yaml`` with its ``transcoders`` paths
-  made absolute, through circuit-tracer's own ``load_transcoders``.
+  made absolute, through circuit-tracer's own ``load_transcoders``; a
+  cross-layer transcoder's directory (``model_kind:
+  cross_layer_transcoder``) through its ``load_clt`` (``load_transcoders``
+  would download it from the hub).
 
 Then ``circuit_tracer.attribute`` (twice: a cold and a warm run), and
 circuit-tracer's ``prune_graph`` and ``compute_graph_scores`` on its graph.
@@ -48,6 +51,7 @@ from circuit_tracer.graph import compute_graph_scores
 from circuit_tracer.graph import prune_graph
 from circuit_tracer.replacement_model.replacement_model_transformerlens import (
     TransformerLensReplacementModel)
+from circuit_tracer.transcoder.cross_layer_transcoder import load_clt
 from circuit_tracer.utils.hf_utils import load_transcoders
 
 
@@ -56,14 +60,21 @@ def _rss_mb() -> float:
 
 
 def build_model(model_dir: Path, transcoder_config: Path):
-  """The replacement model of the local Llama directory and transcoder
-  set, in float32 on the CPU."""
+  """The replacement model of the local Llama directory and transcoders
+  (a set or a CLT), in float32 on the CPU."""
   config = yaml.safe_load(transcoder_config.read_text())
-  config["transcoders"] = [str((transcoder_config.parent / p).resolve())
-                           for p in config["transcoders"]]
-  transcoders = load_transcoders(config, device=torch.device("cpu"),
-                                 dtype=torch.float32, lazy_encoder=False,
-                                 lazy_decoder=False)
+  cpu = dict(device=torch.device("cpu"), dtype=torch.float32,
+             lazy_encoder=False, lazy_decoder=False)
+  if config["model_kind"] == "cross_layer_transcoder":
+    transcoders = load_clt(
+        str(transcoder_config.parent.resolve()),
+        feature_input_hook=config["feature_input_hook"],
+        feature_output_hook=config["feature_output_hook"],
+        scan=config["scan"], **cpu)
+  else:
+    config["transcoders"] = [str((transcoder_config.parent / p).resolve())
+                             for p in config["transcoders"]]
+    transcoders = load_transcoders(config, **cpu)
   hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
   cfg = get_pretrained_model_config(str(model_dir), device="cpu",
                                     dtype=torch.float32)

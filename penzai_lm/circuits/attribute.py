@@ -25,8 +25,7 @@ taken as given: circuit-tracer prepends a special token (BOS, else pad or
 EOS) to a prompt that does not start with one, so prepend the tokenizer's
 BOS id to get its graph; ``Graph.vocab_size`` is the model's logit count
 (circuit-tracer's is its tokenizer's ``vocab_size``); the targets are
-always the salient logits (no custom targets yet); only per-layer
-transcoders.
+always the salient logits (no custom targets yet).
 """
 
 from __future__ import annotations
@@ -38,14 +37,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from penzai_lm.circuits import budget
+from penzai_lm.circuits import cross_layer
 from penzai_lm.circuits.features import PromptFeatures
 from penzai_lm.circuits.features import check_transcoders
 from penzai_lm.circuits.features import prompt_features
 from penzai_lm.circuits.graph import Graph
+from penzai_lm.circuits.placement import TargetPlacement
+from penzai_lm.circuits.placement import target_placement
 from penzai_lm.circuits.prune import compute_partial_influences
 from penzai_lm.circuits.replacement import LinearizedModel
 from penzai_lm.circuits.replacement import linearize
 from penzai_lm.model.transformer import TransformerLM
+from penzai_lm.runtime.host import to_host
 
 
 def attribute(model: TransformerLM, transcoders, prompt, *,
@@ -56,11 +59,14 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
   """Computes the attribution graph of ``prompt`` (module docstring).
 
   Args:
-    model: A `TransformerLM` of the Llama or GPT-2 families (no post-MLP
-      norms, no logit soft-cap).
+    model: An uncached `TransformerLM` of any family penzai_lm builds
+      (`penzai_lm.circuits.replacement` says what is frozen in each).
     transcoders: Per-layer transcoders (`penzai_lm.sae.load_transcoders`'s
       `TranscoderSet`, or a list of `SparseAutoencoder`, one per block)
-      reading ``blocks.{i}.mlp_in`` and writing ``blocks.{i}.mlp_out``.
+      reading ``blocks.{i}.mlp_in`` and writing ``blocks.{i}.mlp_out``, or
+      a `CrossLayerTranscoder` reading each block's ``mlp_in`` and writing
+      its ``mlp_out`` and every later block's
+      (`penzai_lm.circuits.cross_layer`).
     prompt: Token ids (a list or a 1-D integer array).
     max_n_logits: Most logit nodes.
     desired_logit_prob: Stop adding logit nodes once their total
@@ -93,18 +99,17 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
   layers = check_transcoders(model, transcoders)
   linear = linearize(model, layers, tokens)
   forward = _forward(linear)
-  feats = prompt_features(layers, np.asarray(forward["mlp_in"]),
-                          np.asarray(forward["mlp_out"]), zero_positions)
-  last = np.asarray(forward["logits"][-1], np.float32)
+  feats = prompt_features(layers, to_host(forward["mlp_in"]),
+                          to_host(forward["mlp_out"]), zero_positions)
+  last = to_host(forward["logits"]).astype(np.float32)
   logit_ids, probs = salient_logits(last, max_n_logits, desired_logit_prob)
   total = len(feats.layers)
   n_selected = total if max_feature_nodes is None else min(
       max_feature_nodes, total)
-  rows = _Rows(linear, feats, np.asarray(forward["embed"], np.float32),
-               last.shape[0])
-  order, adjacency = _adjacency(rows, feats, logit_ids, probs, n_selected,
-                                batch_size, update_interval,
-                                max_memory_bytes)
+  rows = _Rows(linear, feats, to_host(forward["embed"]).astype(np.float32),
+               last.shape[0], target_placement(model))
+  order, edges = _edges(rows, feats, logit_ids, probs, n_selected,
+                        batch_size, update_interval, max_memory_bytes)
   return Graph(
       input_tokens=tokens,
       active_features=np.stack([feats.layers, feats.positions, feats.ids],
@@ -112,38 +117,37 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
       activation_values=feats.activations,
       selected_features=np.sort(order).astype(np.int32),
       logit_tokens=logit_ids.astype(np.int32), logit_probabilities=probs,
-      adjacency_matrix=adjacency, num_layers=model.config.num_layers,
+      edges=edges, num_layers=model.config.num_layers,
       vocab_size=last.shape[0])
 
 
-def _adjacency(rows: _Rows, feats: PromptFeatures, logit_ids, probs,
-               n_selected: int, batch_size: int, update_interval: int,
-               max_memory_bytes: int | None):
-  """``(visited feature indices, adjacency matrix)``, with the work split
+def _edges(rows: _Rows, feats: PromptFeatures, logit_ids, probs,
+           n_selected: int, batch_size: int, update_interval: int,
+           max_memory_bytes: int | None):
+  """``(visited feature indices, the graph's edges)``, with the work split
   by `budget.plan`. Without a feature cap the rows are written straight
-  into the matrix."""
+  into the edges."""
   total, n_logits = len(feats.layers), len(logit_ids)
-  n_nodes = rows.width - total + n_selected + n_logits
   linear = rows.linear
   rows.plan = budget.plan(
       max_memory_bytes, batch_size=batch_size,
       padded_features=rows.n_features + rows.n_padding, width=rows.width,
-      n_nodes=n_nodes,
+      n_targets=n_selected + n_logits,
+      n_sources=rows.width - total + n_selected,
       n_held_rows=0 if n_selected == total else n_selected + n_logits,
       num_layers=linear.num_layers,
       seq=linear.tokens.named_shape["seq"], hidden=linear.width,
       vocab=rows.vocab)
   if n_selected == total:
-    adjacency = np.zeros((n_nodes, n_nodes), np.float32)
-    rows.logits(logit_ids, out=adjacency[n_nodes - n_logits:, :rows.width])
-    rows.features(feats, np.arange(total),
-                  out=adjacency[:total, :rows.width])
-    return np.arange(total), adjacency
-  logit_rows = rows.logits(logit_ids)
-  order, feature_rows = _feature_rows(rows, feats, logit_rows, probs,
-                                      n_selected, batch_size,
-                                      update_interval)
-  return order, _assemble(logit_rows, feature_rows, order, total)
+    edges = np.zeros((total + n_logits, rows.width), np.float32)
+    rows.logits(logit_ids, out=edges[total:])
+    rows.features(feats, np.arange(total), out=edges[:total])
+    return np.arange(total), edges
+  held = np.empty((n_logits + n_selected, rows.width), np.float32)
+  rows.logits(logit_ids, out=held[:n_logits])
+  order = _visit_features(rows, feats, held, probs, n_selected, batch_size,
+                          update_interval)
+  return order, _assemble(held, order, total, n_logits)
 
 
 def salient_logits(logits: np.ndarray, max_n_logits: int,
@@ -163,14 +167,7 @@ def salient_logits(logits: np.ndarray, max_n_logits: int,
 
 @jax.jit
 def _forward(linear: LinearizedModel) -> dict:
-  zeros = _zero_deltas(linear)
-  return linear.run(*zeros)
-
-
-def _zero_deltas(linear: LinearizedModel):
-  seq = linear.tokens.named_shape["seq"]
-  return (jnp.zeros((seq, linear.width), jnp.float32),
-          jnp.zeros((linear.num_layers, seq, linear.width), jnp.float32))
+  return linear.run(*linear.zero_deltas())
 
 
 @functools.partial(jax.jit, static_argnames=("chunk",))
@@ -180,8 +177,7 @@ def _batch_rows(linear: LinearizedModel, sources: dict, layers, positions,
   ``vectors[b]`` (``[D]``) at ``mlp_in[layers[b], positions[b]]``, logit
   targets (``is_logit[b]``) the demeaned logit of ``tokens[b]`` at the last
   position. Feature sources are read out ``chunk`` at a time."""
-  embed_zero, mlp_zero = _zero_deltas(linear)
-  (mlp_in, last), pullback = jax.vjp(linear.targets, embed_zero, mlp_zero)
+  (mlp_in, last), pullback = jax.vjp(linear.targets, *linear.zero_deltas())
   vocab = last.shape[0]
 
   def one(layer, position, vector, token, logit):
@@ -192,26 +188,32 @@ def _batch_rows(linear: LinearizedModel, sources: dict, layers, positions,
 
   grad_embed, grad_mlp = jax.vmap(one)(layers, positions, vectors, tokens,
                                        is_logit)
-  return _read_out(grad_embed, grad_mlp, sources, chunk)
+  return _read_out(grad_embed, jnp.stack(grad_mlp, axis=1), sources, chunk)
 
 
 def _read_out(grad_embed, grad_mlp, sources, chunk: int) -> jax.Array:
   """Rows ``[B, features + errors (layer-major) + tokens]`` from the
   batch's gradients (``[B, T, D]`` at the embeddings, ``[B, L, T, D]`` at
   the MLP outputs), the features ``chunk`` at a time (``[B, chunk, D]``
-  gathered per step)."""
+  gathered per step). A ``[N, L, D]`` decoder (a cross-layer transcoder's)
+  is read out by `cross_layer.read_feature_edges`."""
   batch, _, seq, width = grad_mlp.shape
-  flat = grad_mlp.reshape(batch, -1, width)
-  cells = sources["layers"] * seq + sources["positions"]
+  if sources["decoder"].ndim == 3:
+    feature_edges = cross_layer.read_feature_edges(
+        grad_mlp, sources["layers"], sources["positions"],
+        sources["decoder"], chunk)
+  else:
+    flat = grad_mlp.reshape(batch, -1, width)
+    cells = sources["layers"] * seq + sources["positions"]
 
-  def features(step):
-    index, decoder = step
-    return jnp.einsum("bcd,cd->bc", flat[:, index], decoder)
+    def features(step):
+      index, decoder = step
+      return jnp.einsum("bcd,cd->bc", flat[:, index], decoder)
 
-  steps = (cells.reshape(-1, chunk),
-           sources["decoder"].reshape(-1, chunk, width))
-  by_chunk = jax.lax.map(features, steps)  # [n_chunks, B, chunk]
-  feature_edges = jnp.moveaxis(by_chunk, 0, 1).reshape(batch, -1)
+    steps = (cells.reshape(-1, chunk),
+             sources["decoder"].reshape(-1, chunk, width))
+    by_chunk = jax.lax.map(features, steps)  # [n_chunks, B, chunk]
+    feature_edges = jnp.moveaxis(by_chunk, 0, 1).reshape(batch, -1)
   errors = jnp.einsum("bltd,ltd->blt", grad_mlp,
                       sources["errors"]).reshape(batch, -1)
   token_edges = jnp.einsum("btd,td->bt", grad_embed, sources["embed"])
@@ -224,33 +226,40 @@ class _Rows:
   two, so that one compiled program serves every batch, logits and
   features alike (and prompts with similar numbers of active features)."""
 
-  def __init__(self, linear, feats: PromptFeatures, embed, vocab: int):
+  def __init__(self, linear, feats: PromptFeatures, embed, vocab: int,
+               placement: TargetPlacement | None):
     n = len(feats.layers)
     pad = max(64, 1 << (n - 1).bit_length()) - n
+    place = jnp.asarray if placement is None else placement.replicate
     def padded(a):
-      return jnp.asarray(np.concatenate([a, np.zeros((pad, *a.shape[1:]),
-                                                     a.dtype)]))
+      return place(np.concatenate([a, np.zeros((pad, *a.shape[1:]),
+                                               a.dtype)]))
     self.sources = {"layers": padded(feats.layers),
                     "positions": padded(feats.positions),
                     "decoder": padded(feats.decoder_vecs),
-                    "errors": jnp.asarray(feats.errors),
-                    "embed": jnp.asarray(embed)}
+                    "errors": place(feats.errors),
+                    "embed": place(embed)}
     self.linear, self.plan, self.vocab = linear, None, vocab
+    self.placement = placement
     self.n_features, self.n_padding = n, pad
     self.width = n + feats.errors.shape[0] * feats.errors.shape[1] + len(
         embed)
 
   def _run(self, layers, positions, vectors, tokens, is_logit, out):
     n, size = len(vectors), self.plan.batch
+    if self.placement is not None:  # A whole number of targets per device.
+      size = -(-size // self.placement.ways) * self.placement.ways
+    split = jnp.asarray if self.placement is None else self.placement.split
     if out is None:
       out = np.zeros((n, self.width), np.float32)
     for start in range(0, n, size):
       stop = min(start + size, n)
       pad = size - (stop - start)
       def padded(a):
-        return np.concatenate([a[start:stop],
-                               np.zeros((pad, *a.shape[1:]), a.dtype)])
-      rows = np.asarray(_batch_rows(
+        return split(np.concatenate([a[start:stop],
+                                     np.zeros((pad, *a.shape[1:]),
+                                              a.dtype)]))
+      rows = to_host(_batch_rows(
           self.linear, self.sources, padded(layers), padded(positions),
           padded(vectors), padded(tokens), padded(is_logit),
           chunk=self.plan.chunk))[:stop - start]
@@ -278,50 +287,50 @@ class _Rows:
                      np.zeros(len(index), bool), out)
 
 
-def _feature_rows(rows: _Rows, feats: PromptFeatures, logit_rows, probs,
-                  n_selected: int, batch_size: int, update_interval: int):
-  """``(feature indices in visiting order, their rows)``: every feature in
-  order, or the ``n_selected`` most influential, re-ranked every
-  ``update_interval`` batches (circuit-tracer's phase 4)."""
+def _visit_features(rows: _Rows, feats: PromptFeatures, held: np.ndarray,
+                    probs, n_selected: int, batch_size: int,
+                    update_interval: int) -> np.ndarray:
+  """Computes the rows of the ``n_selected`` most influential features
+  into ``held`` (``[n_logits + n_selected, width]``, the logit rows
+  already in it), re-ranked every ``update_interval`` batches
+  (circuit-tracer's phase 4); returns the features in visiting order (the
+  order of their rows in ``held``)."""
   total = len(feats.layers)
-  if n_selected == total:
-    order = np.arange(total)
-    return order, rows.features(feats, order)
-  n_logits = len(logit_rows)
-  logit_nodes = logit_rows.shape[1] + np.arange(n_logits)
+  n_logits = len(probs)
+  n_nodes = rows.width + n_logits  # Columns, then the logit nodes.
+  row_nodes = np.concatenate([rows.width + np.arange(n_logits),
+                              np.zeros(n_selected, np.int64)])
   visited = np.zeros(total, bool)
-  order, computed, n_visited = [], [], 0
+  n_visited = 0
   while n_visited < n_selected:
-    edge_rows = np.concatenate([logit_rows, *computed])
-    # Columns: every non-logit node, then the logit nodes (no inputs).
-    edge_rows = np.concatenate(
-        [edge_rows, np.zeros((len(edge_rows), n_logits), np.float32)], 1)
-    row_nodes = np.concatenate([logit_nodes, *order]).astype(np.int64)
-    influence = compute_partial_influences(edge_rows, probs, row_nodes)
+    filled = n_logits + n_visited
+    influence = compute_partial_influences(
+        held[:filled], probs, row_nodes[:filled], n_nodes=n_nodes)
     rank = np.argsort(-influence[:total], kind="stable")
     queue = min(update_interval * batch_size, n_selected - n_visited)
     pending = rank[~visited[rank]][:queue]
-    computed.append(rows.features(feats, pending))
-    order.append(pending)
+    rows.features(feats, pending, out=held[filled:filled + len(pending)])
+    row_nodes[filled:filled + len(pending)] = pending
     visited[pending] = True
     n_visited += len(pending)
-  return np.concatenate(order), np.concatenate(computed)
+  return row_nodes[n_logits:]
 
 
-def _assemble(logit_rows, feature_rows, order, total: int) -> np.ndarray:
-  """The square adjacency matrix: selected feature rows in feature order,
-  zero error and token rows, the logit rows last; the columns of
-  unselected features dropped."""
+def _assemble(held: np.ndarray, order, total: int,
+              n_logits: int) -> np.ndarray:
+  """The graph's edges from ``held`` (logit rows, then feature rows in
+  visiting ``order``): the selected features' rows in feature order, then
+  the logit rows; the columns of unselected features dropped. Copied a
+  block of rows at a time (no second copy of ``held``)."""
   selected = np.sort(order)
-  n_cols = logit_rows.shape[1]
-  keep = np.concatenate([selected, np.arange(total, n_cols)])
-  n_logits = len(logit_rows)
-  n = len(keep) + n_logits
-  adjacency = np.zeros((n, n), np.float32)
-  by_feature = feature_rows[np.argsort(order)]
-  adjacency[:len(selected), :len(keep)] = by_feature[:, keep]
-  adjacency[n - n_logits:, :len(keep)] = logit_rows[:, keep]
-  return adjacency
+  keep = np.concatenate([selected, np.arange(total, held.shape[1])])
+  source = np.concatenate([n_logits + np.argsort(order),
+                           np.arange(n_logits)])
+  edges = np.empty((len(source), len(keep)), np.float32)
+  step = max(1, (1 << 24) // max(held.shape[1], 1))
+  for i in range(0, len(source), step):
+    edges[i:i + step] = held[source[i:i + step]][:, keep]
+  return edges
 
 
 def _check_args(model, prompt, max_n_logits, desired_logit_prob,

@@ -10,9 +10,11 @@ in float32, is about::
               + 2 * V                  (the logit cotangent)
 
 with ``width`` the number of source nodes (features padded, errors,
-tokens). What the whole call holds besides is the graph's adjacency matrix
-(``n_nodes`` squared), and with ``max_feature_nodes`` the rows computed so
-far as well (twice: they are re-ordered into the matrix at the end). These
+tokens). What the whole call holds besides is the graph's edges (``n_targets``
+rows, features and logits, by ``n_sources`` columns), and with
+``max_feature_nodes`` the rows computed so far as well, over every active
+feature (once: ranking reads them in place, and the edges are copied out
+of them a block of rows at a time). These
 are estimates of the working set (XLA's buffers and Python's are not
 counted), not a hard limit.
 
@@ -51,10 +53,11 @@ def per_target_bytes(width: int, chunk: int, num_layers: int, seq: int,
                  + 16 * (num_layers + 1) * seq * hidden + 2 * vocab)
 
 
-def fixed_bytes(n_nodes: int, n_held_rows: int, width: int) -> int:
-  """Bytes held for the whole call: the adjacency matrix, and the rows
-  held for re-ranking (twice) when features are capped."""
-  return _F32 * (n_nodes * n_nodes + 2 * n_held_rows * width)
+def fixed_bytes(n_targets: int, n_sources: int, n_held_rows: int,
+                width: int) -> int:
+  """Bytes held for the whole call: the graph's edges, and the rows held
+  for re-ranking when features are capped."""
+  return _F32 * (n_targets * n_sources + n_held_rows * width)
 
 
 def default_chunk(batch: int, padded_features: int, hidden: int) -> int:
@@ -66,7 +69,8 @@ def default_chunk(batch: int, padded_features: int, hidden: int) -> int:
 
 
 def plan(max_memory_bytes: int | None, *, batch_size: int,
-         padded_features: int, width: int, n_nodes: int, n_held_rows: int,
+         padded_features: int, width: int, n_targets: int, n_sources: int,
+         n_held_rows: int,
          num_layers: int, seq: int, hidden: int, vocab: int) -> Plan:
   """The largest batch (at most ``batch_size``) and chunk (a power of two,
   at most ``padded_features``, itself a power of two, and at most
@@ -80,11 +84,12 @@ def plan(max_memory_bytes: int | None, *, batch_size: int,
   chunk = default_chunk(batch_size, padded_features, hidden)
   if max_memory_bytes is None:
     return Plan(batch_size, chunk)
-  fixed = fixed_bytes(n_nodes, n_held_rows, width)
+  fixed = fixed_bytes(n_targets, n_sources, n_held_rows, width)
   if fixed >= max_memory_bytes:
     raise ValueError(
         f"max_memory_bytes={max_memory_bytes} is too small: the graph's"
-        f" adjacency matrix ({n_nodes} nodes) and held rows alone need about"
+        f" edges ({n_targets} targets x {n_sources} sources) and held rows"
+        " alone need about"
         f" {fixed} bytes. Raise max_memory_bytes, or lower"
         " max_feature_nodes (or shorten the prompt) for a smaller graph.")
   left = max_memory_bytes - fixed
@@ -98,7 +103,7 @@ def plan(max_memory_bytes: int | None, *, batch_size: int,
     need = fixed + per_target_bytes(width, 1, num_layers, seq, hidden, vocab)
     raise ValueError(
         f"max_memory_bytes={max_memory_bytes} is too small: one target"
-        f" batch needs about {need} bytes with this graph ({n_nodes} nodes,"
-        f" {width} sources). Raise max_memory_bytes or lower"
+        f" batch needs about {need} bytes with this graph ({n_targets}"
+        f" targets, {width} sources). Raise max_memory_bytes or lower"
         " max_feature_nodes.")
   return Plan(int(batch), chunk)

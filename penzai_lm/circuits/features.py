@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.circuits import cross_layer
 from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.formats.circuit_tracer import TranscoderSet
-from penzai_lm.sae.formats.cross_layer import CrossLayerTranscoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,8 @@ class PromptFeatures:
       ``encoder_vecs[i] . mlp_in[layer, position]`` plus a constant
       (``b_enc``, and ``-b_dec . w_enc`` for SAEs that subtract ``b_dec``).
     decoder_vecs: ``[N, D]``: ``activation * w_dec`` row, what the feature
-      writes to ``mlp_out``.
+      writes to ``mlp_out``; for a cross-layer transcoder ``[N, L, D]``,
+      what it writes to each block's ``mlp_out`` (`cross_layer`).
     errors: ``[L, T, D]``: the MLP output the transcoder misses.
     biases: ``[L, D]``: each block's ``b_dec``.
   """
@@ -55,20 +56,21 @@ class PromptFeatures:
   biases: np.ndarray
 
 
-def check_transcoders(model, transcoders) -> tuple[SparseAutoencoder, ...]:
+def check_transcoders(model, transcoders
+                      ) -> (tuple[SparseAutoencoder, ...]
+                            | tuple[cross_layer.CrossLayerBlock, ...]):
   """The per-layer transcoders of ``transcoders`` (a `TranscoderSet` or a
   sequence of `SparseAutoencoder`, one per block), checked against
-  ``model``.
+  ``model``; for a `CrossLayerTranscoder` (or what this returned for one),
+  its blocks (`penzai_lm.circuits.cross_layer.check_clt`).
 
   Raises:
-    TypeError: for a cross-layer transcoder (not supported yet) or another
-      type.
+    TypeError: for another type.
     ValueError: naming the layer whose transcoder does not fit.
   """
-  if isinstance(transcoders, CrossLayerTranscoder):
-    raise TypeError("cross-layer transcoders are not supported by"
-                    " penzai_lm.circuits yet; pass per-layer transcoders (a"
-                    " TranscoderSet).")
+  clt = cross_layer.as_clt(transcoders)
+  if clt is not None:
+    return cross_layer.check_clt(model, clt)
   if isinstance(transcoders, TranscoderSet):
     transcoders = transcoders.transcoders
   if not isinstance(transcoders, (list, tuple)) or not all(
@@ -80,12 +82,6 @@ def check_transcoders(model, transcoders) -> tuple[SparseAutoencoder, ...]:
   if len(transcoders) != config.num_layers:
     raise ValueError(f"got {len(transcoders)} transcoders for a model with"
                      f" {config.num_layers} blocks: pass one per block.")
-  if config.post_norms or config.final_logit_softcap:
-    raise ValueError(
-        "penzai_lm.circuits needs logits linear in the final residual and"
-        " MLP outputs written straight to the residual: this model has"
-        " post-MLP norms or soft-capped logits (Gemma 2/3), not supported"
-        " yet.")
   axes = (("embedding", config.hidden_size),)
   for layer, t in enumerate(transcoders):
     c = t.config
@@ -110,7 +106,11 @@ def prompt_features(transcoders, mlp_in: np.ndarray, mlp_out: np.ndarray,
                     zero_positions: int = 1) -> PromptFeatures:
   """Encodes the prompt's MLP inputs (``[L, T, D]``) with the transcoders
   and splits the MLP outputs into features and errors (module
-  docstring)."""
+  docstring); for a CLT's blocks, `cross_layer.prompt_arrays`'s."""
+  clt = cross_layer.as_clt(transcoders)
+  if clt is not None:
+    return PromptFeatures(**cross_layer.prompt_arrays(
+        clt, mlp_in, mlp_out, zero_positions))
   found, errors, biases = [], [], []
   for layer, t in enumerate(transcoders):
     x = pz.nx.wrap(jnp.asarray(mlp_in[layer], t.dtype)).tag("seq",

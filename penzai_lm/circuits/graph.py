@@ -7,12 +7,18 @@ nodes, then the token-embedding nodes, then the logit nodes::
      (layer 0, pos 0), (layer 0, pos 1), ...), tokens (n_pos),
      logits (n_logits, most probable first)]
 
-``adjacency_matrix[target, source]`` is the direct effect of ``source`` on
-``target`` in the prompt's local replacement model (row = target, column =
-source, as circuit-tracer). A feature target's row holds contributions to
-its pre-activation (without ``b_enc``), a logit target's row contributions
-to its demeaned logit (the logit minus the mean over the vocabulary). Rows
-of error and token nodes are zero (they have no inputs).
+Edges are stored by target: ``edges[row, source]`` is the direct effect of
+source node ``source`` on the row's target node in the prompt's local
+replacement model. Rows are the feature nodes, then the logit nodes (the
+nodes with inputs: error and token nodes have none); columns are the
+features, errors and tokens (``logit_start`` of them: logits feed nothing).
+A feature target's row holds contributions to its pre-activation (without
+``b_enc``), a logit target's row contributions to its demeaned logit (the
+logit minus the mean over the vocabulary). ``adjacency_matrix`` builds
+circuit-tracer's square ``[n_nodes, n_nodes]`` matrix from it (row = target,
+column = source, zero rows and columns included): for small graphs only,
+as its size grows with the square of the prompt's length, where ``edges``
+grows linearly (``n_features + n_logits`` rows).
 
 ``active_features`` lists every feature active on the prompt; the graph's
 feature nodes are ``active_features[selected_features]`` (all of them
@@ -32,7 +38,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 FORMAT = "penzai_lm.circuits.Graph"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _META_KEY = "penzai_lm.circuits"
 
 # (name, dtype, number of dimensions) of each array field.
@@ -43,7 +49,7 @@ _ARRAYS = (
     ("selected_features", np.int32, 1),
     ("logit_tokens", np.int32, 1),
     ("logit_probabilities", np.float32, 1),
-    ("adjacency_matrix", np.float32, 2),
+    ("edges", np.float32, 2),
 )
 _NAMES = tuple(name for name, _, _ in _ARRAYS)
 
@@ -62,8 +68,9 @@ class Graph:
     logit_tokens: ``[n_logits]`` int32 token ids of the logit nodes.
     logit_probabilities: ``[n_logits]`` float32 softmax probabilities of
       those tokens at the last position.
-    adjacency_matrix: ``[n_nodes, n_nodes]`` float32, row = target,
-      column = source.
+    edges: ``[n_features + n_logits, logit_start]`` float32, row =
+      target (features, then logits), column = source (features, errors,
+      tokens).
     num_layers: Blocks of the model (error nodes per position).
     vocab_size: The model's vocabulary size.
   """
@@ -74,7 +81,7 @@ class Graph:
   selected_features: np.ndarray
   logit_tokens: np.ndarray
   logit_probabilities: np.ndarray
-  adjacency_matrix: np.ndarray
+  edges: np.ndarray
   num_layers: int
   vocab_size: int
 
@@ -119,6 +126,54 @@ class Graph:
     nodes, in node order."""
     return self.active_features[self.selected_features]
 
+  @property
+  def n_sources(self) -> int:
+    """Columns of ``edges``: the features, errors and tokens."""
+    return self.logit_start
+
+  def target_nodes(self) -> np.ndarray:
+    """``[n_features + n_logits]`` int64: the node of each row of
+    ``edges``."""
+    return np.concatenate([np.arange(self.n_features),
+                           np.arange(self.logit_start, self.n_nodes)])
+
+  @property
+  def adjacency_matrix(self) -> np.ndarray:
+    """circuit-tracer's square ``[n_nodes, n_nodes]`` float32 matrix (row =
+    target, column = source), built from ``edges`` (a new array each
+    call)."""
+    matrix = np.zeros((self.n_nodes, self.n_nodes), np.float32)
+    matrix[:self.n_features, :self.n_sources] = self.edges[:self.n_features]
+    matrix[self.logit_start:, :self.n_sources] = self.edges[self.n_features:]
+    return matrix
+
+  @classmethod
+  def from_adjacency(cls, *, adjacency_matrix, **fields) -> Graph:
+    """A graph from circuit-tracer's square matrix and the other fields.
+
+    Raises:
+      ValueError: if the matrix has the wrong shape, or edges into error or
+        token nodes or out of logit nodes (which a graph cannot hold).
+    """
+    matrix = np.asarray(adjacency_matrix)
+    n_features = len(fields["selected_features"])
+    n_pos = len(fields["input_tokens"])
+    sources = n_features + (fields["num_layers"] + 1) * n_pos
+    n = sources + len(fields["logit_tokens"])
+    if matrix.ndim != 2 or matrix.shape != (n, n):
+      raise ValueError(
+          f"adjacency_matrix has shape {matrix.shape}, but the node tables"
+          f" give {n} nodes ({n_features} features +"
+          f" {fields['num_layers']} layers x {n_pos} positions errors +"
+          f" {n_pos} tokens + {len(fields['logit_tokens'])} logits).")
+    if matrix[n_features:sources].any() or matrix[:, sources:].any():
+      raise ValueError(
+          "adjacency_matrix has edges into error or token nodes, or out of"
+          " logit nodes; an attribution graph has none (their rows and the"
+          " logit columns must be zero).")
+    targets = np.concatenate([np.arange(n_features), np.arange(sources, n)])
+    return cls(**fields, edges=matrix[targets][:, :sources])
+
   def error_node(self, layer: int, position: int) -> int:
     """The node index of the error node at ``(layer, position)``."""
     if not (0 <= layer < self.num_layers and 0 <= position < self.n_pos):
@@ -159,10 +214,25 @@ class Graph:
       raise ValueError(f"{path} is not a readable safetensors file: {e}"
                        ) from e
     meta = _read_meta(path, metadata)
-    missing = sorted(set(_NAMES) - set(arrays))
+    # Version 1 stored circuit-tracer's square matrix instead of edges.
+    names = _NAMES if meta["version"] == FORMAT_VERSION else (
+        *_NAMES[:-1], "adjacency_matrix")
+    missing = sorted(set(names) - set(arrays))
     if missing:
-      raise ValueError(f"{path} lacks the arrays {missing} of a {FORMAT}.")
-    fields = {name: arrays[name] for name in _NAMES}
+      raise ValueError(f"{path} lacks the arrays {missing} of a {FORMAT}"
+                       f" version {meta['version']}.")
+    fields = {name: arrays[name] for name in names}
+    if meta["version"] == 1:
+      square = _checked_array(str(path), "adjacency_matrix",
+                              fields.pop("adjacency_matrix"), np.float32, 2)
+      for name, dtype, ndim in _ARRAYS[:-1]:
+        _checked_array(str(path), name, fields[name], dtype, ndim)
+      try:
+        return cls.from_adjacency(adjacency_matrix=square, **fields,
+                                  num_layers=meta["num_layers"],
+                                  vocab_size=meta["vocab_size"])
+      except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
     return _checked(str(path), fields, meta)
 
 
@@ -178,9 +248,10 @@ def _read_meta(path: Path, metadata: dict) -> dict:
   if not isinstance(meta, dict) or meta.get("format") != FORMAT:
     raise ValueError(f"{path}: metadata {_META_KEY!r} does not describe a"
                      f" {FORMAT}.")
-  if meta.get("version") != FORMAT_VERSION:
+  if meta.get("version") not in (1, FORMAT_VERSION):
     raise ValueError(f"{path}: format version {meta.get('version')!r},"
-                     f" this penzai_lm reads version {FORMAT_VERSION}.")
+                     f" this penzai_lm reads versions 1 and"
+                     f" {FORMAT_VERSION}.")
   for key in ("num_layers", "vocab_size"):
     value = meta.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -189,13 +260,20 @@ def _read_meta(path: Path, metadata: dict) -> dict:
   return meta
 
 
+def _checked_array(where: str, name: str, value: np.ndarray, dtype,
+                   ndim: int) -> np.ndarray:
+  """``value``, if it has exactly ``dtype`` and ``ndim`` (files are not
+  cast)."""
+  if value.dtype != dtype or value.ndim != ndim:
+    raise ValueError(f"{where}: {name} must be {np.dtype(dtype).name} with"
+                     f" {ndim} dimensions, got {value.dtype} with shape"
+                     f" {value.shape}.")
+  return value
+
+
 def _checked(where: str, fields: dict, meta: dict) -> Graph:
   for name, dtype, ndim in _ARRAYS:
-    value = fields[name]
-    if value.dtype != dtype or value.ndim != ndim:
-      raise ValueError(f"{where}: {name} must be {np.dtype(dtype).name} with"
-                       f" {ndim} dimensions, got {value.dtype} with shape"
-                       f" {value.shape}.")
+    _checked_array(where, name, fields[name], dtype, ndim)
   return Graph(**fields, num_layers=meta["num_layers"],
                vocab_size=meta["vocab_size"])
 
@@ -228,11 +306,11 @@ def _check(graph: Graph, where: str) -> None:
     raise ValueError(f"{where}: logit_probabilities has shape"
                      f" {graph.logit_probabilities.shape}, logit_tokens"
                      f" {graph.logit_tokens.shape}; they must match.")
-  n = graph.n_nodes
-  if graph.adjacency_matrix.shape != (n, n):
+  shape = (graph.n_features + graph.n_logits, graph.n_sources)
+  if graph.edges.shape != shape:
     raise ValueError(
-        f"{where}: adjacency_matrix has shape"
-        f" {graph.adjacency_matrix.shape}, but the node tables give {n}"
-        f" nodes ({graph.n_features} features + {graph.num_layers} layers x"
-        f" {graph.n_pos} positions errors + {graph.n_pos} tokens +"
-        f" {graph.n_logits} logits).")
+        f"{where}: edges has shape {graph.edges.shape}, but the node tables"
+        f" give {shape}: rows for {graph.n_features} features +"
+        f" {graph.n_logits} logits, columns for {graph.n_features} features"
+        f" + {graph.num_layers} layers x {graph.n_pos} positions errors +"
+        f" {graph.n_pos} tokens.")

@@ -11,14 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from penzai import pz
 
 import penzai_lm
 from penzai_lm import circuits
 from penzai_lm import interp
 from penzai_lm.runtime.unstack import unstack_layers
 from penzai_lm.sae import SAEConfig
-from penzai_lm.sae import CrossLayerTranscoder
 from penzai_lm.sae import SparseAutoencoder
 from penzai_lm.sae import load_transcoders
 from penzai_lm.sae.formats.tensor_files import write_safetensors
@@ -150,8 +148,8 @@ def _target_readouts(graph, transcoders):
 
 
 def _target_rows(graph):
-  return np.concatenate([graph.adjacency_matrix[:graph.n_features],
-                         graph.adjacency_matrix[graph.logit_start:]])
+  """Rows over every node (the logit columns zero), as the jvp gives."""
+  return np.pad(graph.edges, ((0, 0), (0, graph.n_logits)))
 
 
 @functools.partial(jax.jit, static_argnames=())
@@ -236,7 +234,7 @@ def test_nodes_are_the_transcoders_features_and_salient_logits():
   assert not (graph.active_features[:, 1] == 0).any()
   # Errors at the zeroed first position have no edges.
   first = [graph.error_node(l, 0) for l in range(LAYERS)]
-  assert not graph.adjacency_matrix[:, first].any()
+  assert not graph.edges[:, first].any()
   last = _reference()["logits"][-1]
   probs = np.exp(last - last.max()) / np.exp(last - last.max()).sum()
   order = np.argsort(-probs)
@@ -261,11 +259,15 @@ def test_capped_graph_is_the_full_graph_restricted():
   np.testing.assert_allclose(capped.adjacency_matrix,
                              full.adjacency_matrix[np.ix_(keep, keep)],
                              atol=1e-5)
+  rows = np.concatenate([capped.selected_features,
+                         np.arange(full.n_features, len(full.edges))])
+  np.testing.assert_allclose(capped.edges, full.edges[np.ix_(rows, keep[
+      :capped.n_sources])], atol=1e-5)
   # The first batch visited is the top of the logits' direct influence.
-  logit_rows = full.adjacency_matrix[full.logit_start:, :full.n_features]
+  logit_rows = full.edges[full.n_features:]
   weights = full.logit_probabilities
-  direct = weights @ (np.abs(logit_rows) / np.abs(
-      full.adjacency_matrix[full.logit_start:]).sum(1, keepdims=True))
+  direct = weights @ (np.abs(logit_rows[:, :full.n_features]) / np.abs(
+      logit_rows).sum(1, keepdims=True))
   top = set(np.argsort(-direct)[:8])
   assert top <= set(capped.selected_features)
 
@@ -316,17 +318,4 @@ def test_circuit_tracer_files_give_the_same_graph(tmp_path):
   expected = _graph()
   np.testing.assert_array_equal(graph.active_features,
                                 expected.active_features)
-  np.testing.assert_allclose(graph.adjacency_matrix,
-                             expected.adjacency_matrix, atol=1e-5)
-
-
-def test_cross_layer_transcoders_are_refused_for_now():
-  zeros = pz.nx.zeros({"layers": LAYERS, "embedding": WIDTH, "features": 4})
-  clt = CrossLayerTranscoder(
-      activation="relu", input_point="mlp_in", output_point="mlp_out",
-      w_enc=zeros, b_enc=zeros[{"embedding": 0}],
-      w_dec=tuple(pz.nx.zeros({"features": 4, "targets": LAYERS - l,
-                               "embedding": WIDTH}) for l in range(LAYERS)),
-      b_dec=zeros[{"features": 0}])
-  with pytest.raises(TypeError, match="cross-layer transcoders are not"):
-    circuits.attribute(_model(), clt, PROMPT)
+  np.testing.assert_allclose(graph.edges, expected.edges, atol=1e-5)

@@ -22,7 +22,8 @@ def _plan_for(graph, max_memory_bytes, batch_size=32):
   return budget.plan(
       max_memory_bytes, batch_size=batch_size,
       padded_features=max(64, 1 << (n_active - 1).bit_length()),
-      width=width, n_nodes=graph.n_nodes, n_held_rows=0,
+      width=width, n_targets=len(graph.edges), n_sources=graph.n_sources,
+      n_held_rows=0,
       num_layers=LAYERS, seq=len(PROMPT), hidden=WIDTH,
       vocab=graph.vocab_size)
 
@@ -32,7 +33,7 @@ def _tight_budget(graph):
   fewer than all the features."""
   n_active = len(graph.active_features)
   width = n_active + LAYERS * len(PROMPT) + len(PROMPT)
-  fixed = budget.fixed_bytes(graph.n_nodes, 0, width)
+  fixed = budget.fixed_bytes(len(graph.edges), graph.n_sources, 0, width)
   return fixed + 12 * budget.per_target_bytes(
       width, 16, LAYERS, len(PROMPT), WIDTH, graph.vocab_size)
 
@@ -61,9 +62,9 @@ def test_budgeted_graph_is_the_same_graph(monkeypatch):
   np.testing.assert_array_equal(chunked.active_features,
                                 full.active_features)
   np.testing.assert_array_equal(chunked.logit_tokens, full.logit_tokens)
-  scale = np.abs(full.adjacency_matrix).max()
-  np.testing.assert_allclose(chunked.adjacency_matrix, full.adjacency_matrix,
-                             rtol=1e-6, atol=1e-6 * scale)
+  scale = np.abs(full.edges).max()
+  np.testing.assert_allclose(chunked.edges, full.edges, rtol=1e-6,
+                             atol=1e-6 * scale)
 
 
 def test_budgeted_capped_graph_is_the_same_graph(monkeypatch):
@@ -74,7 +75,7 @@ def test_budgeted_capped_graph_is_the_same_graph(monkeypatch):
   capped = circuits.attribute(_model(), list(_transcoders()), PROMPT,
                               **kwargs)
   width = len(capped.active_features) + (LAYERS + 1) * len(PROMPT)
-  fixed = budget.fixed_bytes(capped.n_nodes,
+  fixed = budget.fixed_bytes(len(capped.edges), capped.n_sources,
                              capped.n_features + capped.n_logits, width)
   limit = fixed + 3 * budget.per_target_bytes(
       width, 64, LAYERS, len(PROMPT), WIDTH, capped.vocab_size)
@@ -84,8 +85,8 @@ def test_budgeted_capped_graph_is_the_same_graph(monkeypatch):
   assert plans[0].batch < 8
   np.testing.assert_array_equal(chunked.selected_features,
                                 capped.selected_features)
-  np.testing.assert_allclose(chunked.adjacency_matrix,
-                             capped.adjacency_matrix, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(chunked.edges, capped.edges, rtol=1e-6,
+                             atol=1e-7)
 
 
 @pytest.mark.parametrize("limit", [2 * 10**6, 4 * 10**6, 10**8, None])
@@ -99,7 +100,8 @@ def test_plan_fits_the_budget(limit):
     assert plan == budget.Plan(512, budget.STEP_FLOATS // (512 * WIDTH))
     return
   width = len(graph.active_features) + (LAYERS + 1) * len(PROMPT)
-  used = budget.fixed_bytes(graph.n_nodes, 0, width) + plan.batch * (
+  used = budget.fixed_bytes(len(graph.edges), graph.n_sources, 0,
+                            width) + plan.batch * (
       budget.per_target_bytes(width, plan.chunk, LAYERS, len(PROMPT), WIDTH,
                               graph.vocab_size))
   assert used <= limit
@@ -107,7 +109,7 @@ def test_plan_fits_the_budget(limit):
 
 def test_budget_smaller_than_the_graph_is_a_clear_error():
   with pytest.raises(ValueError, match="max_memory_bytes=1000 is too small"
-                     ".*adjacency matrix"):
+                     ".*edges"):
     circuits.attribute(_model(), list(_transcoders()), PROMPT,
                        max_memory_bytes=1000)
   with pytest.raises(ValueError, match="max_memory_bytes"):
@@ -122,6 +124,7 @@ def test_default_chunk_bounds_the_gather():
   assert budget.default_chunk(512, 4096, 64) == 64
   assert budget.default_chunk(8, 64, 32) == 64  # All features at once.
   plan = budget.plan(None, batch_size=512, padded_features=16384,
-                     width=20000, n_nodes=20000, n_held_rows=0,
+                     width=20000, n_targets=20000, n_sources=20000,
+                     n_held_rows=0,
                      num_layers=26, seq=20, hidden=2304, vocab=256000)
   assert plan == budget.Plan(512, 1)

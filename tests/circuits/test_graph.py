@@ -12,7 +12,7 @@ from penzai_lm import circuits
 
 
 def _graph(n_features=3, n_pos=2, layers=2, n_logits=2):
-  n = n_features + layers * n_pos + n_pos + n_logits
+  sources = n_features + layers * n_pos + n_pos
   rng = np.random.default_rng(0)
   return circuits.Graph(
       input_tokens=np.array([3, 8][:n_pos]),
@@ -21,7 +21,8 @@ def _graph(n_features=3, n_pos=2, layers=2, n_logits=2):
       activation_values=np.array([.5, 1.5, 2.5, 3.5], np.float32),
       selected_features=np.array([0, 2, 3][:n_features]),
       logit_tokens=np.array([7, 1]), logit_probabilities=np.array([.6, .3]),
-      adjacency_matrix=rng.standard_normal((n, n)).astype(np.float32),
+      edges=rng.standard_normal((n_features + n_logits, sources)).astype(
+          np.float32),
       num_layers=layers, vocab_size=10)
 
 
@@ -42,7 +43,7 @@ def test_round_trip(tmp_path):
   back = circuits.Graph.load(path)
   for name in ("input_tokens", "active_features", "activation_values",
                "selected_features", "logit_tokens", "logit_probabilities",
-               "adjacency_matrix"):
+               "edges"):
     a, b = getattr(g, name), getattr(back, name)
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(a, b)
@@ -50,7 +51,7 @@ def test_round_trip(tmp_path):
 
 
 def test_tables_that_disagree_are_errors():
-  with pytest.raises(ValueError, match="adjacency_matrix has shape"):
+  with pytest.raises(ValueError, match="edges has shape"):
     circuits.Graph(**{**_fields(_graph()),
                       "selected_features": np.array([0, 1])})
   with pytest.raises(ValueError, match="selected_features must be sorted"):
@@ -65,13 +66,13 @@ def _fields(g):
   return {name: getattr(g, name) for name in (
       "input_tokens", "active_features", "activation_values",
       "selected_features", "logit_tokens", "logit_probabilities",
-      "adjacency_matrix", "num_layers", "vocab_size")}
+      "edges", "num_layers", "vocab_size")}
 
 
 def test_bad_files_are_clear_errors(tmp_path):
   path = _graph().save(tmp_path / "g.safetensors")
   arrays = load_file(str(path))
-  meta = {"format": "penzai_lm.circuits.Graph", "version": 1,
+  meta = {"format": "penzai_lm.circuits.Graph", "version": 2,
           "num_layers": 2, "vocab_size": 10}
   cases = [
       ({}, "has no 'penzai_lm.circuits' metadata"),
@@ -90,12 +91,43 @@ def test_bad_files_are_clear_errors(tmp_path):
             str(path), metadata=good)
   with pytest.raises(ValueError, match=r"lacks the arrays \['logit_tokens'\]"):
     circuits.Graph.load(path)
-  save_file({**arrays, "adjacency_matrix": arrays["adjacency_matrix"]
-             .astype(np.float64)}, str(path), metadata=good)
-  with pytest.raises(ValueError, match="adjacency_matrix must be float32"):
+  save_file({**arrays, "edges": arrays["edges"].astype(np.float64)},
+            str(path), metadata=good)
+  with pytest.raises(ValueError, match="edges must be float32"):
     circuits.Graph.load(path)
   path.write_bytes(b"not a safetensors file")
   with pytest.raises(ValueError, match="not a readable safetensors"):
     circuits.Graph.load(path)
   with pytest.raises(FileNotFoundError):
     circuits.Graph.load(tmp_path / "missing.safetensors")
+
+
+def test_edges_are_the_square_matrix_without_its_zero_rows_and_columns():
+  g = _graph()
+  square = g.adjacency_matrix
+  assert square.shape == (g.n_nodes, g.n_nodes)
+  assert not square[g.error_start:g.logit_start].any()
+  assert not square[:, g.logit_start:].any()
+  np.testing.assert_array_equal(square[g.target_nodes()][:, :g.n_sources],
+                                g.edges)
+  back = circuits.Graph.from_adjacency(adjacency_matrix=square, **{
+      k: v for k, v in _fields(g).items() if k != "edges"})
+  np.testing.assert_array_equal(back.edges, g.edges)
+  square[g.error_start, 0] = 1.0  # An edge into an error node.
+  with pytest.raises(ValueError, match="edges into error or token nodes"):
+    circuits.Graph.from_adjacency(adjacency_matrix=square, **{
+        k: v for k, v in _fields(g).items() if k != "edges"})
+
+
+def test_version_1_files_with_the_square_matrix_still_load(tmp_path):
+  g = _graph()
+  path = g.save(tmp_path / "g.safetensors")
+  arrays = load_file(str(path))
+  del arrays["edges"]
+  arrays["adjacency_matrix"] = g.adjacency_matrix
+  meta = {"format": "penzai_lm.circuits.Graph", "version": 1,
+          "num_layers": 2, "vocab_size": 10}
+  save_file(arrays, str(path),
+            metadata={"penzai_lm.circuits": json.dumps(meta)})
+  back = circuits.Graph.load(path)
+  np.testing.assert_array_equal(back.edges, g.edges)

@@ -27,7 +27,7 @@ def _hand_graph():
   a[logit, f0], a[logit, e1] = 3, 1
   a[f0, f1], a[f0, tok] = 1, -1
   a[f1, tok], a[f1, e0] = 2, -2
-  return circuits.Graph(
+  return circuits.Graph.from_adjacency(
       input_tokens=np.array([4]),
       active_features=np.array([[0, 0, 7], [1, 0, 3]]),
       activation_values=np.array([1.0, 2.0], np.float32),
@@ -73,13 +73,15 @@ def test_pruning_by_hand():
   expected = np.zeros((6, 6), bool)
   expected[5, 0] = expected[5, 3] = expected[0, 1] = True
   expected[0, 4] = expected[1, 4] = True
-  np.testing.assert_array_equal(result.edge_mask, expected)
+  np.testing.assert_array_equal(result.dense_edge_mask(g), expected)
   # 80% of edge influence stops at .375: e1's only edge goes, then e1.
   result = circuits.prune_graph(g, node_threshold=0.8, edge_threshold=0.8)
   np.testing.assert_array_equal(result.node_mask,
                                 [True, True, False, False, True, True])
   expected[5, 3] = False
-  np.testing.assert_array_equal(result.edge_mask, expected)
+  np.testing.assert_array_equal(result.dense_edge_mask(g), expected)
+  np.testing.assert_array_equal(  # Rows f0, f1, logit; columns to token.
+      result.edge_mask, expected[[0, 1, 5]][:, :5])
 
 
 @pytest.mark.parametrize("name", ["node_threshold", "edge_threshold"])
@@ -110,7 +112,7 @@ def _random_graph(seed, n_layers=3, n_pos=4, n_features=25, n_logits=3):
   present = rng.random((n, n)) < 0.35
   a = np.where(allowed & present, rng.standard_normal((n, n)), 0)
   probs = rng.dirichlet(np.ones(n_logits)) * 0.9
-  return circuits.Graph(
+  return circuits.Graph.from_adjacency(
       input_tokens=np.arange(n_pos),
       active_features=np.stack([layers, np.zeros(n_features, int),
                                 np.arange(n_features)], 1),
@@ -151,7 +153,10 @@ def test_matches_circuit_tracer(seed, thresholds):
   theirs = ct_graph.prune_graph(_as_circuit_tracer(torch, g), *thresholds)
   ours = circuits.prune_graph(g, *thresholds)
   np.testing.assert_array_equal(ours.node_mask, theirs.node_mask.numpy())
-  np.testing.assert_array_equal(ours.edge_mask, theirs.edge_mask.numpy())
+  dense = theirs.edge_mask.numpy()
+  np.testing.assert_array_equal(ours.dense_edge_mask(g), dense)
+  np.testing.assert_array_equal(
+      ours.edge_mask, dense[g.target_nodes()][:, :g.n_sources])
   np.testing.assert_allclose(ours.cumulative_scores,
                              theirs.cumulative_scores.numpy(), rtol=1e-5)
   assert 0 < ours.node_mask[:g.token_start].sum() < g.token_start
