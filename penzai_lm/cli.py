@@ -32,6 +32,7 @@ import jax
 
 import penzai_lm
 from penzai_lm import generation
+from penzai_lm.circuits.graph_command import add_graph_command
 from penzai_lm.generation.chat import ChatSession
 from penzai_lm.paths import jax_cache_dir
 from penzai_lm.paths import private_dir
@@ -284,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="initial KV cache size; the cache grows (and new"
                     " programs compile) when the conversation needs more")
   chat.set_defaults(func=cmd_chat)
+  add_graph_command(commands)
   return parser
 
 
