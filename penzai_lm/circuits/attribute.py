@@ -39,6 +39,7 @@ import numpy as np
 from penzai_lm.circuits import budget
 from penzai_lm.circuits import cross_layer
 from penzai_lm.circuits.features import PromptFeatures
+from penzai_lm.circuits.features import check_prompt
 from penzai_lm.circuits.features import check_transcoders
 from penzai_lm.circuits.features import prompt_features
 from penzai_lm.circuits.graph import Graph
@@ -108,8 +109,14 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
       max_feature_nodes, total)
   rows = _Rows(linear, feats, to_host(forward["embed"]).astype(np.float32),
                last.shape[0], target_placement(model))
+  seq, config = len(tokens), model.config
+  held = sum(a.nbytes for a in (feats.encoder_vecs, feats.decoder_vecs,
+                                feats.errors, *rows.sources.values()))
+  forward = 4 * (6 * config.num_layers * seq * config.hidden_size
+                 + config.num_heads * seq * seq)
   order, edges = _edges(rows, feats, logit_ids, probs, n_selected,
-                        batch_size, update_interval, max_memory_bytes)
+                        batch_size, update_interval, max_memory_bytes,
+                        other_bytes=held + forward)
   return Graph(
       input_tokens=tokens,
       active_features=np.stack([feats.layers, feats.positions, feats.ids],
@@ -123,7 +130,7 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
 
 def _edges(rows: _Rows, feats: PromptFeatures, logit_ids, probs,
            n_selected: int, batch_size: int, update_interval: int,
-           max_memory_bytes: int | None):
+           max_memory_bytes: int | None, other_bytes: int):
   """``(visited feature indices, the graph's edges)``, with the work split
   by `budget.plan`. Without a feature cap the rows are written straight
   into the edges."""
@@ -135,7 +142,7 @@ def _edges(rows: _Rows, feats: PromptFeatures, logit_ids, probs,
       n_targets=n_selected + n_logits,
       n_sources=rows.width - total + n_selected,
       n_held_rows=0 if n_selected == total else n_selected + n_logits,
-      num_layers=linear.num_layers,
+      other_bytes=other_bytes, num_layers=linear.num_layers,
       seq=linear.tokens.named_shape["seq"], hidden=linear.width,
       vocab=rows.vocab)
   if n_selected == total:
@@ -337,23 +344,7 @@ def _check_args(model, prompt, max_n_logits, desired_logit_prob,
                 batch_size, max_feature_nodes, update_interval,
                 zero_positions, max_memory_bytes) -> np.ndarray:
   """The prompt as int32 ids, after checking every argument."""
-  if not isinstance(model, TransformerLM):
-    raise TypeError("attribute needs an uncached penzai_lm TransformerLM,"
-                    f" got {type(model).__name__}.")
-  if isinstance(prompt, str):
-    raise TypeError("prompt must be token ids (tokenize the text first),"
-                    " got a str.")
-  ids = np.asarray(prompt)
-  if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype,
-                                                         np.integer):
-    raise ValueError("prompt must be a non-empty 1-D list or array of"
-                     f" integer token ids, got shape {ids.shape} dtype"
-                     f" {ids.dtype}.")
-  vocab = model.config.vocab_size
-  bad = ids[(ids < 0) | (ids >= vocab)]
-  if bad.size:
-    raise ValueError(f"prompt has token id {int(bad[0])} outside the"
-                     f" vocabulary [0, {vocab}).")
+  ids = check_prompt(model, prompt, "attribute")
   for name, value, low in (("max_n_logits", max_n_logits, 1),
                            ("batch_size", batch_size, 1),
                            ("update_interval", update_interval, 1),
@@ -368,4 +359,4 @@ def _check_args(model, prompt, max_n_logits, desired_logit_prob,
           and 0.0 < desired_logit_prob <= 1.0):
     raise ValueError("desired_logit_prob must be in (0, 1], got"
                      f" {desired_logit_prob!r}.")
-  return ids.astype(np.int32)
+  return ids

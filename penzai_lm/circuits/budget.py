@@ -6,17 +6,24 @@ in float32, is about::
 
     per target: 3 * width              (its row, on device and on the host)
               + 2 * chunk * D          (the decoder rows of one chunk)
-              + 16 * (L + 1) * T * D   (the backward pass through L blocks)
+              + 2 * L * T * D          (its gradient at every block's
+                                        mlp_out, and their stacked copy)
               + 2 * V                  (the logit cotangent)
 
 with ``width`` the number of source nodes (features padded, errors,
-tokens). What the whole call holds besides is the graph's edges (``n_targets``
-rows, features and logits, by ``n_sources`` columns), and with
-``max_feature_nodes`` the rows computed so far as well, over every active
-feature (once: ranking reads them in place, and the edges are copied out
-of them a block of rows at a time). These
-are estimates of the working set (XLA's buffers and Python's are not
-counted), not a hard limit.
+tokens); XLA's buffers for SmolLM2 measured 1.1 * L * T * D floats per
+target besides (``_batch_rows``'s ``memory_analysis``). What the whole call
+holds besides is the graph's edges (``n_targets`` rows, features and
+logits, by ``n_sources`` columns), with ``max_feature_nodes`` the rows
+computed so far, over every active feature (once: ranking reads them in
+place, and the edges are copied out of them a block of rows at a time),
+and what the caller counts in ``other_bytes``: the sources (each active
+feature's encoder and decoder vectors, the errors) and one forward pass
+(about ``6 * L * T * D`` floats kept for the backward pass, and one
+block's ``heads * T^2`` pattern at a time: patterns are recomputed in the
+backward pass). These are estimates of the working set (the model's and
+transcoders' weights, Python and JAX are not counted), not a hard
+limit.
 
 Budget or not, a chunk gathers at most `STEP_FLOATS` floats
 (``batch * chunk * D``) at once: one gather of every feature's ``D``
@@ -50,7 +57,7 @@ def per_target_bytes(width: int, chunk: int, num_layers: int, seq: int,
                      hidden: int, vocab: int) -> int:
   """Estimated bytes one target of a batch holds (module docstring)."""
   return _F32 * (3 * width + 2 * chunk * hidden
-                 + 16 * (num_layers + 1) * seq * hidden + 2 * vocab)
+                 + 2 * num_layers * seq * hidden + 2 * vocab)
 
 
 def fixed_bytes(n_targets: int, n_sources: int, n_held_rows: int,
@@ -70,7 +77,7 @@ def default_chunk(batch: int, padded_features: int, hidden: int) -> int:
 
 def plan(max_memory_bytes: int | None, *, batch_size: int,
          padded_features: int, width: int, n_targets: int, n_sources: int,
-         n_held_rows: int,
+         n_held_rows: int, other_bytes: int = 0,
          num_layers: int, seq: int, hidden: int, vocab: int) -> Plan:
   """The largest batch (at most ``batch_size``) and chunk (a power of two,
   at most ``padded_features``, itself a power of two, and at most
@@ -84,7 +91,8 @@ def plan(max_memory_bytes: int | None, *, batch_size: int,
   chunk = default_chunk(batch_size, padded_features, hidden)
   if max_memory_bytes is None:
     return Plan(batch_size, chunk)
-  fixed = fixed_bytes(n_targets, n_sources, n_held_rows, width)
+  fixed = fixed_bytes(n_targets, n_sources, n_held_rows, width) + (
+      other_bytes)
   if fixed >= max_memory_bytes:
     raise ValueError(
         f"max_memory_bytes={max_memory_bytes} is too small: the graph's"

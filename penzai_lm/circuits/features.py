@@ -22,6 +22,7 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.circuits import cross_layer
+from penzai_lm.model.transformer import TransformerLM
 from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import SparseAutoencoder
 from penzai_lm.sae.formats.circuit_tracer import TranscoderSet
@@ -158,3 +159,33 @@ def _reconstruction(t: SparseAutoencoder, x, acts: np.ndarray) -> np.ndarray:
   if skip is not None:
     out = out + skip
   return np.asarray(out.unwrap("seq", "embedding"), np.float32)
+
+
+def check_prompt(model, prompt, caller: str) -> np.ndarray:
+  """``prompt`` as int32 token ids, after checking it and that ``model``
+  is an uncached `TransformerLM` (``caller`` names the function in the
+  errors).
+
+  Raises:
+    TypeError: for another model type, or a str prompt.
+    ValueError: for a prompt that is not a non-empty 1-D integer array of
+      ids in the vocabulary.
+  """
+  if not isinstance(model, TransformerLM):
+    raise TypeError(f"{caller} needs an uncached penzai_lm TransformerLM,"
+                    f" got {type(model).__name__}.")
+  if isinstance(prompt, str):
+    raise TypeError("prompt must be token ids (tokenize the text first),"
+                    " got a str.")
+  ids = np.asarray(prompt)
+  if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype,
+                                                         np.integer):
+    raise ValueError("prompt must be a non-empty 1-D list or array of"
+                     f" integer token ids, got shape {ids.shape} dtype"
+                     f" {ids.dtype}.")
+  vocab = model.config.vocab_size
+  bad = ids[(ids < 0) | (ids >= vocab)]
+  if bad.size:
+    raise ValueError(f"prompt has token id {int(bad[0])} outside the"
+                     f" vocabulary [0, {vocab}).")
+  return ids.astype(np.int32)

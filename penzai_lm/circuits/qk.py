@@ -53,6 +53,7 @@ import dataclasses
 import numpy as np
 
 from penzai_lm.circuits import qk_engine
+from penzai_lm.circuits.features import check_prompt
 from penzai_lm.circuits.features import check_transcoders
 from penzai_lm.circuits.features import prompt_features
 from penzai_lm.circuits.qk_terms import QKTerms
@@ -169,7 +170,7 @@ def qk_attribution(model: TransformerLM, transcoders, prompt, *, layer: int,
     TypeError, ValueError: for a bad argument, naming it and the range it
       must be in.
   """
-  tokens = _check_prompt(model, prompt)
+  tokens = check_prompt(model, prompt, "qk_attribution")
   config = model.config
   _check_int("layer", layer, 0, config.num_layers)
   _check_int("head", head, 0, config.num_heads)
@@ -208,27 +209,6 @@ def _check_int(name: str, value, low: int, high: int | None) -> None:
   if value < low or (high is not None and value >= high):
     where = f"[{low}, {high})" if high is not None else f">= {low}"
     raise ValueError(f"{name} is {value}, it must be in {where}.")
-
-
-def _check_prompt(model, prompt) -> np.ndarray:
-  if not isinstance(model, TransformerLM):
-    raise TypeError("qk_attribution needs an uncached penzai_lm"
-                    f" TransformerLM, got {type(model).__name__}.")
-  if isinstance(prompt, str):
-    raise TypeError("prompt must be token ids (tokenize the text first),"
-                    " got a str.")
-  ids = np.asarray(prompt)
-  if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype,
-                                                         np.integer):
-    raise ValueError("prompt must be a non-empty 1-D list or array of"
-                     f" integer token ids, got shape {ids.shape} dtype"
-                     f" {ids.dtype}.")
-  vocab = model.config.vocab_size
-  bad = ids[(ids < 0) | (ids >= vocab)]
-  if bad.size:
-    raise ValueError(f"prompt has token id {int(bad[0])} outside the"
-                     f" vocabulary [0, {vocab}).")
-  return ids.astype(np.int32)
 
 
 def _check_keys(config, layer: int, query: int, key_positions) -> np.ndarray:

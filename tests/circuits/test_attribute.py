@@ -152,8 +152,10 @@ def _target_rows(graph):
   return np.pad(graph.edges, ((0, 0), (0, graph.n_logits)))
 
 
-@functools.partial(jax.jit, static_argnames=())
+@jax.jit
 def _jvp_all(linear, embed_tangents, mlp_tangents):
+  """The targets' forward-mode derivatives (`LinearizedModel.targets`)
+  along each pair of tangents (``[S, T, D]``, ``[S, L, T, D]``)."""
   zeros = (jnp.zeros(embed_tangents.shape[1:]),
            jnp.zeros(mlp_tangents.shape[1:]))
 

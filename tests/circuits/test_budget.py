@@ -28,13 +28,30 @@ def _plan_for(graph, max_memory_bytes, batch_size=32):
       vocab=graph.vocab_size)
 
 
-def _tight_budget(graph):
+def _other_bytes(monkeypatch, **kwargs) -> int:
+  """What `attribute` counts besides the edges, rows and batches (its
+  sources and forward pass), from a run without a budget."""
+  calls, original = [], budget.plan
+
+  def record(*args, **plan_kwargs):
+    calls.append(plan_kwargs["other_bytes"])
+    return original(*args, **plan_kwargs)
+
+  monkeypatch.setattr(budget, "plan", record)
+  circuits.attribute(_model(), list(_transcoders()), PROMPT, **kwargs)
+  monkeypatch.setattr(budget, "plan", original)
+  [other] = calls
+  assert other > 0
+  return other
+
+
+def _tight_budget(graph, other_bytes: int):
   """A budget that forces batches of fewer than 32 targets and chunks of
   fewer than all the features."""
   n_active = len(graph.active_features)
   width = n_active + LAYERS * len(PROMPT) + len(PROMPT)
   fixed = budget.fixed_bytes(len(graph.edges), graph.n_sources, 0, width)
-  return fixed + 12 * budget.per_target_bytes(
+  return fixed + other_bytes + 12 * budget.per_target_bytes(
       width, 16, LAYERS, len(PROMPT), WIDTH, graph.vocab_size)
 
 
@@ -52,10 +69,12 @@ def _recording(monkeypatch) -> list:
 
 def test_budgeted_graph_is_the_same_graph(monkeypatch):
   full = _graph()
+  limit = _tight_budget(full, _other_bytes(monkeypatch, batch_size=32,
+                                           zero_positions=0))
   plans = _recording(monkeypatch)
   chunked = circuits.attribute(_model(), list(_transcoders()), PROMPT,
                                batch_size=32, zero_positions=0,
-                               max_memory_bytes=_tight_budget(full))
+                               max_memory_bytes=limit)
   padded = max(64, 1 << (len(full.active_features) - 1).bit_length())
   [plan] = plans
   assert plan.batch < 32 and plan.chunk < padded  # Both really split.
@@ -77,8 +96,9 @@ def test_budgeted_capped_graph_is_the_same_graph(monkeypatch):
   width = len(capped.active_features) + (LAYERS + 1) * len(PROMPT)
   fixed = budget.fixed_bytes(len(capped.edges), capped.n_sources,
                              capped.n_features + capped.n_logits, width)
-  limit = fixed + 3 * budget.per_target_bytes(
-      width, 64, LAYERS, len(PROMPT), WIDTH, capped.vocab_size)
+  limit = fixed + _other_bytes(monkeypatch, **kwargs) + 3 * (
+      budget.per_target_bytes(width, 64, LAYERS, len(PROMPT), WIDTH,
+                              capped.vocab_size))
   plans = _recording(monkeypatch)
   chunked = circuits.attribute(_model(), list(_transcoders()), PROMPT,
                                max_memory_bytes=limit, **kwargs)

@@ -24,6 +24,7 @@ from penzai_lm.sae import SAEConfig
 from penzai_lm.sae import SparseAutoencoder
 from penzai_lm.sae import load_transcoders
 from penzai_lm.sae.formats.tensor_files import write_safetensors
+from tests.circuits.test_attribute import _jvp_all
 from tests.model.configs import config
 
 PROMPT = [1, 5, 9, 13, 2, 7]
@@ -143,17 +144,6 @@ def _target_readouts(graph, a):
     read_logits[graph.n_features + k] = -1.0 / vocab
     read_logits[graph.n_features + k, token] += 1.0
   return read_in, read_logits
-
-
-@jax.jit
-def _jvp_all(linear, embed_tangents, mlp_tangents):
-  zeros = (jnp.zeros(embed_tangents.shape[1:]),
-           jnp.zeros(mlp_tangents.shape[1:]))
-
-  def one(te, tm):
-    return jax.jvp(linear.targets, zeros, (te, tm))[1]
-
-  return jax.vmap(one)(embed_tangents, mlp_tangents)
 
 
 def _through_frozen_model(kw, embed, mlp, family="llama_gqa"):

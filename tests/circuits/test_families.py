@@ -38,6 +38,7 @@ from penzai_lm import circuits  # pylint: disable=g-import-not-at-top
 from penzai_lm.loading import load_model  # pylint: disable=g-import-not-at-top
 from penzai_lm.sae import SAEConfig  # pylint: disable=g-import-not-at-top
 from penzai_lm.sae import SparseAutoencoder  # pylint: disable=g-import-not-at-top
+from tests.circuits.test_attribute import _jvp_all  # pylint: disable=g-import-not-at-top
 from tests.loading.hf_models import save_perturbed  # pylint: disable=g-import-not-at-top
 from tests.sae.random_saes import random_arrays  # pylint: disable=g-import-not-at-top
 
@@ -268,17 +269,6 @@ def _readout(case, d_in, d_logits):
   demeaned = d_logits - d_logits.mean(axis=-1, keepdims=True)
   rows.extend(demeaned[:, graph.logit_tokens].T)
   return np.stack(rows)
-
-
-@jax.jit
-def _jvp_all(linear, embed_tangents, mlp_tangents):
-  zeros = (jnp.zeros(embed_tangents.shape[1:]),
-           jnp.zeros(mlp_tangents.shape[1:]))
-
-  def one(te, tm):
-    return jax.jvp(linear.targets, zeros, (te, tm))[1]
-
-  return jax.vmap(one)(embed_tangents, mlp_tangents)
 
 
 @jax.jit
