@@ -5,12 +5,12 @@ backward pass through the prompt's `LinearizedModel` gives the gradient of
 the target with respect to the residual-stream inputs (the ``embed`` point
 and every block's ``mlp_out``); dotted with each source's vector there (a
 feature's ``a * w_dec`` row at its layer and position, an error vector, a
-token embedding) it is the edge ``adjacency[target, source]``. Targets go in
-batches of ``batch_size``: one ``jax.vmap`` over the targets of a batch, one
-``jax.jit`` program for all batches. With ``max_memory_bytes`` the batches
-shrink and the feature edges are read out in chunks to fit the budget
-(`penzai_lm.circuits.budget`); the graph is the same. Without a feature
-cap the rows are written straight into the adjacency matrix.
+token embedding) it is the target's row of edges (`penzai_lm.circuits.rows`:
+batches of ``batch_size`` targets, one ``jax.vmap`` per batch, one
+``jax.jit`` program per prefix length). With ``max_memory_bytes`` the
+batches shrink and the feature edges are read out in chunks to fit the
+budget (`penzai_lm.circuits.budget`); the graph is the same. Without a
+feature cap the rows are written straight into the graph's edges.
 
 Targets, as circuit-tracer: the logits of the last position whose
 cumulative probability first reaches ``desired_logit_prob`` (at most
@@ -30,24 +30,21 @@ always the salient logits (no custom targets yet).
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from penzai_lm.circuits import budget
-from penzai_lm.circuits import cross_layer
 from penzai_lm.circuits.features import PromptFeatures
 from penzai_lm.circuits.features import check_prompt
 from penzai_lm.circuits.features import check_transcoders
 from penzai_lm.circuits.features import prompt_features
 from penzai_lm.circuits.graph import Graph
-from penzai_lm.circuits.placement import TargetPlacement
 from penzai_lm.circuits.placement import target_placement
 from penzai_lm.circuits.prune import compute_partial_influences
 from penzai_lm.circuits.replacement import LinearizedModel
 from penzai_lm.circuits.replacement import linearize
+from penzai_lm.circuits.rows import Rows
+from penzai_lm.circuits.rows import prefix_lengths
 from penzai_lm.model.transformer import TransformerLM
 from penzai_lm.runtime.host import to_host
 
@@ -56,7 +53,8 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
               max_n_logits: int = 10, desired_logit_prob: float = 0.95,
               batch_size: int = 512, max_feature_nodes: int | None = None,
               update_interval: int = 4, zero_positions: int = 1,
-              max_memory_bytes: int | None = None) -> Graph:
+              max_memory_bytes: int | None = None,
+              prefix_buckets: int | None = None) -> Graph:
   """Computes the attribution graph of ``prompt`` (module docstring).
 
   Args:
@@ -84,6 +82,11 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
       ``batch_size`` and the feature edges read out in chunks to fit it.
       None: ``batch_size`` targets a batch, all features at once. The graph
       is the same either way.
+    prefix_buckets: Feature rows are computed in the model cut after
+      their position, in this many prefix lengths (`circuits.rows`): 1
+      always uses the whole prompt; None: 1 below 1,024 tokens, 4 below
+      2,048, 8 from there on. More lengths: less compute, more compiled
+      programs. The graph is the same.
 
   Returns:
     The unpruned `Graph`.
@@ -96,7 +99,7 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
   """
   tokens = _check_args(model, prompt, max_n_logits, desired_logit_prob,
                        batch_size, max_feature_nodes, update_interval,
-                       zero_positions, max_memory_bytes)
+                       zero_positions, max_memory_bytes, prefix_buckets)
   layers = check_transcoders(model, transcoders)
   linear = linearize(model, layers, tokens)
   forward = _forward(linear)
@@ -107,8 +110,10 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
   total = len(feats.layers)
   n_selected = total if max_feature_nodes is None else min(
       max_feature_nodes, total)
-  rows = _Rows(linear, feats, to_host(forward["embed"]).astype(np.float32),
-               last.shape[0], target_placement(model))
+  rows = Rows(linear, feats, to_host(forward["embed"]).astype(np.float32),
+              last.shape[0], target_placement(model),
+              prefix_model=lambda n: linearize(model, layers, tokens[:n]),
+              prefix_lengths=prefix_lengths(len(tokens), prefix_buckets))
   seq, config = len(tokens), model.config
   held = sum(a.nbytes for a in (feats.encoder_vecs, feats.decoder_vecs,
                                 feats.errors, *rows.sources.values()))
@@ -128,7 +133,7 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
       vocab_size=last.shape[0])
 
 
-def _edges(rows: _Rows, feats: PromptFeatures, logit_ids, probs,
+def _edges(rows: Rows, feats: PromptFeatures, logit_ids, probs,
            n_selected: int, batch_size: int, update_interval: int,
            max_memory_bytes: int | None, other_bytes: int):
   """``(visited feature indices, the graph's edges)``, with the work split
@@ -177,124 +182,7 @@ def _forward(linear: LinearizedModel) -> dict:
   return linear.run(*linear.zero_deltas())
 
 
-@functools.partial(jax.jit, static_argnames=("chunk",))
-def _batch_rows(linear: LinearizedModel, sources: dict, layers, positions,
-                vectors, tokens, is_logit, *, chunk: int):
-  """``[B, n_sources]`` rows for a batch of targets: feature targets read
-  ``vectors[b]`` (``[D]``) at ``mlp_in[layers[b], positions[b]]``, logit
-  targets (``is_logit[b]``) the demeaned logit of ``tokens[b]`` at the last
-  position. Feature sources are read out ``chunk`` at a time."""
-  (mlp_in, last), pullback = jax.vjp(linear.targets, *linear.zero_deltas())
-  vocab = last.shape[0]
-
-  def one(layer, position, vector, token, logit):
-    demeaned = jax.nn.one_hot(token, vocab, dtype=last.dtype) - 1.0 / vocab
-    cotangent = (jnp.zeros_like(mlp_in).at[layer, position].set(
-        jnp.where(logit, 0.0, vector)), jnp.where(logit, demeaned, 0.0))
-    return pullback(cotangent)
-
-  grad_embed, grad_mlp = jax.vmap(one)(layers, positions, vectors, tokens,
-                                       is_logit)
-  return _read_out(grad_embed, jnp.stack(grad_mlp, axis=1), sources, chunk)
-
-
-def _read_out(grad_embed, grad_mlp, sources, chunk: int) -> jax.Array:
-  """Rows ``[B, features + errors (layer-major) + tokens]`` from the
-  batch's gradients (``[B, T, D]`` at the embeddings, ``[B, L, T, D]`` at
-  the MLP outputs), the features ``chunk`` at a time (``[B, chunk, D]``
-  gathered per step). A ``[N, L, D]`` decoder (a cross-layer transcoder's)
-  is read out by `cross_layer.read_feature_edges`."""
-  batch, _, seq, width = grad_mlp.shape
-  if sources["decoder"].ndim == 3:
-    feature_edges = cross_layer.read_feature_edges(
-        grad_mlp, sources["layers"], sources["positions"],
-        sources["decoder"], chunk)
-  else:
-    flat = grad_mlp.reshape(batch, -1, width)
-    cells = sources["layers"] * seq + sources["positions"]
-
-    def features(step):
-      index, decoder = step
-      return jnp.einsum("bcd,cd->bc", flat[:, index], decoder)
-
-    steps = (cells.reshape(-1, chunk),
-             sources["decoder"].reshape(-1, chunk, width))
-    by_chunk = jax.lax.map(features, steps)  # [n_chunks, B, chunk]
-    feature_edges = jnp.moveaxis(by_chunk, 0, 1).reshape(batch, -1)
-  errors = jnp.einsum("bltd,ltd->blt", grad_mlp,
-                      sources["errors"]).reshape(batch, -1)
-  token_edges = jnp.einsum("btd,td->bt", grad_embed, sources["embed"])
-  return jnp.concatenate([feature_edges, errors, token_edges], axis=1)
-
-
-class _Rows:
-  """Computes rows in fixed-size batches (``plan``, set before the first
-  rows): the last batch is padded, and the feature sources to a power of
-  two, so that one compiled program serves every batch, logits and
-  features alike (and prompts with similar numbers of active features)."""
-
-  def __init__(self, linear, feats: PromptFeatures, embed, vocab: int,
-               placement: TargetPlacement | None):
-    n = len(feats.layers)
-    pad = max(64, 1 << (n - 1).bit_length()) - n
-    place = jnp.asarray if placement is None else placement.replicate
-    def padded(a):
-      return place(np.concatenate([a, np.zeros((pad, *a.shape[1:]),
-                                               a.dtype)]))
-    self.sources = {"layers": padded(feats.layers),
-                    "positions": padded(feats.positions),
-                    "decoder": padded(feats.decoder_vecs),
-                    "errors": place(feats.errors),
-                    "embed": place(embed)}
-    self.linear, self.plan, self.vocab = linear, None, vocab
-    self.placement = placement
-    self.n_features, self.n_padding = n, pad
-    self.width = n + feats.errors.shape[0] * feats.errors.shape[1] + len(
-        embed)
-
-  def _run(self, layers, positions, vectors, tokens, is_logit, out):
-    n, size = len(vectors), self.plan.batch
-    if self.placement is not None:  # A whole number of targets per device.
-      size = -(-size // self.placement.ways) * self.placement.ways
-    split = jnp.asarray if self.placement is None else self.placement.split
-    if out is None:
-      out = np.zeros((n, self.width), np.float32)
-    for start in range(0, n, size):
-      stop = min(start + size, n)
-      pad = size - (stop - start)
-      def padded(a):
-        return split(np.concatenate([a[start:stop],
-                                     np.zeros((pad, *a.shape[1:]),
-                                              a.dtype)]))
-      rows = to_host(_batch_rows(
-          self.linear, self.sources, padded(layers), padded(positions),
-          padded(vectors), padded(tokens), padded(is_logit),
-          chunk=self.plan.chunk))[:stop - start]
-      out[start:stop, :self.n_features] = rows[:, :self.n_features]
-      out[start:stop, self.n_features:] = rows[:, self.n_features
-                                               + self.n_padding:]
-    return out
-
-  def logits(self, tokens: np.ndarray, out=None) -> np.ndarray:
-    """Rows of the demeaned logits of ``tokens`` (last position), written
-    into ``out`` (``[len(tokens), width]``) if given."""
-    zeros = np.zeros(len(tokens), np.int32)
-    vectors = np.zeros((len(tokens), self.sources["embed"].shape[1]),
-                       np.float32)
-    return self._run(zeros, zeros, vectors, tokens.astype(np.int32),
-                     np.ones(len(tokens), bool), out)
-
-  def features(self, feats: PromptFeatures, index: np.ndarray,
-               out=None) -> np.ndarray:
-    """Rows of the pre-activations of features ``index``, written into
-    ``out`` if given."""
-    return self._run(feats.layers[index], feats.positions[index],
-                     feats.encoder_vecs[index],
-                     np.zeros(len(index), np.int32),
-                     np.zeros(len(index), bool), out)
-
-
-def _visit_features(rows: _Rows, feats: PromptFeatures, held: np.ndarray,
+def _visit_features(rows: Rows, feats: PromptFeatures, held: np.ndarray,
                     probs, n_selected: int, batch_size: int,
                     update_interval: int) -> np.ndarray:
   """Computes the rows of the ``n_selected`` most influential features
@@ -342,7 +230,8 @@ def _assemble(held: np.ndarray, order, total: int,
 
 def _check_args(model, prompt, max_n_logits, desired_logit_prob,
                 batch_size, max_feature_nodes, update_interval,
-                zero_positions, max_memory_bytes) -> np.ndarray:
+                zero_positions, max_memory_bytes,
+                prefix_buckets) -> np.ndarray:
   """The prompt as int32 ids, after checking every argument."""
   ids = check_prompt(model, prompt, "attribute")
   for name, value, low in (("max_n_logits", max_n_logits, 1),
@@ -350,8 +239,10 @@ def _check_args(model, prompt, max_n_logits, desired_logit_prob,
                            ("update_interval", update_interval, 1),
                            ("zero_positions", zero_positions, 0),
                            ("max_feature_nodes", max_feature_nodes, 1),
-                           ("max_memory_bytes", max_memory_bytes, 1)):
-    if name in ("max_feature_nodes", "max_memory_bytes") and value is None:
+                           ("max_memory_bytes", max_memory_bytes, 1),
+                           ("prefix_buckets", prefix_buckets, 1)):
+    if name in ("max_feature_nodes", "max_memory_bytes",
+                "prefix_buckets") and value is None:
       continue
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
       raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")

@@ -15,6 +15,7 @@ import yaml
 import penzai_lm
 from penzai_lm import circuits
 from penzai_lm import interp
+from penzai_lm.circuits import rows
 from penzai_lm.runtime.unstack import unstack_layers
 from penzai_lm.sae import SAEConfig
 from penzai_lm.sae import SparseAutoencoder
@@ -321,3 +322,31 @@ def test_circuit_tracer_files_give_the_same_graph(tmp_path):
   np.testing.assert_array_equal(graph.active_features,
                                 expected.active_features)
   np.testing.assert_allclose(graph.edges, expected.edges, atol=1e-5)
+
+
+@pytest.mark.parametrize("buckets", [2, len(PROMPT)])
+def test_prefix_buckets_give_the_same_graph(buckets):
+  """Feature rows computed in the model cut after their position (2
+  lengths, and one per position) equal the whole prompt's; with a cap the
+  same features are visited."""
+  for kwargs in (dict(), dict(max_feature_nodes=20, update_interval=1)):
+    whole = circuits.attribute(_model(), list(_transcoders()), PROMPT,
+                               batch_size=8, zero_positions=0, **kwargs)
+    programs = rows._batch_rows._cache_size()
+    cut = circuits.attribute(_model(), list(_transcoders()), PROMPT,
+                             batch_size=8, zero_positions=0,
+                             prefix_buckets=buckets, **kwargs)
+    if not kwargs:  # Shorter models ran (their programs are new).
+      assert rows._batch_rows._cache_size() > programs
+    np.testing.assert_array_equal(cut.selected_features,
+                                  whole.selected_features)
+    np.testing.assert_allclose(cut.edges, whole.edges, rtol=1e-5,
+                               atol=1e-6 * np.abs(whole.edges).max())
+
+
+def test_prefix_lengths():
+  assert rows.prefix_lengths(100, None) == (100,)
+  assert rows.prefix_lengths(1000, 1) == (1000,)
+  assert rows.prefix_lengths(1024, None) == (256, 512, 768, 1024)
+  assert rows.prefix_lengths(4096, None) == tuple(range(512, 4097, 512))
+  assert rows.prefix_lengths(3, 8) == (1, 2, 3)

@@ -1,0 +1,215 @@
+"""`Rows`: the graph's rows (a target's direct effects from every source),
+from batched backward passes through the prompt's `LinearizedModel`.
+
+A target is a feature's pre-activation (``vector . mlp_in[layer,
+position]``) or a demeaned logit at the last position. One backward pass
+(`jax.vjp`, vmapped over a batch of targets) gives its gradient at the
+``embed`` point and at every block's ``mlp_out``; dotted with each source's
+vector there (a feature's ``a * w_dec`` at its layer and position, an
+error vector, a token embedding) it is the row. One ``jax.jit`` program
+serves every batch of a shape: batches are padded to the plan's size, the
+feature sources to a power of two.
+
+Prefixes. A feature target at position ``p`` reads nothing after ``p``
+(attention is causal), so its row is the same in the model cut after
+position ``p``. With several ``prefix_lengths``, targets are sorted by
+position and each batch runs in the shortest prefix that holds its last
+target: the backward pass through attention costs ``T^2`` per block, so a
+long prompt's feature rows cost about half (eight lengths) of the full
+model's; one more compiled program per length. Logit targets read the last
+position: the whole prompt.
+
+Rows are ``[features (padded away), errors (layer-major: (layer 0, pos 0),
+(layer 0, pos 1), ...), tokens]`` over the whole prompt; a prefix's rows
+are zero for the positions it does not hold.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from penzai_lm.circuits import cross_layer
+from penzai_lm.circuits.features import PromptFeatures
+from penzai_lm.circuits.placement import TargetPlacement
+from penzai_lm.circuits.replacement import LinearizedModel
+from penzai_lm.runtime.host import to_host
+
+
+def prefix_lengths(seq: int, buckets: int | None) -> tuple[int, ...]:
+  """The prefix lengths for a prompt of ``seq`` tokens: ``buckets`` evenly
+  spaced lengths ending at ``seq`` (at most ``seq``), or with None one
+  below 1,024 tokens, four below 2,048 and eight from there on."""
+  if buckets is None:
+    buckets = 1 if seq < 1024 else 4 if seq < 2048 else 8
+  buckets = max(1, min(buckets, seq))
+  return tuple(sorted({-(-seq * k // buckets) for k in range(1, buckets + 1)}))
+
+
+@functools.partial(jax.jit, static_argnames=("chunk",))
+def _batch_rows(linear: LinearizedModel, sources: dict, layers, positions,
+                vectors, tokens, is_logit, *, chunk: int):
+  """``[B, n_sources]`` rows for a batch of targets: feature targets read
+  ``vectors[b]`` (``[D]``) at ``mlp_in[layers[b], positions[b]]``, logit
+  targets (``is_logit[b]``) the demeaned logit of ``tokens[b]`` at the last
+  position. Feature sources are read out ``chunk`` at a time."""
+  (mlp_in, last), pullback = jax.vjp(linear.targets, *linear.zero_deltas())
+  vocab = last.shape[0]
+
+  def one(layer, position, vector, token, logit):
+    demeaned = jax.nn.one_hot(token, vocab, dtype=last.dtype) - 1.0 / vocab
+    cotangent = (jnp.zeros_like(mlp_in).at[layer, position].set(
+        jnp.where(logit, 0.0, vector)), jnp.where(logit, demeaned, 0.0))
+    return pullback(cotangent)
+
+  grad_embed, grad_mlp = jax.vmap(one)(layers, positions, vectors, tokens,
+                                       is_logit)
+  return _read_out(grad_embed, jnp.stack(grad_mlp, axis=1), sources, chunk)
+
+
+def _read_out(grad_embed, grad_mlp, sources, chunk: int) -> jax.Array:
+  """Rows ``[B, features + errors (layer-major) + tokens]`` from the
+  batch's gradients (``[B, T, D]`` at the embeddings, ``[B, L, T, D]`` at
+  the MLP outputs), the features ``chunk`` at a time (``[B, chunk, D]``
+  gathered per step); features at positions the gradients do not hold (a
+  prefix's) get zero. A ``[N, L, D]`` decoder (a cross-layer
+  transcoder's) is read out by `cross_layer.read_feature_edges`."""
+  batch, _, seq, width = grad_mlp.shape
+  inside = sources["positions"] < seq
+  positions = jnp.where(inside, sources["positions"], 0)
+  if sources["decoder"].ndim == 3:
+    feature_edges = cross_layer.read_feature_edges(
+        grad_mlp, sources["layers"], positions, sources["decoder"], chunk)
+  else:
+    flat = grad_mlp.reshape(batch, -1, width)
+    cells = sources["layers"] * seq + positions
+
+    def features(step):
+      index, decoder = step
+      return jnp.einsum("bcd,cd->bc", flat[:, index], decoder)
+
+    steps = (cells.reshape(-1, chunk),
+             sources["decoder"].reshape(-1, chunk, width))
+    by_chunk = jax.lax.map(features, steps)  # [n_chunks, B, chunk]
+    feature_edges = jnp.moveaxis(by_chunk, 0, 1).reshape(batch, -1)
+  feature_edges = jnp.where(inside[None], feature_edges, 0.0)
+  errors = jnp.einsum("bltd,ltd->blt", grad_mlp,
+                      sources["errors"]).reshape(batch, -1)
+  token_edges = jnp.einsum("btd,td->bt", grad_embed, sources["embed"])
+  return jnp.concatenate([feature_edges, errors, token_edges], axis=1)
+
+
+class Rows:
+  """Computes rows in fixed-size batches (``plan``, a `budget.Plan`, set
+  before the first rows), each in the shortest of ``prefix_lengths`` that
+  holds its targets (module docstring).
+
+  Attributes:
+    sources: The source arrays on device (features padded).
+    width: Columns of a row: features, errors, tokens.
+    n_features, n_padding: Active features, and padding after them.
+    plan: Set by the caller.
+  """
+
+  def __init__(self, linear: LinearizedModel, feats: PromptFeatures,
+               embed: np.ndarray, vocab: int,
+               placement: TargetPlacement | None,
+               prefix_model: Callable[[int], LinearizedModel],
+               prefix_lengths: tuple[int, ...]):
+    n = len(feats.layers)
+    pad = max(64, 1 << (n - 1).bit_length()) - n
+    self._place = jnp.asarray if placement is None else placement.replicate
+    def padded(a):
+      return self._place(np.concatenate([a, np.zeros((pad, *a.shape[1:]),
+                                                     a.dtype)]))
+    self.sources = {"layers": padded(feats.layers),
+                    "positions": padded(feats.positions),
+                    "decoder": padded(feats.decoder_vecs),
+                    "errors": self._place(feats.errors),
+                    "embed": self._place(embed)}
+    self.linear, self.plan, self.vocab = linear, None, vocab
+    self.placement = placement
+    self.n_features, self.n_padding = n, pad
+    self.n_layers, self.seq = feats.errors.shape[:2]
+    self.width = n + (self.n_layers + 1) * self.seq
+    self._lengths = prefix_lengths
+    self._prefix_model = prefix_model
+    self._host = (feats.errors, embed)  # Sliced for prefixes.
+    self._prefixes = {self.seq: (linear, self.sources)}
+
+  def _prefix(self, length: int):
+    """``(model, sources)`` of the prompt's first ``length`` positions."""
+    if length not in self._prefixes:
+      errors = self._place(self._host[0][:, :length])
+      embed = self._place(self._host[1][:length])
+      self._prefixes[length] = (self._prefix_model(length), dict(
+          self.sources, errors=errors, embed=embed))
+    return self._prefixes[length]
+
+  def _batches(self, positions: np.ndarray, is_logit: np.ndarray):
+    """``(target indices, prefix length)`` of each batch: by position, so
+    that a batch's targets share the shortest prefix that holds them."""
+    size = self.plan.batch
+    if self.placement is not None:  # A whole number of targets per device.
+      size = -(-size // self.placement.ways) * self.placement.ways
+    reads = np.where(is_logit, self.seq - 1, positions)
+    order = (np.argsort(reads, kind="stable") if len(self._lengths) > 1
+             else np.arange(len(reads)))
+    for start in range(0, len(order), size):
+      index = order[start:start + size]
+      last = int(reads[index].max())
+      length = next(n for n in self._lengths if n > last)
+      yield index, length, size
+
+  def _run(self, layers, positions, vectors, tokens, is_logit, out):
+    split = jnp.asarray if self.placement is None else self.placement.split
+    if out is None:
+      out = np.zeros((len(vectors), self.width), np.float32)
+    for index, length, size in self._batches(positions, is_logit):
+      linear, sources = self._prefix(length)
+      def padded(a):
+        return split(np.concatenate([a[index], np.zeros(
+            (size - len(index), *a.shape[1:]), a.dtype)]))
+      rows = to_host(_batch_rows(
+          linear, sources, padded(layers), padded(positions),
+          padded(vectors), padded(tokens), padded(is_logit),
+          chunk=self.plan.chunk))[:len(index)]
+      self._write(out, index, rows, length)
+    return out
+
+  def _write(self, out: np.ndarray, index: np.ndarray, rows: np.ndarray,
+             length: int) -> None:
+    """Writes a batch's rows (over a ``length`` prefix's sources) into the
+    rows ``index`` of ``out`` (over the whole prompt's)."""
+    n, start = self.n_features, self.n_features + self.n_padding
+    block = np.zeros((len(index), self.width), np.float32)
+    block[:, :n] = rows[:, :n]
+    errors = rows[:, start:start + self.n_layers * length]
+    block[:, n:n + self.n_layers * self.seq].reshape(
+        len(index), self.n_layers, self.seq)[:, :, :length] = errors.reshape(
+            len(index), self.n_layers, length)
+    block[:, n + self.n_layers * self.seq:][:, :length] = rows[
+        :, start + self.n_layers * length:]
+    out[index] = block
+
+  def logits(self, tokens: np.ndarray, out=None) -> np.ndarray:
+    """Rows of the demeaned logits of ``tokens`` (last position), written
+    into ``out`` (``[len(tokens), width]``) if given."""
+    zeros = np.zeros(len(tokens), np.int32)
+    vectors = np.zeros((len(tokens), self.sources["embed"].shape[1]),
+                       np.float32)
+    return self._run(zeros, zeros, vectors, tokens.astype(np.int32),
+                     np.ones(len(tokens), bool), out)
+
+  def features(self, feats: PromptFeatures, index: np.ndarray,
+               out=None) -> np.ndarray:
+    """Rows of the pre-activations of features ``index``, written into
+    ``out`` if given."""
+    return self._run(feats.layers[index], feats.positions[index],
+                     feats.encoder_vecs[index],
+                     np.zeros(len(index), np.int32),
+                     np.zeros(len(index), bool), out)
