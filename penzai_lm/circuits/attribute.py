@@ -112,7 +112,6 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
       max_feature_nodes, total)
   rows = Rows(linear, feats, to_host(forward["embed"]).astype(np.float32),
               last.shape[0], target_placement(model),
-              prefix_model=lambda n: linearize(model, layers, tokens[:n]),
               prefix_lengths=prefix_lengths(len(tokens), prefix_buckets))
   seq, config = len(tokens), model.config
   held = sum(a.nbytes for a in (feats.encoder_vecs, feats.decoder_vecs,

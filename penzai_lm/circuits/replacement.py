@@ -348,6 +348,18 @@ class LinearizedModel(pz.Struct):
             "mlp_out": stacked("mlp_out"), "logits": logits,
             "target_logits": target_logits}
 
+  def prefix(self, length: int) -> LinearizedModel:
+    """The replacement model of the prompt's first ``length`` positions:
+    the same layers (no copy of the weights), shorter tokens and
+    captures. Its values there equal this model's (attention is
+    causal)."""
+    def cut(x):
+      return pz.nx.nmap(lambda a: a[:length])(x.untag("seq")).tag("seq")
+    variables = tuple(dataclasses.replace(v, value=cut(v.value))
+                      for v in self.variables)
+    return dataclasses.replace(self, variables=variables,
+                               tokens=cut(self.tokens))
+
   def zero_deltas(self) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """``(embed delta [T, D], L MLP deltas [T, D])``, zeros: where the
     replacement model is the real model."""

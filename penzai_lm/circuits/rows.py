@@ -27,7 +27,6 @@ are zero for the positions it does not hold.
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +117,6 @@ class Rows:
   def __init__(self, linear: LinearizedModel, feats: PromptFeatures,
                embed: np.ndarray, vocab: int,
                placement: TargetPlacement | None,
-               prefix_model: Callable[[int], LinearizedModel],
                prefix_lengths: tuple[int, ...]):
     n = len(feats.layers)
     pad = max(64, 1 << (n - 1).bit_length()) - n
@@ -137,7 +135,6 @@ class Rows:
     self.n_layers, self.seq = feats.errors.shape[:2]
     self.width = n + (self.n_layers + 1) * self.seq
     self._lengths = prefix_lengths
-    self._prefix_model = prefix_model
     self._host = (feats.errors, embed)  # Sliced for prefixes.
     self._prefixes = {self.seq: (linear, self.sources)}
 
@@ -146,7 +143,7 @@ class Rows:
     if length not in self._prefixes:
       errors = self._place(self._host[0][:, :length])
       embed = self._place(self._host[1][:length])
-      self._prefixes[length] = (self._prefix_model(length), dict(
+      self._prefixes[length] = (self.linear.prefix(length), dict(
           self.sources, errors=errors, embed=embed))
     return self._prefixes[length]
 
