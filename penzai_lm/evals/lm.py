@@ -160,19 +160,21 @@ class LM(_LMBase):
     (one program shape)."""
     return batch + [batch[-1]] * (self.batch_size - len(batch))
 
+  def encode_request(self, context: str, continuation: str
+                     ) -> tuple[list[int], list[int]]:
+    """``(context ids, continuation ids)`` of a loglikelihood request, as
+    lm-eval's own models split them."""
+    if context == "":  # The prefix token is the context, unless the
+      # continuation starts with it already.
+      ids = self.tokenizer.encode(continuation, add_bos=False)
+      prefix = self.prefix_token_id
+      return (([prefix], ids) if not ids or ids[0] != prefix
+              else (ids[:1], ids[1:]))
+    return encode_pair(self.tok_encode, context, continuation)
+
   def loglikelihood(self, requests, disable_tqdm: bool = False):
     del disable_tqdm
-    pairs = []
-    for context, continuation in (r.args for r in requests):
-      if context == "":  # The prefix token is the context, unless the
-        # continuation starts with it already.
-        ids = self.tokenizer.encode(continuation, add_bos=False)
-        prefix = self.prefix_token_id
-        pairs.append(([prefix], ids) if not ids or ids[0] != prefix
-                     else (ids[:1], ids[1:]))
-      else:
-        pairs.append(encode_pair(self.tok_encode, context, continuation))
-    return self._score(pairs)
+    return self._score([self.encode_request(*r.args) for r in requests])
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
     del disable_tqdm

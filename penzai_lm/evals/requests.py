@@ -5,22 +5,34 @@
 * `generation_options`: a ``generate_until`` request's ``gen_kwargs`` as
   stop strings, a token budget and sampling options.
 * `load_from_args`: ``model=...,dtype=...`` to a model (steered by a
-  control vector if asked), its tokenizer and the `LM` options.
+  control vector, or with one autoencoder feature clamped, if asked), its
+  tokenizer and the `LM` options.
+* `clamp_feature`: ``sae=...,sae_feature=...,sae_value=...`` on a model:
+  the autoencoder spliced in (error term kept) and one feature clamped at
+  every position.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Callable
 
 from penzai_lm.interp.control_vector_files import load_control_vector
 from penzai_lm.loading.load import load
+from penzai_lm.model.points import insert_at
+from penzai_lm.sae.edits import FeatureEdit
+from penzai_lm.sae.formats import load_sae
+from penzai_lm.sae.splice import splice
 
 # lm-eval's default seed (``--seed``), for sampled generations.
 DEFAULT_SEED = 1234
 _LM_OPTIONS = ("batch_size", "max_length", "max_gen_toks", "add_bos_token")
 _LOAD_OPTIONS = ("dtype", "quantize", "use_layer_stack")
 _STEERING = ("control_vector", "control_strength")
+_SAE = ("sae", "sae_feature", "sae_value", "sae_point")
+# The splice's name: the clamped features are ``{point}.sae.features``.
+SPLICE_NAME = "sae"
 
 
 def encode_pair(encode: Callable[[str], list[int]], context: str,
@@ -83,21 +95,29 @@ def load_from_args(args: dict[str, Any]):
   ``dtype``, ``quantize``, ``use_layer_stack`` (as `penzai_lm.load`),
   ``batch_size``, ``max_length``, ``max_gen_toks``, ``add_bos_token``
   (as `LM`), ``control_vector`` (a llama.cpp control-vector file) and
-  ``control_strength`` (its factor, default 1).
+  ``control_strength`` (its factor, default 1); ``sae``, ``sae_feature``,
+  ``sae_value`` and optionally ``sae_point`` (see `clamp_feature`; applied
+  after a control vector).
 
   Raises:
-    ValueError: for a missing ``model`` or an unknown key.
+    ValueError: for a missing ``model``, an unknown key, a partial or bad
+      set of ``sae`` options.
   """
   args = dict(args)
   name = args.pop("model", None) or args.pop("pretrained", None)
   if not name:
     raise ValueError("--model_args needs model=<name or path>, e.g."
                      " model=smollm2-135m-instruct.")
-  unknown = sorted(set(args) - set(_LM_OPTIONS + _LOAD_OPTIONS + _STEERING))
+  known = _LOAD_OPTIONS + _LM_OPTIONS + _STEERING + _SAE
+  unknown = sorted(set(args) - set(known))
   if unknown:
     raise ValueError(
         f"--model_args {unknown} are not options of the penzai_lm model; it"
-        f" takes model, {', '.join(_LOAD_OPTIONS + _LM_OPTIONS + _STEERING)}.")
+        f" takes model, {', '.join(known)}.")
+  sae_args = {k[len("sae_"):] if k != "sae" else "path": args[k]
+              for k in _SAE if k in args}
+  if sae_args:
+    _check_sae_args(sae_args)
   load_kwargs = {k: args[k] for k in _LOAD_OPTIONS if k in args}
   model, tokenizer = load(str(name), **load_kwargs)
   if "control_vector" in args:
@@ -105,4 +125,76 @@ def load_from_args(args: dict[str, Any]):
     model = vector.apply(model, float(args.get("control_strength", 1.0)))
   elif "control_strength" in args:
     raise ValueError("control_strength needs control_vector=<file>.")
+  if sae_args:
+    model = clamp_feature(model, sae_args["path"], sae_args["feature"],
+                          sae_args["value"], point=sae_args.get("point"))
   return model, tokenizer, {k: args[k] for k in _LM_OPTIONS if k in args}
+
+
+def _check_sae_args(sae_args: dict[str, Any]) -> None:
+  """Raises unless ``sae_args`` (``path``, ``feature``, ``value``,
+  optionally ``point``) are complete; the values are checked by
+  `clamp_feature`."""
+  if "path" not in sae_args:
+    given = ", ".join(f"sae_{k}" for k in sae_args)
+    raise ValueError(f"{given} needs sae=<SAELens directory or autoencoder"
+                     " file>.")
+  missing = [f"sae_{k}" for k in ("feature", "value") if k not in sae_args]
+  if missing:
+    raise ValueError(
+        f"sae= needs {' and '.join(missing)} too: sae_feature=<feature id>"
+        " and sae_value=<number> clamp that feature at every position.")
+
+
+def _feature_id(feature, width: int) -> int:
+  if isinstance(feature, str) and feature.strip().lstrip("-").isdigit():
+    feature = int(feature)
+  if (not isinstance(feature, numbers.Integral) or isinstance(feature, bool)
+      or not 0 <= feature < width):
+    raise ValueError(f"sae_feature must be a feature id from 0 to"
+                     f" {width - 1} (the autoencoder has {width}), got"
+                     f" {feature!r}.")
+  return int(feature)
+
+
+def _clamp_value(value) -> float:
+  try:
+    number = float(value) if not isinstance(value, bool) else math.nan
+  except (TypeError, ValueError):
+    number = math.nan
+  if not math.isfinite(number):
+    raise ValueError(f"sae_value must be a finite number, got {value!r}.")
+  return number
+
+
+def clamp_feature(model, path, feature, value, *, point: str | None = None):
+  """``model`` with the autoencoder at ``path`` spliced in (error term
+  kept: unchanged but for the edit) and ``feature`` clamped to ``value``
+  at every position, at ``{point}.sae.features``.
+
+  Args:
+    model: A `TransformerLM`.
+    path: An autoencoder `penzai_lm.sae.load_sae` reads (a SAELens
+      directory, a Gemma Scope or circuit-tracer file).
+    feature: The feature id (an int, or its digits as lm-eval passes them).
+    value: The clamped activation (a number or its text).
+    point: The point it reads (default: the one its file names).
+
+  Returns:
+    The spliced, clamped model.
+
+  Raises:
+    ValueError: for a feature id out of range, a value that is not a
+      finite number, an autoencoder that does not fit the model.
+    FileNotFoundError: for a missing ``path``.
+  """
+  value = _clamp_value(value)
+  sae = load_sae(str(path), model=model, point=point)
+  feature = _feature_id(feature, sae.config.num_features)
+  if sae.config.hook_point is None:
+    raise ValueError(f"the autoencoder at {path} names no point it reads:"
+                     " pass sae_point=blocks.<i>.resid_post (or another).")
+  spliced = splice(model, sae, name=SPLICE_NAME)
+  edit = FeatureEdit.clamp(sae, [feature], value)
+  return insert_at(spliced, f"{sae.config.hook_point}.{SPLICE_NAME}.features",
+                   edit)

@@ -32,6 +32,16 @@ the stack's scan, so the whole thing is one loop.
 Prompts may be ragged: pair ``i`` (``clean[i]``, ``corrupted[i]``) has one
 length, pairs may differ; rows are left-padded as in `run_with_cache`, and
 padding scores 0 (`AttributionResult.row` drops it).
+
+Causal tracing's corruption (Meng et al., 2022; `penzai_lm.interp.tracing`):
+with ``corrupt=GaussianNoise(positions)`` the corrupted run is the corrupted
+tokens (default: the clean ones) with Gaussian noise added to the
+embeddings at ``positions``, its samples a ``noise`` axis of the one
+program, as in `patching_sweep`. ``s`` has no ``noise`` axis, so the score
+is the gradient of the metric over all samples at once: with a metric that
+averages over batch axes (`LogitDiff`, `AnswerProb`) it is the average over
+samples of each noised run's ``(clean - noised) . d metric / d act``. The
+clean row carries the (unused) axis too; its metric is the clean run's.
 """
 
 from __future__ import annotations
@@ -47,24 +57,28 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.interp.attribution_inputs import check_corrupt
+from penzai_lm.interp.attribution_inputs import check_points
+from penzai_lm.interp.attribution_inputs import DEFAULT_POINTS
+from penzai_lm.interp.attribution_inputs import noise_layer
+from penzai_lm.interp.attribution_inputs import pair_tokens
+from penzai_lm.interp.attribution_inputs import PER_POSITION
+from penzai_lm.interp.attribution_inputs import POINTS
+from penzai_lm.interp.attribution_inputs import RUN_AXIS
 from penzai_lm.interp.metric_checks import check_finite_metric
 from penzai_lm.interp.metric_checks import check_metric
 from penzai_lm.interp.metric_checks import metric_scalar
 from penzai_lm.interp.metrics import static_metric
 from penzai_lm.interp.patching import _default_metric
+from penzai_lm.interp.patching import _traced_metric
 from penzai_lm.interp.patching import PatchingResult
-from penzai_lm.interp.patching_inputs import check_tokens_arg
+from penzai_lm.interp.tracing import GaussianNoise
 from penzai_lm.model import points as points_lib
-from penzai_lm.model import positions_from_padding
 from penzai_lm.model import TransformerLM
-from penzai_lm.model.hooks import BLOCK_POINTS
 from penzai_lm.model.hooks import head_coordinates
 
-RUN_AXIS = "run"  # Row 0: the clean run, row 1: the corrupted run.
-PER_POSITION = ("resid_pre", "resid_mid", "resid_post", "attn_out",
-                "mlp_out")
-POINTS = (*PER_POSITION, "attn.head_out", "mlp.neurons")
-DEFAULT_POINTS = ("resid_pre", "attn_out", "mlp_out")
+__all__ = ["AttributionResult", "DEFAULT_POINTS", "PER_POSITION", "POINTS",
+           "RUN_AXIS", "attribution_patching"]
 
 
 @pz.pytree_dataclass
@@ -97,74 +111,6 @@ def _scored_axes(config, point: str) -> dict[str, int]:
   if point == "mlp.neurons":
     return {"neurons": config.mlp_hidden_size}
   return {}
-
-
-def _check_points(names) -> tuple[str, ...]:
-  names = (names,) if isinstance(names, str) else tuple(names)
-  if not names:
-    raise ValueError("names is empty: give at least one point, e.g."
-                     " names=['resid_pre'].")
-  for name in names:
-    if name in POINTS:
-      continue
-    if isinstance(name, str) and name.startswith("blocks."):
-      hint = (" names a block; give the point alone (e.g. 'resid_pre'):"
-              " every block is scored")
-    elif name in BLOCK_POINTS:
-      hint = " has no attribution score here (attention weights are not"
-      hint += " patched as a whole)"
-    else:
-      hint = " is not a block point"
-    raise ValueError(f"point {name!r}{hint}. Points: {', '.join(POINTS)}.")
-  if len(set(names)) != len(names):
-    raise ValueError(f"names has duplicates: {list(names)}.")
-  return names
-
-
-def _pair_tokens(model, clean, corrupted):
-  """(tokens over ``run``, token axes, positions or None, lengths)."""
-  named = isinstance(clean, pz.nx.NamedArrayBase)
-  rows = None
-  if not named and len(clean) and np.ndim(clean[0]) == 1:
-    rows = [list(map(int, r)) for r in clean], [
-        list(map(int, r)) for r in corrupted]
-    lengths = [len(r) for r in rows[0]]
-    if len(rows[0]) != len(rows[1]) or lengths != [len(r) for r in rows[1]]:
-      raise ValueError(
-          f"clean prompts have lengths {lengths} but corrupted prompts"
-          f" {[len(r) for r in rows[1]]}: pair i (clean[i], corrupted[i])"
-          " must have one length (pairs may differ).")
-    if len(set(lengths)) == 1:
-      clean, corrupted, rows = rows[0], rows[1], None
-  if rows is None:
-    clean = check_tokens_arg(model, clean, "clean_tokens")
-    corrupted = check_tokens_arg(model, corrupted, "corrupted_tokens")
-    if dict(clean.named_shape) != dict(corrupted.named_shape):
-      raise ValueError(
-          f"clean_tokens has shape {dict(clean.named_shape)} but"
-          f" corrupted_tokens has {dict(corrupted.named_shape)}; attribution"
-          " compares runs of the same length.")
-    if RUN_AXIS in clean.named_shape:
-      raise ValueError(f"the tokens have a {RUN_AXIS!r} axis: that name is"
-                       " the clean/corrupted axis here; rename it.")
-    axes = tuple(clean.named_shape)
-    tokens = pz.nx.stack([clean, corrupted.order_as(*axes)], RUN_AXIS)
-    rows_n = int(np.prod([n for a, n in clean.named_shape.items()
-                          if a != "seq"], dtype=int))
-    return tokens, axes, None, (clean.named_shape["seq"],) * rows_n
-  longest = max(lengths)
-  ids = np.zeros((2, len(lengths), longest), np.int32)
-  padding = np.ones((2, len(lengths), longest), bool)
-  for run, prompts in enumerate(rows):
-    for i, row in enumerate(prompts):
-      ids[run, i, longest - len(row):] = row
-      padding[run, i, longest - len(row):] = False
-  tokens = pz.nx.wrap(jnp.asarray(ids)).tag(RUN_AXIS, "batch", "seq")
-  check_tokens_arg(model, tokens[{RUN_AXIS: 0}], "clean_tokens")
-  check_tokens_arg(model, tokens[{RUN_AXIS: 1}], "corrupted_tokens")
-  positions = positions_from_padding(
-      pz.nx.wrap(jnp.asarray(padding)).tag(RUN_AXIS, "batch", "seq"))
-  return tokens, ("batch", "seq"), positions, tuple(lengths)
 
 
 def _probed(model, names, token_shape: dict[str, int]):
@@ -320,10 +266,11 @@ class AttributionResult:
 def attribution_patching(
     model,
     clean_tokens,
-    corrupted_tokens,
+    corrupted_tokens=None,
     metric: Callable[[pz.nx.NamedArray], Any] | None = None,
     *,
     names: str | Sequence[str] = DEFAULT_POINTS,
+    corrupt: GaussianNoise | None = None,
 ) -> AttributionResult:
   """Scores every (block, position) -- and head or neuron -- by attribution
   patching (the gradient estimate of `patching_sweep`; module docstring).
@@ -333,22 +280,32 @@ def attribution_patching(
     clean_tokens: One prompt (a list of ids, or a named array with ``seq``),
       a batch of equally long prompts, or a list of ragged prompts.
     corrupted_tokens: As ``clean_tokens``; ``corrupted_tokens[i]`` as long
-      as ``clean_tokens[i]``.
+      as ``clean_tokens[i]``. None: the clean tokens, corrupted by
+      ``corrupt``.
     metric: ``metric(logits) -> scalar`` on one run's logits (``seq``,
       ``vocabulary`` and the batch axes, rows left-padded), e.g.
       `LogitDiff`; traced and differentiated, so written with jax / named
       operations. Default: `LogitDiff` of the two runs' top predictions at
-      the last token (one prompt only), as in `patching_sweep`.
+      the last token (one prompt only), as in `patching_sweep`; with
+      ``corrupt`` and no corrupted tokens, `AnswerProb` of the clean top
+      prediction.
     names: Points scored: any of ``resid_pre``, ``resid_mid``,
       ``resid_post``, ``attn_out``, ``mlp_out`` (one score per block and
       position), ``attn.head_out`` (per head), ``mlp.neurons`` (per
       neuron). Default: ``resid_pre``, ``attn_out``, ``mlp_out``.
+    corrupt: Noise on the corrupted run's embeddings (`GaussianNoise`:
+      causal tracing), on top of ``corrupted_tokens``; prompts of one
+      length. Its samples are a ``noise`` axis the metric sees as a batch
+      axis (module docstring).
 
   Returns:
     An `AttributionResult`.
 
   Raises:
-    ValueError: for mismatched or malformed tokens, an unknown point, a
+    ValueError: for neither corrupted tokens nor ``corrupt``, a ``corrupt``
+      that is not a `GaussianNoise` or with positions outside the prompts,
+      ragged prompts with ``corrupt``, mismatched or malformed tokens, an
+      unknown point, a
       metric that is not callable or does not return a scalar, a
       `LogitDiff` outside the vocabulary or the prompts, or a metric (or
       its gradient) that is NaN or inf.
@@ -358,18 +315,27 @@ def attribution_patching(
     raise ValueError(
         "attribution_patching needs an uncached TransformerLM, got"
         f" {type(model).__name__}.")
-  names = _check_points(names)
+  names = check_points(names)
   if metric is not None and not callable(metric):
     raise ValueError(
         f"metric must be callable (logits -> scalar), got {metric!r}.")
-  tokens, axes, positions, lengths = _pair_tokens(
-      model, clean_tokens, corrupted_tokens)
-  if metric is None:
+  check_corrupt(corrupt, corrupted_tokens)
+  tokens, axes, positions, lengths = pair_tokens(
+      model, clean_tokens,
+      clean_tokens if corrupted_tokens is None else corrupted_tokens)
+  noise = None if corrupt is None else noise_layer(model, corrupt, tokens,
+                                                   positions)
+  check_metric(metric, model.config.vocab_size, tokens.named_shape["seq"])
+  if metric is None and corrupted_tokens is None:
+    metric = _traced_metric(model, tokens[{RUN_AXIS: 0}])
+  elif metric is None:
     metric = _default_metric(model, tokens[{RUN_AXIS: 0}],
                              tokens[{RUN_AXIS: 1}])
-  check_metric(metric, model.config.vocab_size, tokens.named_shape["seq"])
   token_shape = {a: tokens.named_shape[a] for a in axes}
-  probed = pz.freeze_params(_probed(model, names, token_shape))
+  probed = _probed(model, names, token_shape)
+  if noise is not None:
+    probed = points_lib.insert_at(probed, "embed", noise)
+  probed = pz.freeze_params(probed)
   clean, corrupted, scores = _attribute(probed, tokens, positions,
                                         static_metric(metric), jnp.float32(1.0))
   check_finite_metric(metric, {
