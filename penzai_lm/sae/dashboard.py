@@ -10,7 +10,9 @@ for each requested feature:
 * how often it fires (activation > 0) and a histogram of its non-zero
   activations;
 * the tokens its decoder direction promotes and suppresses most
-  (``w_dec[f] @ W_U``, as SAELens's dashboards show).
+  (``w_dec[f] @ W_U``, the model's own unembedding; SAELens's dashboards
+  on TransformerLens models use a ``W_U`` with the final norm's weight
+  folded in, so their lists can differ where that weight is not 1).
 
 `Dashboard` renders in a notebook (``_repr_html_``) and exports one
 self-contained HTML file (`Dashboard.save_html`: inline CSS and SVG, no
