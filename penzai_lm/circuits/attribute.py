@@ -114,8 +114,8 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
               last.shape[0], target_placement(model),
               prefix_lengths=prefix_lengths(len(tokens), prefix_buckets))
   seq, config = len(tokens), model.config
-  held = sum(a.nbytes for a in (feats.encoder_vecs, feats.decoder_vecs,
-                                feats.errors, *rows.sources.values()))
+  held = feats.errors.nbytes + sum(  # The decoders are the weights.
+      a.nbytes for name, a in rows.sources.items() if name != "decoders")
   forward = 4 * (6 * config.num_layers * seq * config.hidden_size
                  + config.num_heads * seq * seq)
   order, edges = _edges(rows, feats, logit_ids, probs, n_selected,

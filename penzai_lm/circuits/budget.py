@@ -18,7 +18,8 @@ logits, by ``n_sources`` columns), with ``max_feature_nodes`` the rows
 computed so far, over every active feature (once: ranking reads them in
 place, and the edges are copied out of them a block of rows at a time),
 and what the caller counts in ``other_bytes``: the sources (each active
-feature's encoder and decoder vectors, the errors) and one forward pass
+feature's coordinates and coefficient, the errors: the features' vectors
+are gathered from the transcoders' weights) and one forward pass
 (about ``6 * L * T * D`` floats kept for the backward pass, and one
 block's ``heads * T^2`` pattern at a time: patterns are recomputed in the
 backward pass). These are estimates of the working set (the model's and

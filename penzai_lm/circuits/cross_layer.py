@@ -15,14 +15,14 @@ target is the sum over ``t >= l`` of the target's gradient at
 token's are as for per-layer transcoders.
 
 Array conventions (float32, one prompt): ``N`` active features, ``L``
-blocks, ``T`` positions, ``D`` the residual width. The features'
-``decoder_vecs`` are ``[N, L, D]``: row ``i``'s block ``t`` is what the
-feature writes to ``mlp_out[t]`` (zero for ``t`` before its own block);
-per-layer transcoders' are ``[N, D]``, and `read_feature_edges` is the
-read-out for the ``[N, L, D]`` form. Active features are sorted by
+blocks, ``T`` positions, ``D`` the residual width. A feature's decoder
+vectors (`PromptFeatures.decoder_rows`) are ``[L, D]``: block ``t``'s is
+what it writes to ``mlp_out[t]`` (zero for ``t`` before its own block); a
+per-layer transcoder feature's are ``[D]``. Active features are sorted by
 ``(layer, position, id)`` (circuit-tracer's coalesced sparse order), the
 first ``zero_positions`` positions' features dropped and their errors set
-to zero.
+to zero. The ``[N, L, D]`` decoder vectors are never stored whole: they
+are gathered from the CLT's weights (`feature_weights`).
 
 Inside the graph code a CLT travels as a tuple of `CrossLayerBlock`, one
 per block (`check_clt`), so that the per-block replacement model reads
@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.circuits.feature_weights import FeatureWeights
 from penzai_lm.sae.formats.cross_layer import FEATURES
 from penzai_lm.sae.formats.cross_layer import LAYERS
 from penzai_lm.sae.formats.cross_layer import CrossLayerTranscoder
+
+_STEP = 4096  # Features whose decoder rows `_reconstruction` gathers at once.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,48 +113,57 @@ def check_clt(model, clt: CrossLayerTranscoder
 def prompt_arrays(clt: CrossLayerTranscoder, mlp_in: np.ndarray,
                   mlp_out: np.ndarray, zero_positions: int = 1) -> dict:
   """The fields of `penzai_lm.circuits.features.PromptFeatures` for a CLT
-  on one prompt (``mlp_in``, ``mlp_out``: ``[L, T, D]``), with
-  ``decoder_vecs`` ``[N, L, D]`` (module docstring)."""
-  n_layers, _, width = mlp_in.shape
-  coords, encoders, decoders = [], [], []
+  on one prompt (``mlp_in``, ``mlp_out``: ``[L, T, D]``); its vectors are
+  gathered from the CLT's weights (`FeatureWeights`, ``cross_layer``)."""
+  n_layers = mlp_in.shape[0]
+  coords = []
   for layer in range(n_layers):
     acts = _activations(clt, mlp_in[layer], layer)
     acts[:zero_positions] = 0.0
     positions, ids = np.nonzero(acts)
-    values = acts[positions, ids]
-    coords.append((np.full(len(ids), layer), positions, ids, values))
-    w_enc = clt.w_enc[{LAYERS: layer}].unwrap("embedding", FEATURES)
-    encoders.append(np.asarray(w_enc[:, ids], np.float32).T)
-    w_dec = clt.w_dec[layer].unwrap(FEATURES, "targets", "embedding")
-    dec = np.asarray(w_dec[ids], np.float32) * values[:, None, None]
-    decoders.append(np.pad(dec, ((0, 0), (layer, 0), (0, 0))))
+    coords.append((np.full(len(ids), layer), positions, ids,
+                   acts[positions, ids]))
   layers, positions, ids, values = (np.concatenate(c) for c in zip(*coords))
-  decoder_vecs = np.concatenate(decoders).reshape(-1, n_layers, width)
+  weights = FeatureWeights(
+      encoders=clt.w_enc.unwrap(LAYERS, "embedding", FEATURES),
+      decoders=tuple(w.unwrap(FEATURES, "targets", "embedding")
+                     for w in clt.w_dec), cross_layer=True)
+  layers, positions = layers.astype(np.int32), positions.astype(np.int32)
+  ids, values = ids.astype(np.int32), values.astype(np.float32)
   biases = np.asarray(clt.b_dec.unwrap(LAYERS, "embedding"), np.float32)
-  errors = _errors(clt, decoder_vecs, positions, biases, mlp_in, mlp_out)
+  errors = np.asarray(mlp_out, np.float32) - _reconstruction(
+      clt, weights, layers, positions, ids, values, biases, mlp_in)
   errors[:, :zero_positions] = 0.0
-  return dict(
-      layers=layers.astype(np.int32), positions=positions.astype(np.int32),
-      ids=ids.astype(np.int32), activations=values.astype(np.float32),
-      encoder_vecs=np.concatenate(encoders).reshape(-1, width),
-      decoder_vecs=decoder_vecs, errors=errors, biases=biases)
+  return dict(layers=layers, positions=positions, ids=ids,
+              activations=values, coefficients=values, weights=weights,
+              errors=errors, biases=biases)
 
 
-def _errors(clt: CrossLayerTranscoder, decoder_vecs: np.ndarray,
-            positions: np.ndarray, biases: np.ndarray, mlp_in: np.ndarray,
-            mlp_out: np.ndarray) -> np.ndarray:
-  """``mlp_out`` minus the CLT's reconstruction of every block (the active
-  features' writes, ``b_dec`` and the skip): ``[L, T, D]`` float32."""
-  recon = np.array(jax.ops.segment_sum(
-      jnp.asarray(decoder_vecs), jnp.asarray(positions, jnp.int32),
-      num_segments=mlp_in.shape[1]), np.float32).transpose(1, 0, 2)
-  recon += biases[:, None]
+def _reconstruction(clt: CrossLayerTranscoder, weights: FeatureWeights,
+                    layers, positions, ids, values, biases: np.ndarray,
+                    mlp_in: np.ndarray) -> np.ndarray:
+  """The CLT's reconstruction of every block's MLP output (the active
+  features' writes, ``b_dec`` and the skip): ``[L, T, D]`` float32. The
+  writes are gathered `_STEP` features at a time (features are sorted by
+  position within a block, so each step's writes are summed per position
+  with ``reduceat``)."""
+  n_layers, seq, _ = mlp_in.shape
+  recon = np.broadcast_to(biases[:, None], mlp_in.shape).astype(np.float32)
+  for start in range(0, len(ids), _STEP):
+    part = slice(start, start + _STEP)
+    for layer in np.unique(layers[part]):
+      at = start + np.nonzero(layers[part] == layer)[0]
+      rows = weights.decoder_rows(layers[at], ids[at], values[at])
+      cells = positions[at]
+      first = np.concatenate([[0], np.nonzero(np.diff(cells))[0] + 1])
+      summed = np.add.reduceat(rows, first, axis=0)  # [cells, L, D]
+      recon[:, cells[first]] += summed.transpose(1, 0, 2)
   if clt.w_skip is not None:
     w_skip = np.asarray(clt.w_skip.unwrap(LAYERS, "embedding_in",
                                           "embedding"), np.float32)
     recon += np.einsum("ltd,lde->lte", np.asarray(mlp_in, np.float32),
                        w_skip)
-  return np.asarray(mlp_out, np.float32) - recon
+  return recon
 
 
 def _activations(clt: CrossLayerTranscoder, x: np.ndarray,
@@ -162,37 +173,3 @@ def _activations(clt: CrossLayerTranscoder, x: np.ndarray,
   named = pz.nx.wrap(jnp.asarray(x, jnp.float32)).tag("seq", "embedding")
   acts = clt.encode_layer(named, layer).unwrap("seq", FEATURES)
   return np.array(acts, np.float32)
-
-
-def read_feature_edges(grad_mlp: jax.Array, layers: jax.Array,
-                       positions: jax.Array, decoder: jax.Array,
-                       chunk: int) -> jax.Array:
-  """The CLT features' edges ``[B, N]`` from a batch's gradients at the MLP
-  outputs (``grad_mlp`` ``[B, L, T, D]``), for features at ``layers``,
-  ``positions`` (``[N]``) writing ``decoder`` (``[N, L, D]``).
-
-  Features go ``chunk`` at a time (``chunk`` divides ``N``), and within a
-  chunk one target block at a time, from the chunk's first block that any
-  of its features writes: a step gathers ``[B, chunk, D]``, as the
-  per-layer read-out does. Chunks of padding (all-zero decoders) do no
-  steps.
-  """
-  batch, n_layers, seq, width = grad_mlp.shape
-  flat = grad_mlp.reshape(batch, n_layers * seq, width)
-
-  def one_chunk(step):
-    source_layers, source_positions, vectors = step
-    writes = jnp.any(vectors != 0, axis=(1, 2))
-    first = jnp.min(jnp.where(writes, source_layers, n_layers))
-
-    def one_block(t, acc):
-      gathered = flat[:, t * seq + source_positions]  # [B, chunk, D]
-      return acc + jnp.einsum("bcd,cd->bc", gathered, vectors[:, t])
-
-    return jax.lax.fori_loop(first, n_layers, one_block,
-                             jnp.zeros((batch, chunk), flat.dtype))
-
-  steps = (layers.reshape(-1, chunk), positions.reshape(-1, chunk),
-           decoder.reshape(-1, chunk, n_layers, width))
-  by_chunk = jax.lax.map(one_chunk, steps)  # [n_chunks, B, chunk]
-  return jnp.moveaxis(by_chunk, 0, 1).reshape(batch, -1)

@@ -10,7 +10,9 @@ On the prompt, each block's MLP output is split exactly as::
 Active features are listed sorted by ``(layer, position, feature id)``
 (circuit-tracer's coalesced sparse order). Features at the first
 ``zero_positions`` positions are dropped and the errors there set to zero,
-as circuit-tracer does for the BOS token (its default is 1 position).
+as circuit-tracer does for the BOS token (its default is 1 position). Their
+encoder and decoder vectors are not stored: they are gathered from the
+transcoders' weights when needed (`penzai_lm.circuits.feature_weights`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.circuits import cross_layer
+from penzai_lm.circuits.feature_weights import FeatureWeights
 from penzai_lm.model.transformer import TransformerLM
 from penzai_lm.sae.autoencoder import FEATURES
 from penzai_lm.sae.autoencoder import SparseAutoencoder
@@ -37,12 +40,9 @@ class PromptFeatures:
     layers, positions, ids: ``[N]`` int32 coordinates of the active
       features, sorted by ``(layer, position, id)``.
     activations: ``[N]`` float32.
-    encoder_vecs: ``[N, D]``: a feature's pre-activation is
-      ``encoder_vecs[i] . mlp_in[layer, position]`` plus a constant
-      (``b_enc``, and ``-b_dec . w_enc`` for SAEs that subtract ``b_dec``).
-    decoder_vecs: ``[N, D]``: ``activation * w_dec`` row, what the feature
-      writes to ``mlp_out``; for a cross-layer transcoder ``[N, L, D]``,
-      what it writes to each block's ``mlp_out`` (`cross_layer`).
+    coefficients: ``[N]`` float32: what each feature's raw decoder row is
+      multiplied by (`FeatureWeights.coefficients`).
+    weights: The transcoders' weights the vectors are gathered from.
     errors: ``[L, T, D]``: the MLP output the transcoder misses.
     biases: ``[L, D]``: each block's ``b_dec``.
   """
@@ -51,10 +51,24 @@ class PromptFeatures:
   positions: np.ndarray
   ids: np.ndarray
   activations: np.ndarray
-  encoder_vecs: np.ndarray
-  decoder_vecs: np.ndarray
+  coefficients: np.ndarray
+  weights: FeatureWeights
   errors: np.ndarray
   biases: np.ndarray
+
+  def encoder_rows(self, index: np.ndarray) -> np.ndarray:
+    """``[n, D]`` float32: features ``index``'s encoder vectors (a
+    feature's pre-activation is its vector dotted with ``mlp_in[layer,
+    position]``, plus a constant: ``b_enc``, and ``-b_dec . w_enc`` for
+    SAEs that subtract ``b_dec``)."""
+    return self.weights.encoder_rows(self.layers[index], self.ids[index])
+
+  def decoder_rows(self, index: np.ndarray) -> np.ndarray:
+    """Features ``index``'s decoder vectors, what each writes to
+    ``mlp_out``: ``[n, D]``, or for a cross-layer transcoder ``[n, L, D]``
+    (what it writes to each block's; `cross_layer`) float32."""
+    return self.weights.decoder_rows(self.layers[index], self.ids[index],
+                                     self.coefficients[index])
 
 
 def check_transcoders(model, transcoders
@@ -112,7 +126,7 @@ def prompt_features(transcoders, mlp_in: np.ndarray, mlp_out: np.ndarray,
   if clt is not None:
     return PromptFeatures(**cross_layer.prompt_arrays(
         clt, mlp_in, mlp_out, zero_positions))
-  found, errors, biases = [], [], []
+  found, errors, biases, encoders, decoders, norms = [], [], [], [], [], []
   for layer, t in enumerate(transcoders):
     x = pz.nx.wrap(jnp.asarray(mlp_in[layer], t.dtype)).tag("seq",
                                                              "embedding")
@@ -122,32 +136,28 @@ def prompt_features(transcoders, mlp_in: np.ndarray, mlp_out: np.ndarray,
     error = np.asarray(mlp_out[layer], np.float32) - recon
     error[:zero_positions] = 0.0
     errors.append(error)
-    biases.append(np.asarray(t.flat()["b_dec"], np.float32))
-    enc, dec = effective_vectors(t)
+    flat = t.flat()
+    biases.append(np.asarray(flat["b_dec"], np.float32))
+    encoders.append(flat["w_enc"])
+    decoders.append(flat["w_dec"])
+    norms.append(np.linalg.norm(np.asarray(flat["w_dec"], np.float32),
+                                axis=1)
+                 if t.config.rescale_acts_by_decoder_norm
+                 else np.ones(t.config.num_features, np.float32))
     positions, ids = np.nonzero(acts)
-    values = acts[positions, ids]
-    found.append((np.full(len(ids), layer), positions, ids, values,
-                  enc[:, ids].T, dec[ids] * values[:, None]))
-  cols = [np.concatenate(c) for c in zip(*found)]
-  width = mlp_in.shape[-1]
+    found.append((np.full(len(ids), layer), positions, ids,
+                  acts[positions, ids]))
+  layers, positions, ids, values = (np.concatenate(c) for c in zip(*found))
+  rescaled = any(t.config.rescale_acts_by_decoder_norm
+                 for t in transcoders)
+  weights = FeatureWeights(tuple(encoders), tuple(decoders),
+                           scales=tuple(norms) if rescaled else None)
+  layers, ids = layers.astype(np.int32), ids.astype(np.int32)
   return PromptFeatures(
-      layers=cols[0].astype(np.int32), positions=cols[1].astype(np.int32),
-      ids=cols[2].astype(np.int32), activations=cols[3].astype(np.float32),
-      encoder_vecs=cols[4].astype(np.float32).reshape(-1, width),
-      decoder_vecs=cols[5].astype(np.float32).reshape(-1, width),
-      errors=np.stack(errors), biases=np.stack(biases))
-
-
-def effective_vectors(t: SparseAutoencoder) -> tuple[np.ndarray, np.ndarray]:
-  """``(encoder [D, F], decoder [F, D])`` float32: the pre-activation is
-  ``x @ encoder`` plus a constant, the output ``acts @ decoder`` plus
-  constants (decoder-norm rescaling folded in)."""
-  flat = {k: np.asarray(v, np.float32) for k, v in t.flat().items()}
-  enc, dec = flat["w_enc"], flat["w_dec"]
-  if t.config.rescale_acts_by_decoder_norm:
-    norms = np.linalg.norm(dec, axis=1)
-    enc, dec = enc * norms, dec / norms[:, None]
-  return enc, dec
+      layers=layers, positions=positions.astype(np.int32), ids=ids,
+      activations=values.astype(np.float32),
+      coefficients=weights.coefficients(layers, ids, values),
+      weights=weights, errors=np.stack(errors), biases=np.stack(biases))
 
 
 def _reconstruction(t: SparseAutoencoder, x, acts: np.ndarray) -> np.ndarray:

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.circuits.cross_layer import read_feature_edges
+from penzai_lm.circuits.feature_weights import feature_edges
+from penzai_lm.circuits.feature_weights import feature_sources
 from penzai_lm.circuits.features import PromptFeatures
 from penzai_lm.circuits.qk_terms import QKTerms
 from penzai_lm.circuits.replacement import LinearizedModel
@@ -134,20 +135,18 @@ def source_terms(feats: PromptFeatures, embed: np.ndarray, layer: int,
   is_error = terms.kinds == "error"
   error_cells = terms.layers[is_error] * seq + terms.positions[is_error]
   pad = -n_feat % _CHUNK if n_feat else _CHUNK
-
-  def padded(a):
-    return np.concatenate([a[keep], np.zeros((pad, *a.shape[1:]), a.dtype)])
-
+  features = feature_sources(
+      feats.weights, feats.layers[keep], feats.positions[keep],
+      feats.ids[keep], feats.coefficients[keep], n_feat + pad, jnp.asarray)
   sources = {
-      "layers": padded(feats.layers), "positions": padded(feats.positions),
-      "decoder": padded(feats.decoder_vecs),  # [N, D], or a CLT's [N, L, D]
       "error_cells": error_cells,
       "errors": feats.errors.reshape(-1, embed.shape[1])[error_cells],
       "embed": embed[:n_tok],
       "b_dec": feats.biases[:layer],
       "b_dec_mask": (np.arange(seq) >= zero_positions).astype(np.float32),
   }
-  return terms, {k: jnp.asarray(v) for k, v in sources.items()}
+  return terms, {**features,
+                 **{k: jnp.asarray(v) for k, v in sources.items()}}
 
 
 def term_vectors(linear: LinearizedModel, paths: HeadPaths,
@@ -201,22 +200,9 @@ def _read_out(grad_embed, grad_mlp, sources) -> jax.Array:
   """``[B, padded features + errors + tokens + b_dec]`` from the batch's
   gradients (``[B, T, D]`` at the embeddings, ``[B, L, T, D]`` at the MLP
   outputs), features ``_CHUNK`` at a time."""
-  batch, _, seq, width = grad_mlp.shape
+  batch, _, _, width = grad_mlp.shape
   flat = grad_mlp.reshape(batch, -1, width)
-  layers, positions = sources["layers"], sources["positions"]
-  decoder = sources["decoder"]
-  if decoder.ndim == 3:  # A cross-layer transcoder's features.
-    feature_part = read_feature_edges(grad_mlp, layers, positions, decoder,
-                                      _CHUNK)
-  else:
-    def features(step):
-      cells, vectors = step
-      return jnp.einsum("bcd,cd->bc", flat[:, cells], vectors)
-
-    steps = ((layers * seq + positions).reshape(-1, _CHUNK),
-             decoder.reshape(-1, _CHUNK, width))
-    by_chunk = jax.lax.map(features, steps)  # [n_chunks, B, _CHUNK]
-    feature_part = jnp.moveaxis(by_chunk, 0, 1).reshape(batch, -1)
+  feature_part = feature_edges(grad_mlp, sources, _CHUNK)
   errors = jnp.einsum("bnd,nd->bn", flat[:, sources["error_cells"]],
                       sources["errors"])
   n_tok = sources["embed"].shape[0]

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from penzai_lm.circuits import cross_layer
+from penzai_lm.circuits.feature_weights import feature_edges
+from penzai_lm.circuits.feature_weights import feature_sources
 from penzai_lm.circuits.features import PromptFeatures
 from penzai_lm.circuits.placement import TargetPlacement
 from penzai_lm.circuits.replacement import LinearizedModel
@@ -73,33 +74,14 @@ def _batch_rows(linear: LinearizedModel, sources: dict, layers, positions,
 def _read_out(grad_embed, grad_mlp, sources, chunk: int) -> jax.Array:
   """Rows ``[B, features + errors (layer-major) + tokens]`` from the
   batch's gradients (``[B, T, D]`` at the embeddings, ``[B, L, T, D]`` at
-  the MLP outputs), the features ``chunk`` at a time (``[B, chunk, D]``
-  gathered per step); features at positions the gradients do not hold (a
-  prefix's) get zero. A ``[N, L, D]`` decoder (a cross-layer
-  transcoder's) is read out by `cross_layer.read_feature_edges`."""
-  batch, _, seq, width = grad_mlp.shape
-  inside = sources["positions"] < seq
-  positions = jnp.where(inside, sources["positions"], 0)
-  if sources["decoder"].ndim == 3:
-    feature_edges = cross_layer.read_feature_edges(
-        grad_mlp, sources["layers"], positions, sources["decoder"], chunk)
-  else:
-    flat = grad_mlp.reshape(batch, -1, width)
-    cells = sources["layers"] * seq + positions
-
-    def features(step):
-      index, decoder = step
-      return jnp.einsum("bcd,cd->bc", flat[:, index], decoder)
-
-    steps = (cells.reshape(-1, chunk),
-             sources["decoder"].reshape(-1, chunk, width))
-    by_chunk = jax.lax.map(features, steps)  # [n_chunks, B, chunk]
-    feature_edges = jnp.moveaxis(by_chunk, 0, 1).reshape(batch, -1)
-  feature_edges = jnp.where(inside[None], feature_edges, 0.0)
+  the MLP outputs); the features by `feature_weights.feature_edges`,
+  ``chunk`` at a time."""
+  batch = grad_mlp.shape[0]
+  features = feature_edges(grad_mlp, sources, chunk)
   errors = jnp.einsum("bltd,ltd->blt", grad_mlp,
                       sources["errors"]).reshape(batch, -1)
   token_edges = jnp.einsum("btd,td->bt", grad_embed, sources["embed"])
-  return jnp.concatenate([feature_edges, errors, token_edges], axis=1)
+  return jnp.concatenate([features, errors, token_edges], axis=1)
 
 
 class Rows:
@@ -121,12 +103,9 @@ class Rows:
     n = len(feats.layers)
     pad = max(64, 1 << (n - 1).bit_length()) - n
     self._place = jnp.asarray if placement is None else placement.replicate
-    def padded(a):
-      return self._place(np.concatenate([a, np.zeros((pad, *a.shape[1:]),
-                                                     a.dtype)]))
-    self.sources = {"layers": padded(feats.layers),
-                    "positions": padded(feats.positions),
-                    "decoder": padded(feats.decoder_vecs),
+    self.sources = {**feature_sources(
+        feats.weights, feats.layers, feats.positions, feats.ids,
+        feats.coefficients, n + pad, self._place),
                     "errors": self._place(feats.errors),
                     "embed": self._place(embed)}
     self.linear, self.plan, self.vocab = linear, None, vocab
@@ -163,9 +142,11 @@ class Rows:
       yield index, length, size
 
   def _run(self, layers, positions, vectors, tokens, is_logit, out):
+    """Rows of the targets (``vectors(index)``: the ``[len(index), D]``
+    vectors of targets ``index``), into ``out``."""
     split = jnp.asarray if self.placement is None else self.placement.split
     if out is None:
-      out = np.zeros((len(vectors), self.width), np.float32)
+      out = np.zeros((len(tokens), self.width), np.float32)
     for index, length, size in self._batches(positions, is_logit):
       linear, sources = self._prefix(length)
       def padded(a):
@@ -173,7 +154,9 @@ class Rows:
             (size - len(index), *a.shape[1:]), a.dtype)]))
       rows = to_host(_batch_rows(
           linear, sources, padded(layers), padded(positions),
-          padded(vectors), padded(tokens), padded(is_logit),
+          split(np.concatenate([vectors(index), np.zeros(
+              (size - len(index), self.linear.width), np.float32)])),
+          padded(tokens), padded(is_logit),
           chunk=self.plan.chunk))[:len(index)]
       self._write(out, index, rows, length)
     return out
@@ -197,16 +180,16 @@ class Rows:
     """Rows of the demeaned logits of ``tokens`` (last position), written
     into ``out`` (``[len(tokens), width]``) if given."""
     zeros = np.zeros(len(tokens), np.int32)
-    vectors = np.zeros((len(tokens), self.sources["embed"].shape[1]),
-                       np.float32)
-    return self._run(zeros, zeros, vectors, tokens.astype(np.int32),
-                     np.ones(len(tokens), bool), out)
+    width = self.linear.width
+    return self._run(zeros, zeros,
+                     lambda index: np.zeros((len(index), width), np.float32),
+                     tokens.astype(np.int32), np.ones(len(tokens), bool), out)
 
   def features(self, feats: PromptFeatures, index: np.ndarray,
                out=None) -> np.ndarray:
     """Rows of the pre-activations of features ``index``, written into
     ``out`` if given."""
     return self._run(feats.layers[index], feats.positions[index],
-                     feats.encoder_vecs[index],
+                     lambda batch: feats.encoder_rows(index[batch]),
                      np.zeros(len(index), np.int32),
                      np.zeros(len(index), bool), out)

@@ -9,7 +9,6 @@ is a clear error."""
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ import yaml
 import penzai_lm
 from penzai_lm import circuits
 from penzai_lm import interp
-from penzai_lm.circuits import cross_layer
 from penzai_lm.sae import CrossLayerTranscoder
 from penzai_lm.sae import SAEConfig
 from penzai_lm.sae import SparseAutoencoder
@@ -243,26 +241,6 @@ def test_capped_graph_is_the_full_graph_restricted():
   rows = np.concatenate([capped.selected_features,
                          np.arange(full.n_features, len(full.edges))])
   np.testing.assert_allclose(capped.edges, full.edges[np.ix_(rows, keep)],
-                             atol=1e-5)
-
-
-@pytest.mark.parametrize("chunk", [1, 4, 16])
-def test_chunked_read_out_is_the_plain_sum(chunk):
-  """`read_feature_edges` against numpy, with padding features (all-zero
-  decoders) and chunks that mix blocks."""
-  rng = np.random.default_rng(0)
-  batch, seq, n = 3, 5, 16
-  grad = rng.standard_normal((batch, LAYERS, seq, WIDTH)).astype(np.float32)
-  layers = np.sort(rng.integers(0, LAYERS, n)).astype(np.int32)
-  positions = rng.integers(0, seq, n).astype(np.int32)
-  decoder = rng.standard_normal((n, LAYERS, WIDTH)).astype(np.float32)
-  decoder[np.arange(LAYERS)[None, :] < layers[:, None]] = 0.0
-  layers[-5:], positions[-5:], decoder[-5:] = 0, 0, 0.0  # Padding.
-  expected = np.einsum("bitd,itd->bi", grad[:, :, positions].transpose(
-      0, 2, 1, 3), decoder)
-  got = jax.jit(cross_layer.read_feature_edges, static_argnums=4)(
-      grad, layers, positions, decoder, chunk)
-  np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5,
                              atol=1e-5)
 
 
