@@ -57,7 +57,6 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.interp.attribution_inputs import check_corrupt
 from penzai_lm.interp.attribution_inputs import check_points
 from penzai_lm.interp.attribution_inputs import DEFAULT_POINTS
 from penzai_lm.interp.attribution_inputs import noise_layer
@@ -72,6 +71,7 @@ from penzai_lm.interp.metrics import static_metric
 from penzai_lm.interp.patching import _default_metric
 from penzai_lm.interp.patching import _traced_metric
 from penzai_lm.interp.patching import PatchingResult
+from penzai_lm.interp.patching_inputs import check_corrupt
 from penzai_lm.interp.tracing import GaussianNoise
 from penzai_lm.model import points as points_lib
 from penzai_lm.model import TransformerLM

@@ -105,21 +105,6 @@ def pair_tokens(model, clean, corrupted):
 
 
 
-def check_corrupt(corrupt, corrupted_tokens) -> None:
-  """The checks `patching_sweep` makes of ``corrupt`` (before the tokens').
-
-  Raises:
-    ValueError: for neither corrupted tokens nor ``corrupt``, or a
-      ``corrupt`` that is not a `GaussianNoise`.
-  """
-  if corrupted_tokens is None and corrupt is None:
-    raise ValueError(
-        "give corrupted_tokens (a corrupted prompt) or corrupt= (e.g."
-        " GaussianNoise(positions=[...]) on the subject's tokens), or both.")
-  if corrupt is not None and not isinstance(corrupt, GaussianNoise):
-    raise ValueError(f"corrupt must be a GaussianNoise, got {corrupt!r}.")
-
-
 def noise_layer(model, corrupt: GaussianNoise, tokens: pz.nx.NamedArray,
                 positions) -> AddNoise:
   """The layer (for ``embed``) adding ``corrupt``'s noise, a ``noise`` axis

@@ -41,6 +41,7 @@ from penzai import pz
 
 from penzai_lm.interp.activation_cache import run_with_cache
 from penzai_lm.interp.patching_inputs import check_batch_size
+from penzai_lm.interp.patching_inputs import check_corrupt
 from penzai_lm.interp.patching_inputs import check_layers
 from penzai_lm.interp.patching_inputs import check_point
 from penzai_lm.interp.patching_inputs import check_positions
@@ -270,12 +271,7 @@ def patching_sweep(
         "patching_sweep needs an uncached TransformerLM, got"
         f" {type(model).__name__}.")
   clean = check_tokens_arg(model, clean_tokens, "clean_tokens")
-  if corrupted_tokens is None and corrupt is None:
-    raise ValueError(
-        "give corrupted_tokens (a corrupted prompt) or corrupt= (e.g."
-        " GaussianNoise(positions=[...]) on the subject's tokens), or both.")
-  if corrupt is not None and not isinstance(corrupt, GaussianNoise):
-    raise ValueError(f"corrupt must be a GaussianNoise, got {corrupt!r}.")
+  check_corrupt(corrupt, corrupted_tokens)
   corrupted = (clean if corrupted_tokens is None else
                check_tokens_arg(model, corrupted_tokens, "corrupted_tokens"))
   if dict(clean.named_shape) != dict(corrupted.named_shape):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from penzai_lm.interp.tracing import GaussianNoise
 from penzai_lm.model import points as points_lib
 from penzai_lm.model.hooks import BLOCK_POINTS
 from penzai_lm.model.hooks import MODEL_POINTS
@@ -131,3 +132,19 @@ def check_window(window) -> int:
     raise ValueError(f"window must be an int >= 1 (blocks restored together),"
                      f" got {window!r}.")
   return int(window)
+
+
+def check_corrupt(corrupt, corrupted_tokens) -> None:
+  """Checks ``corrupt`` of `patching_sweep` and `attribution_patching`
+  (before the tokens').
+
+  Raises:
+    ValueError: for neither corrupted tokens nor ``corrupt``, or a
+      ``corrupt`` that is not a `GaussianNoise`.
+  """
+  if corrupted_tokens is None and corrupt is None:
+    raise ValueError(
+        "give corrupted_tokens (a corrupted prompt) or corrupt= (e.g."
+        " GaussianNoise(positions=[...]) on the subject's tokens), or both.")
+  if corrupt is not None and not isinstance(corrupt, GaussianNoise):
+    raise ValueError(f"corrupt must be a GaussianNoise, got {corrupt!r}.")
