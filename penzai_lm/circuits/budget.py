@@ -82,7 +82,8 @@ def plan(max_memory_bytes: int | None, *, batch_size: int,
          num_layers: int, seq: int, hidden: int, vocab: int) -> Plan:
   """The largest batch (at most ``batch_size``) and chunk (a power of two,
   at most ``padded_features``, itself a power of two, and at most
-  `default_chunk`) whose estimated memory fits ``max_memory_bytes``;
+  `default_chunk`; made smaller only where that lets a batch below 16
+  targets grow) whose estimated memory fits ``max_memory_bytes``;
   without a budget, ``batch_size`` and `default_chunk`.
 
   Raises:
@@ -102,12 +103,19 @@ def plan(max_memory_bytes: int | None, *, batch_size: int,
         f" {fixed} bytes. Raise max_memory_bytes, or lower"
         " max_feature_nodes (or shorten the prompt) for a smaller graph.")
   left = max_memory_bytes - fixed
-  while True:
-    batch = min(batch_size, left // per_target_bytes(
+
+  def fitting(chunk):
+    return min(batch_size, left // per_target_bytes(
         width, chunk, num_layers, seq, hidden, vocab))
-    if batch >= min(batch_size, 16) or chunk == 1:
-      break  # Shrink the chunk rather than the batch below 16 targets.
-    chunk //= 2
+
+  # The largest chunk whose batch reaches 16 targets (or batch_size);
+  # failing that, the largest chunk with the largest batch (long prompts:
+  # the gradients, not the chunk, fill a target's share).
+  chunks = [chunk >> i for i in range(chunk.bit_length())]
+  target = min(batch_size, 16)
+  chunk = next((c for c in chunks if fitting(c) >= target),
+               max(chunks, key=lambda c: (fitting(c), c)))
+  batch = fitting(chunk)
   if batch < 1:
     need = fixed + per_target_bytes(width, 1, num_layers, seq, hidden, vocab)
     raise ValueError(

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from penzai import pz
 
 from penzai_lm.circuits.features import check_transcoders
+from penzai_lm.circuits.remat import Rematerialized
 from penzai_lm.model.captures import Capture
 from penzai_lm.model.hooks import HookPoint
 from penzai_lm.model.layers import SoftCap
@@ -93,22 +94,6 @@ class _LastPosition(pz.nn.Layer):
 
   def __call__(self, x, /, **_side_inputs):
     return pz.nx.nmap(lambda v: v[-1:])(x.untag("seq")).tag("seq")
-
-
-@pz.pytree_dataclass
-class _Rematerialized(pz.nn.Layer):
-  """Runs ``inner`` under `jax.checkpoint`: its backward pass recomputes
-  its forward values instead of keeping them. Wrapped around each
-  attention layer, whose frozen ``[heads, T, T]`` pattern the backward
-  pass needs: one block's patterns live at a time instead of every
-  block's (``L * heads * T^2`` floats, 18 GB for SmolLM2 at 4,096
-  tokens)."""
-
-  inner: pz.nn.Layer
-
-  def __call__(self, x, /, **side_inputs):
-    return jax.checkpoint(lambda layer, v: layer(v, **side_inputs))(
-        self.inner, x)
 
 
 @pz.pytree_dataclass
@@ -259,7 +244,7 @@ def _patched(model: TransformerLM, transcoders, seq_len: int):
   body = pz.select(body).at_instances_of(pz.nn.Standardize).apply(
       lambda n: _FrozenStandardize(**_norms(n)))
   body = pz.select(body).at_instances_of(pz.nn.Attention).apply(
-      _Rematerialized)
+      Rematerialized)
   hidden = model.config.hidden_size
 
   def capture(name):
@@ -290,7 +275,9 @@ def _patched(model: TransformerLM, transcoders, seq_len: int):
 @pz.pytree_dataclass
 class LinearizedModel(pz.Struct):
   """The prompt's replacement model as an affine function of the deltas
-  (see the module docstring). A pytree: pass it into ``jax.jit``.
+  (see the module docstring). A pytree: pass it into ``jax.jit``. Its
+  attention layers are `Rematerialized` for reverse mode (`jax.vjp`); use
+  `forward_mode` for `jax.jvp`.
 
   Attributes:
     stateless: The patched model with its capture variables unbound (and
@@ -359,6 +346,14 @@ class LinearizedModel(pz.Struct):
                       for v in self.variables)
     return dataclasses.replace(self, variables=variables,
                                tokens=cut(self.tokens))
+
+  def forward_mode(self) -> LinearizedModel:
+    """This model with its attention layers not rematerialized, for
+    `jax.jvp` (a `Rematerialized` layer has a custom VJP and no
+    forward-mode rule). The same values."""
+    stateless = pz.select(self.stateless).at_instances_of(
+        Rematerialized).apply(lambda layer: layer.inner)
+    return dataclasses.replace(self, stateless=stateless)
 
   def zero_deltas(self) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """``(embed delta [T, D], L MLP deltas [T, D])``, zeros: where the

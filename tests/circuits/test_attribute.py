@@ -157,11 +157,12 @@ def _target_rows(graph):
 def _jvp_all(linear, embed_tangents, mlp_tangents):
   """The targets' forward-mode derivatives (`LinearizedModel.targets`)
   along each pair of tangents (``[S, T, D]``, ``[S, L, T, D]``)."""
+  forward = linear.forward_mode()
   zeros = (jnp.zeros(embed_tangents.shape[1:]),
            jnp.zeros(mlp_tangents.shape[1:]))
 
   def one(te, tm):
-    return jax.jvp(linear.targets, zeros, (te, tm))[1]
+    return jax.jvp(forward.targets, zeros, (te, tm))[1]
 
   return jax.vmap(one)(embed_tangents, mlp_tangents)
 

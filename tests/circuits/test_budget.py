@@ -148,3 +148,16 @@ def test_default_chunk_bounds_the_gather():
                      n_held_rows=0,
                      num_layers=26, seq=20, hidden=2304, vocab=256000)
   assert plan == budget.Plan(512, 1)
+
+
+def test_long_prompts_keep_the_chunk():
+  """At 4,096 tokens of SmolLM2 a target's gradients fill its share: a
+  smaller chunk would not make the batch larger, so the chunk stays (one
+  feature a step made the read-out crawl)."""
+  kwargs = dict(batch_size=32, padded_features=1 << 21, width=2_100_000,
+                n_targets=522, n_sources=130_000, n_held_rows=522,
+                other_bytes=2 * 10**9, num_layers=30, seq=4096, hidden=576,
+                vocab=49152)
+  plan = budget.plan(10**10, **kwargs)
+  assert plan.chunk == budget.default_chunk(32, 1 << 21, 576) > 1
+  assert 1 <= plan.batch < 16
