@@ -64,6 +64,7 @@ from penzai_lm.model.captures import Capture
 from penzai_lm.model.hooks import HookPoint
 from penzai_lm.model.layers import SoftCap
 from penzai_lm.model.stateless import stateless_call
+from penzai_lm.model.transformer import TransformerBlock
 from penzai_lm.model.transformer import TransformerLM
 from penzai_lm.model.transformer import eager
 from penzai_lm.runtime.unstack import unstack_layers
@@ -287,6 +288,8 @@ class LinearizedModel(pz.Struct):
     num_layers: Blocks (``L``).
     width: The residual width (``D``).
     logit_softcap: The model's final logit soft-cap, or None.
+    cut: Whether the model stops after its first ``num_layers`` blocks
+      (`first_blocks`): no logits.
   """
 
   stateless: pz.nn.Layer
@@ -296,6 +299,8 @@ class LinearizedModel(pz.Struct):
   width: int = dataclasses.field(metadata={"pytree_node": False})
   logit_softcap: float | None = dataclasses.field(
       default=None, metadata={"pytree_node": False})
+  cut: bool = dataclasses.field(default=False,
+                                metadata={"pytree_node": False})
 
   def run(self, embed_delta: jax.Array, mlp_delta) -> dict:
     """The patched forward pass: ``{"embed": [T, D], "resid_pre": [L, T,
@@ -325,9 +330,12 @@ class LinearizedModel(pz.Struct):
     def stacked(name):
       return jnp.stack([by_label[f"{_LABEL}/{name}.{i}"] for i in layers])
 
-    target_logits = raw.unwrap("seq", "vocabulary")[0].astype(jnp.float32)
+    if self.cut:  # No logits: a zero in their place.
+      target_logits = jnp.zeros((1,), jnp.float32)
+    else:
+      target_logits = raw.unwrap("seq", "vocabulary")[0].astype(jnp.float32)
     logits = target_logits
-    if self.logit_softcap:
+    if self.logit_softcap and not self.cut:
       cap = SoftCap(cap=self.logit_softcap)(raw)
       logits = cap.unwrap("seq", "vocabulary")[0].astype(jnp.float32)
     return {"embed": by_label[f"{_LABEL}/embed"],
@@ -346,6 +354,28 @@ class LinearizedModel(pz.Struct):
                       for v in self.variables)
     return dataclasses.replace(self, variables=variables,
                                tokens=cut(self.tokens))
+
+  def first_blocks(self, n: int) -> LinearizedModel:
+    """The model cut after block ``n - 1``: `run` gives the first ``n``
+    blocks' values (the same as this model's: a block reads none after
+    it) and a zero ``[1]`` array for the logits. Same layers, no copy."""
+    if n == self.num_layers:
+      return self
+    layers = self.stateless.body.sublayers
+    at = next(i for i, layer in enumerate(layers)
+              if isinstance(layer, pz.nn.Sequential) and layer.sublayers
+              and isinstance(layer.sublayers[0], TransformerBlock))
+    body = pz.nn.Sequential([*layers[:at], pz.nn.Sequential(
+        list(layers[at].sublayers[:n]))])
+
+    def kept(variable) -> bool:  # The captures of blocks 0..n-1.
+      layer = variable.label.rpartition(".")[2]
+      return not layer.isdigit() or int(layer) < n
+
+    return dataclasses.replace(
+        self, stateless=dataclasses.replace(self.stateless, body=body),
+        variables=tuple(v for v in self.variables if kept(v)),
+        num_layers=n, cut=True)
 
   def forward_mode(self) -> LinearizedModel:
     """This model with its attention layers not rematerialized, for

@@ -19,9 +19,15 @@ long prompt's feature rows cost about half (eight lengths) of the full
 model's; one more compiled program per length. Logit targets read the last
 position: the whole prompt.
 
+Depths. Likewise a feature target at block ``l`` reads nothing after block
+``l``: with several prefix lengths, batches whose targets all sit in the
+first half of the blocks run in the model cut there
+(`LinearizedModel.first_blocks`), half the backward pass; one more program
+per length.
+
 Rows are ``[features (padded away), errors (layer-major: (layer 0, pos 0),
-(layer 0, pos 1), ...), tokens]`` over the whole prompt; a prefix's rows
-are zero for the positions it does not hold.
+(layer 0, pos 1), ...), tokens]`` over the whole prompt; a smaller model's
+rows are zero for the positions and blocks it does not hold.
 """
 
 from __future__ import annotations
@@ -48,6 +54,15 @@ def prefix_lengths(seq: int, buckets: int | None) -> tuple[int, ...]:
     buckets = 1 if seq < 1024 else 4 if seq < 2048 else 8
   buckets = max(1, min(buckets, seq))
   return tuple(sorted({-(-seq * k // buckets) for k in range(1, buckets + 1)}))
+
+
+def block_depths(num_layers: int,
+                 prefix_lengths: tuple[int, ...]) -> tuple[int, ...]:
+  """The depths (blocks) feature rows run in: every block with one prefix
+  length; with several, also the first half of the blocks."""
+  if len(prefix_lengths) == 1:
+    return (num_layers,)
+  return tuple(sorted({-(-num_layers // 2), num_layers}))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk",))
@@ -86,8 +101,9 @@ def _read_out(grad_embed, grad_mlp, sources, chunk: int) -> jax.Array:
 
 class Rows:
   """Computes rows in fixed-size batches (``plan``, a `budget.Plan`, set
-  before the first rows), each in the shortest of ``prefix_lengths`` that
-  holds its targets (module docstring).
+  before the first rows), each in the shortest of ``prefix_lengths`` and
+  the fewest blocks (`block_depths`) that hold its targets (module
+  docstring).
 
   Attributes:
     sources: The source arrays on device (features padded).
@@ -114,32 +130,41 @@ class Rows:
     self.n_layers, self.seq = feats.errors.shape[:2]
     self.width = n + (self.n_layers + 1) * self.seq
     self._lengths = prefix_lengths
-    self._host = (feats.errors, embed)  # Sliced for prefixes.
-    self._prefixes = {self.seq: (linear, self.sources)}
+    self._depths = block_depths(self.n_layers, prefix_lengths)
+    self._host = (feats.errors, embed)  # Sliced for smaller models.
+    self._models = {(self.seq, self.n_layers): (linear, self.sources)}
 
-  def _prefix(self, length: int):
-    """``(model, sources)`` of the prompt's first ``length`` positions."""
-    if length not in self._prefixes:
-      errors = self._place(self._host[0][:, :length])
+  def _model(self, length: int, depth: int):
+    """``(model, sources)`` of the prompt's first ``length`` positions and
+    first ``depth`` blocks."""
+    key = (length, depth)
+    if key not in self._models:
+      errors = self._place(self._host[0][:depth, :length])
       embed = self._place(self._host[1][:length])
-      self._prefixes[length] = (self.linear.prefix(length), dict(
-          self.sources, errors=errors, embed=embed))
-    return self._prefixes[length]
+      sources = dict(self.sources, errors=errors, embed=embed,
+                     decoders=self.sources["decoders"][:depth])
+      self._models[key] = (
+          self.linear.prefix(length).first_blocks(depth), sources)
+    return self._models[key]
 
-  def _batches(self, positions: np.ndarray, is_logit: np.ndarray):
-    """``(target indices, prefix length)`` of each batch: by position, so
-    that a batch's targets share the shortest prefix that holds them."""
+  def _batches(self, layers: np.ndarray, positions: np.ndarray,
+               is_logit: np.ndarray):
+    """``(target indices, prefix length, depth, size)`` of each batch:
+    sorted by the prefix length, then the depth, then the position their
+    targets need, so that a batch's targets share the smallest model that
+    holds them."""
     size = self.plan.batch
     if self.placement is not None:  # A whole number of targets per device.
       size = -(-size // self.placement.ways) * self.placement.ways
     reads = np.where(is_logit, self.seq - 1, positions)
-    order = (np.argsort(reads, kind="stable") if len(self._lengths) > 1
-             else np.arange(len(reads)))
+    blocks = np.where(is_logit, self.n_layers, layers + 1)
+    length_at = np.searchsorted(self._lengths, reads, side="right")
+    depth_at = np.searchsorted(self._depths, blocks)
+    order = np.lexsort((reads, depth_at, length_at))
     for start in range(0, len(order), size):
       index = order[start:start + size]
-      last = int(reads[index].max())
-      length = next(n for n in self._lengths if n > last)
-      yield index, length, size
+      yield (index, self._lengths[length_at[index].max()],
+             self._depths[depth_at[index].max()], size)
 
   def _run(self, layers, positions, vectors, tokens, is_logit, out):
     """Rows of the targets (``vectors(index)``: the ``[len(index), D]``
@@ -147,8 +172,9 @@ class Rows:
     split = jnp.asarray if self.placement is None else self.placement.split
     if out is None:
       out = np.zeros((len(tokens), self.width), np.float32)
-    for index, length, size in self._batches(positions, is_logit):
-      linear, sources = self._prefix(length)
+    for index, length, depth, size in self._batches(layers, positions,
+                                                    is_logit):
+      linear, sources = self._model(length, depth)
       def padded(a):
         return split(np.concatenate([a[index], np.zeros(
             (size - len(index), *a.shape[1:]), a.dtype)]))
@@ -158,22 +184,23 @@ class Rows:
               (size - len(index), self.linear.width), np.float32)])),
           padded(tokens), padded(is_logit),
           chunk=self.plan.chunk))[:len(index)]
-      self._write(out, index, rows, length)
+      self._write(out, index, rows, length, depth)
     return out
 
   def _write(self, out: np.ndarray, index: np.ndarray, rows: np.ndarray,
-             length: int) -> None:
-    """Writes a batch's rows (over a ``length`` prefix's sources) into the
-    rows ``index`` of ``out`` (over the whole prompt's)."""
+             length: int, depth: int) -> None:
+    """Writes a batch's rows (over the sources of a ``length`` prefix's
+    first ``depth`` blocks) into the rows ``index`` of ``out`` (over the
+    whole prompt's)."""
     n, start = self.n_features, self.n_features + self.n_padding
     block = np.zeros((len(index), self.width), np.float32)
     block[:, :n] = rows[:, :n]
-    errors = rows[:, start:start + self.n_layers * length]
+    errors = rows[:, start:start + depth * length]
     block[:, n:n + self.n_layers * self.seq].reshape(
-        len(index), self.n_layers, self.seq)[:, :, :length] = errors.reshape(
-            len(index), self.n_layers, length)
+        len(index), self.n_layers, self.seq)[:, :depth, :length] = (
+            errors.reshape(len(index), depth, length))
     block[:, n + self.n_layers * self.seq:][:, :length] = rows[
-        :, start + self.n_layers * length:]
+        :, start + depth * length:]
     out[index] = block
 
   def logits(self, tokens: np.ndarray, out=None) -> np.ndarray:
