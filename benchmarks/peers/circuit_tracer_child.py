@@ -19,15 +19,18 @@ transformer_lens, torch), never in the project's. Offline throughout:
   cross_layer_transcoder``) through its ``load_clt`` (``load_transcoders``
   would download it from the hub).
 
-Then ``circuit_tracer.attribute`` (twice: a cold and a warm run), and
-circuit-tracer's ``prune_graph`` and ``compute_graph_scores`` on its graph.
-Writes one safetensors file (arrays; the scalars as JSON metadata under
-"result"); no pickle.
+Then ``circuit_tracer.attribute`` (``--runs`` times, default twice: a cold
+and a warm run), and circuit-tracer's ``prune_graph`` and
+``compute_graph_scores`` on its graph. The peak RSS (``ru_maxrss``) and the
+wall-clock time (``done_at``, seconds since the epoch) are taken right
+after the scores, before anything is converted for the output. Writes one
+safetensors file (arrays; the scalars as JSON metadata under "result"); no
+pickle.
 
-Usage (from circuits_vs_circuit_tracer.py):
+Usage (from circuits_vs_circuit_tracer.py and attribution_graphs.py):
   python circuit_tracer_child.py --model DIR --transcoders DIR/config.yaml
       --prompt 1,5,9 --out FILE [--max-n-logits 10] [--batch-size 512]
-      [--max-feature-nodes N]
+      [--max-feature-nodes N] [--runs 2]
 """
 
 from __future__ import annotations
@@ -105,7 +108,11 @@ def main():
   parser.add_argument("--batch-size", type=int, default=512)
   parser.add_argument("--max-feature-nodes", type=int, default=None)
   parser.add_argument("--threads", type=int, default=0)
+  parser.add_argument("--runs", type=int, default=2,
+                      help="attribute calls (the graph is the last one's)")
   args = parser.parse_args()
+  if args.runs < 1:
+    parser.error(f"--runs must be at least 1, got {args.runs}.")
   if args.threads:
     torch.set_num_threads(args.threads)
   torch.manual_seed(0)
@@ -117,7 +124,7 @@ def main():
   del hf
   rss_before = _rss_mb()
   times, cpu = [], []
-  for _ in range(2):
+  for _ in range(args.runs):
     start, start_cpu = time.perf_counter(), time.process_time()
     graph = attribute(prompt, model, max_n_logits=args.max_n_logits,
                       desired_logit_prob=args.desired_logit_prob,
@@ -127,6 +134,7 @@ def main():
     cpu.append(time.process_time() - start_cpu)
   pruned = prune_graph(graph)
   replacement, completeness = compute_graph_scores(graph)
+  peak_rss, done_at = _rss_mb(), time.time()
   arrays = {
       "input_tokens": graph.input_tokens.to(torch.int32),
       "active_features": graph.active_features.to(torch.int32),
@@ -143,7 +151,7 @@ def main():
   result = {
       "replacement": replacement, "completeness": completeness,
       "seconds": times, "cpu_seconds": cpu, "rss_before_mb": rss_before,
-      "peak_rss_mb": _rss_mb(),
+      "peak_rss_mb": peak_rss, "done_at": done_at,
       "tl_vs_hf_max_abs_logit": float((tl_logits - hf_logits).abs().max()),
       "torch": torch.__version__, "threads": torch.get_num_threads(),
   }

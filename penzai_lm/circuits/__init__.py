@@ -1,6 +1,7 @@
 """Attribution graphs (circuit tracing) with transcoders, as circuit-tracer.
 
-`attribute(model, transcoders, prompt)` builds a prompt's `Graph`: the
+`attribute(model, transcoders, prompt)` builds a prompt's `Graph` (for the
+salient logits, given token ids or `CustomTarget` directions): the
 direct effects between active transcoder features, error nodes, token
 embeddings and logits in the prompt's local replacement model
 (`penzai_lm.circuits.replacement`); `prune_graph` and
@@ -11,7 +12,6 @@ self-contained page (also ``penzai-lm graph``).
 """
 
 from penzai_lm.circuits.attribute import attribute
-from penzai_lm.circuits.attribute import salient_logits
 from penzai_lm.circuits.graph import Graph
 from penzai_lm.circuits.graph_page import graph_html
 from penzai_lm.circuits.graph_page import save_graph_html
@@ -29,8 +29,11 @@ from penzai_lm.circuits.qk import qk_attribution
 from penzai_lm.circuits.qk_terms import QKTerms
 from penzai_lm.circuits.replacement import LinearizedModel
 from penzai_lm.circuits.replacement import linearize
+from penzai_lm.circuits.targets import CustomTarget
+from penzai_lm.circuits.targets import salient_logits
 
 __all__ = [
+    "CustomTarget",
     "Graph",
     "GraphExport",
     "LinearizedModel",

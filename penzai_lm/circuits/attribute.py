@@ -12,10 +12,12 @@ batches shrink and the feature edges are read out in chunks to fit the
 budget (`penzai_lm.circuits.budget`); the graph is the same. Without a
 feature cap the rows are written straight into the graph's edges.
 
-Targets, as circuit-tracer: the logits of the last position whose
-cumulative probability first reaches ``desired_logit_prob`` (at most
+Targets, as circuit-tracer: the logit targets (``attribution_targets``,
+`penzai_lm.circuits.targets`): by default the logits of the last position
+whose cumulative probability first reaches ``desired_logit_prob`` (at most
 ``max_n_logits``), demeaned (``logit - mean(logits)``, whose gradient is
-circuit-tracer's demeaned unembedding vector); then the active features,
+circuit-tracer's demeaned unembedding vector), or given token ids'
+demeaned logits, or `CustomTarget` directions; then the active features,
 all of them in order, or, with ``max_feature_nodes``, the most influential
 ones, re-ranked by their influence on the logits through the rows computed
 so far every ``update_interval`` batches.
@@ -24,8 +26,11 @@ Differences from circuit-tracer: prompts are token ids (tokenize first),
 taken as given: circuit-tracer prepends a special token (BOS, else pad or
 EOS) to a prompt that does not start with one, so prepend the tokenizer's
 BOS id to get its graph; ``Graph.vocab_size`` is the model's logit count
-(circuit-tracer's is its tokenizer's ``vocab_size``); the targets are
-always the salient logits (no custom targets yet).
+(circuit-tracer's is its tokenizer's ``vocab_size``), also the base of the
+custom targets' virtual ids; token strings are not taken as targets
+(tokenize them); a `CustomTarget`'s vector is logit-space (``[V]``), not
+circuit-tracer's ``d_model`` ``vec`` (the same target when ``vec = W_U^T @
+vector``).
 """
 
 from __future__ import annotations
@@ -45,12 +50,15 @@ from penzai_lm.circuits.replacement import LinearizedModel
 from penzai_lm.circuits.replacement import linearize
 from penzai_lm.circuits.rows import Rows
 from penzai_lm.circuits.rows import prefix_lengths
+from penzai_lm.circuits.targets import check_targets
+from penzai_lm.circuits.targets import resolve_targets
 from penzai_lm.model.transformer import TransformerLM
 from penzai_lm.runtime.host import to_host
 
 
 def attribute(model: TransformerLM, transcoders, prompt, *,
-              max_n_logits: int = 10, desired_logit_prob: float = 0.95,
+              attribution_targets=None, max_n_logits: int = 10,
+              desired_logit_prob: float = 0.95,
               batch_size: int = 512, max_feature_nodes: int | None = None,
               update_interval: int = 4, zero_positions: int = 1,
               max_memory_bytes: int | None = None,
@@ -67,9 +75,19 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
       its ``mlp_out`` and every later block's
       (`penzai_lm.circuits.cross_layer`).
     prompt: Token ids (a list or a 1-D integer array).
-    max_n_logits: Most logit nodes.
+    attribution_targets: The logit nodes (`penzai_lm.circuits.targets`):
+      None, the salient logits (``max_n_logits``,
+      ``desired_logit_prob``); a 1-D sequence or array of distinct token
+      ids, their demeaned logits in that order, weighted by their
+      probabilities at the last position; or a sequence of `CustomTarget`,
+      each ``vector . logits`` at the last position (not demeaned),
+      weighted by its ``probability``, with graph id ``vocab_size + i``
+      and its label in `Graph.logit_labels`. Logit targets read the logits
+      before any final soft-cap; probabilities come from the model's own
+      (capped) logits.
+    max_n_logits: Most logit nodes (None targets only).
     desired_logit_prob: Stop adding logit nodes once their total
-      probability reaches this.
+      probability reaches this (None targets only).
     batch_size: Targets per backward batch.
     max_feature_nodes: Most feature nodes (None: every active feature).
     update_interval: Batches between re-rankings of the features (only
@@ -85,14 +103,18 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
     prefix_buckets: Feature rows are computed in the model cut after
       their position, in this many prefix lengths (`circuits.rows`): 1
       always uses the whole prompt; None: 1 below 1,024 tokens, 4 below
-      2,048, 8 from there on. More lengths: less compute, more compiled
-      programs. The graph is the same.
+      2,048, 8 from there on. With more than one, feature rows of the
+      first half of the blocks also run in the model cut there
+      (`circuits.rows.block_depths`). More lengths: less compute, more
+      compiled programs. The graph is the same.
 
   Returns:
     The unpruned `Graph`.
 
   Raises:
-    TypeError, ValueError: for a bad argument, naming it; ValueError also
+    TypeError, ValueError: for a bad argument, naming it (checked before
+      the forward pass, ``attribution_targets`` against the model's
+      ``vocab_size``); ValueError also
       when ``max_memory_bytes`` cannot hold the graph (checked after the
       forward pass, which finds the active features, before any backward
       pass).
@@ -100,13 +122,15 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
   tokens = _check_args(model, prompt, max_n_logits, desired_logit_prob,
                        batch_size, max_feature_nodes, update_interval,
                        zero_positions, max_memory_bytes, prefix_buckets)
+  check_targets(attribution_targets, model.config.vocab_size)
   layers = check_transcoders(model, transcoders)
   linear = linearize(model, layers, tokens)
   forward = _forward(linear)
   feats = prompt_features(layers, to_host(forward["mlp_in"]),
                           to_host(forward["mlp_out"]), zero_positions)
   last = to_host(forward["logits"]).astype(np.float32)
-  logit_ids, probs = salient_logits(last, max_n_logits, desired_logit_prob)
+  targets = resolve_targets(attribution_targets, last, max_n_logits,
+                            desired_logit_prob)
   total = len(feats.layers)
   n_selected = total if max_feature_nodes is None else min(
       max_feature_nodes, total)
@@ -118,7 +142,8 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
       a.nbytes for name, a in rows.sources.items() if name != "decoders")
   forward = 4 * (6 * config.num_layers * seq * config.hidden_size
                  + config.num_heads * seq * seq)
-  order, edges = _edges(rows, feats, logit_ids, probs, n_selected,
+  order, edges = _edges(rows, feats, targets.cotangents,
+                        targets.probabilities, n_selected,
                         batch_size, update_interval, max_memory_bytes,
                         other_bytes=held + forward)
   return Graph(
@@ -127,18 +152,18 @@ def attribute(model: TransformerLM, transcoders, prompt, *,
                                axis=1).reshape(-1, 3),
       activation_values=feats.activations,
       selected_features=np.sort(order).astype(np.int32),
-      logit_tokens=logit_ids.astype(np.int32), logit_probabilities=probs,
+      logit_tokens=targets.ids, logit_probabilities=targets.probabilities,
       edges=edges, num_layers=model.config.num_layers,
-      vocab_size=last.shape[0])
+      vocab_size=last.shape[0], logit_labels=targets.labels)
 
 
-def _edges(rows: Rows, feats: PromptFeatures, logit_ids, probs,
+def _edges(rows: Rows, feats: PromptFeatures, cotangents, probs,
            n_selected: int, batch_size: int, update_interval: int,
            max_memory_bytes: int | None, other_bytes: int):
   """``(visited feature indices, the graph's edges)``, with the work split
   by `budget.plan`. Without a feature cap the rows are written straight
   into the edges."""
-  total, n_logits = len(feats.layers), len(logit_ids)
+  total, n_logits = len(feats.layers), len(cotangents)
   linear = rows.linear
   rows.plan = budget.plan(
       max_memory_bytes, batch_size=batch_size,
@@ -151,29 +176,14 @@ def _edges(rows: Rows, feats: PromptFeatures, logit_ids, probs,
       vocab=rows.vocab)
   if n_selected == total:
     edges = np.zeros((total + n_logits, rows.width), np.float32)
-    rows.logits(logit_ids, out=edges[total:])
+    rows.logits(cotangents, out=edges[total:])
     rows.features(feats, np.arange(total), out=edges[:total])
     return np.arange(total), edges
   held = np.empty((n_logits + n_selected, rows.width), np.float32)
-  rows.logits(logit_ids, out=held[:n_logits])
+  rows.logits(cotangents, out=held[:n_logits])
   order = _visit_features(rows, feats, held, probs, n_selected, batch_size,
                           update_interval)
   return order, _assemble(held, order, total, n_logits)
-
-
-def salient_logits(logits: np.ndarray, max_n_logits: int,
-                   desired_logit_prob: float
-                   ) -> tuple[np.ndarray, np.ndarray]:
-  """``(token ids, probabilities)`` of the most probable tokens, in
-  decreasing probability, until their total reaches ``desired_logit_prob``
-  (the token reaching it included), at most ``max_n_logits``."""
-  shifted = logits - logits.max()
-  probs = np.exp(shifted) / np.exp(shifted).sum()
-  top = np.argsort(-probs, kind="stable")[:max_n_logits]
-  cumulative = np.cumsum(probs[top], dtype=np.float32)
-  cutoff = int(np.searchsorted(cumulative, np.float32(desired_logit_prob))) + 1
-  top = top[:cutoff]
-  return top.astype(np.int32), probs[top].astype(np.float32)
 
 
 @jax.jit

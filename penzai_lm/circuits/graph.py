@@ -20,6 +20,12 @@ column = source, zero rows and columns included): for small graphs only,
 as its size grows with the square of the prompt's length, where ``edges``
 grows linearly (``n_features + n_logits`` rows).
 
+Logit nodes are token targets (``logit_tokens`` below ``vocab_size``, a
+label ``""``) or custom targets (`penzai_lm.circuits.targets`: virtual
+ids ``vocab_size + i``, as circuit-tracer's, with their labels in
+``logit_labels``). A custom target's row holds contributions to its
+``vector . logits`` (not demeaned).
+
 ``active_features`` lists every feature active on the prompt; the graph's
 feature nodes are ``active_features[selected_features]`` (all of them
 unless ``max_feature_nodes`` capped them).
@@ -65,14 +71,19 @@ class Graph:
     activation_values: ``[n_active]`` float32 activations.
     selected_features: ``[n_features]`` int32 sorted indices into
       ``active_features``: the graph's feature nodes.
-    logit_tokens: ``[n_logits]`` int32 token ids of the logit nodes.
+    logit_tokens: ``[n_logits]`` int32 token ids of the logit nodes
+      (``vocab_size + i`` for the ``i``-th custom target).
     logit_probabilities: ``[n_logits]`` float32 softmax probabilities of
-      those tokens at the last position.
+      those tokens at the last position (a custom target's given weight).
     edges: ``[n_features + n_logits, logit_start]`` float32, row =
       target (features, then logits), column = source (features, errors,
       tokens).
     num_layers: Blocks of the model (error nodes per position).
     vocab_size: The model's vocabulary size.
+    logit_labels: ``n_logits`` labels of the logit nodes: a custom
+      target's label, ``""`` for a token target; None (the default) is
+      every node ``""``. A logit node with an id from ``vocab_size`` on is
+      a custom target, shown by its label (not decoded).
   """
 
   input_tokens: np.ndarray
@@ -84,9 +95,19 @@ class Graph:
   edges: np.ndarray
   num_layers: int
   vocab_size: int
+  logit_labels: tuple[str, ...] | None = None
 
   def __post_init__(self):
     _check(self, "Graph")
+    labels = self.logit_labels
+    if labels is None:
+      labels = ("",) * self.n_logits
+    if (not isinstance(labels, (tuple, list)) or not all(
+        isinstance(x, str) for x in labels) or len(labels) != self.n_logits):
+      raise ValueError(f"Graph: logit_labels must be {self.n_logits} str"
+                       " (one per logit node, \"\" for a token target), got"
+                       f" {labels!r}.")
+    object.__setattr__(self, "logit_labels", tuple(labels))
 
   @property
   def n_pos(self) -> int:
@@ -184,10 +205,14 @@ class Graph:
 
   def save(self, path) -> Path:
     """Writes the graph to one safetensors file (arrays, plus the scalar
-    fields as JSON in its metadata). Returns the path."""
+    fields as JSON in its metadata, with ``logit_labels`` when a label is
+    not empty: a file without them reads as all ``""``). Returns the
+    path."""
     path = Path(path)
     meta = {"format": FORMAT, "version": FORMAT_VERSION,
             "num_layers": self.num_layers, "vocab_size": self.vocab_size}
+    if any(self.logit_labels):  # Absent: every label "".
+      meta["logit_labels"] = list(self.logit_labels)
     arrays = {name: np.ascontiguousarray(getattr(self, name))
               for name in _NAMES}
     tmp = path.with_name(path.name + ".tmp")
@@ -274,8 +299,12 @@ def _checked_array(where: str, name: str, value: np.ndarray, dtype,
 def _checked(where: str, fields: dict, meta: dict) -> Graph:
   for name, dtype, ndim in _ARRAYS:
     _checked_array(where, name, fields[name], dtype, ndim)
-  return Graph(**fields, num_layers=meta["num_layers"],
-               vocab_size=meta["vocab_size"])
+  try:
+    return Graph(**fields, num_layers=meta["num_layers"],
+                 vocab_size=meta["vocab_size"],
+                 logit_labels=meta.get("logit_labels"))
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from e
 
 
 def _check(graph: Graph, where: str) -> None:

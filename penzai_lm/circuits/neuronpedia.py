@@ -28,7 +28,9 @@ reverse_ctx_idx, jsNodeId, clerp, influence, activation``:
   ``pos``, ``"embedding"``;
 * logit ``k`` (token ``id``): ``"{num_layers + 1}_{id}_{n_pos - 1}"``,
   ``feature`` ``id``, ``"logit"``, ``token_prob``, ``is_target_logit`` for
-  the most probable, ``clerp`` ``'Output "{token}" (p=0.123)'``.
+  the first, ``clerp`` ``'Output "{token}" (p=0.123)'``; a custom
+  target (`penzai_lm.circuits.targets`, id ``vocab_size + i``) shows its
+  label in place of the token, as circuit-tracer does.
 
 ``influence`` is `PruneResult.cumulative_scores` (the fraction of all
 influence held by the nodes at least as influential: small is important),
@@ -120,10 +122,12 @@ def _nodes(graph: Graph, node_mask: np.ndarray, cumulative: np.ndarray,
       token = int(graph.logit_tokens[k])
       prob = float(graph.logit_probabilities[k])
       pos = graph.n_pos - 1
+      text = (graph.logit_labels[k] if token >= graph.vocab_size
+              else _token_text(tokenizer, token))
       nodes[index] = _node(
           f"{logit_layer}_{token}_{pos}", token, logit_layer, pos, "logit",
           f"L_{token}-{pos}", token_prob=prob, is_target_logit=k == 0,
-          clerp=f'Output "{_token_text(tokenizer, token)}" (p={prob:.3f})')
+          clerp=f'Output "{text}" (p={prob:.3f})')
   return nodes
 
 

@@ -2,7 +2,9 @@
 from batched backward passes through the prompt's `LinearizedModel`.
 
 A target is a feature's pre-activation (``vector . mlp_in[layer,
-position]``) or a demeaned logit at the last position. One backward pass
+position]``) or a logit-space direction at the last position
+(``cotangent . logits``: a demeaned one-hot for a token's demeaned logit,
+`penzai_lm.circuits.targets`). One backward pass
 (`jax.vjp`, vmapped over a batch of targets) gives its gradient at the
 ``embed`` point and at every block's ``mlp_out``; dotted with each source's
 vector there (a feature's ``a * w_dec`` at its layer and position, an
@@ -67,22 +69,20 @@ def block_depths(num_layers: int,
 
 @functools.partial(jax.jit, static_argnames=("chunk",))
 def _batch_rows(linear: LinearizedModel, sources: dict, layers, positions,
-                vectors, tokens, is_logit, *, chunk: int):
-  """``[B, n_sources]`` rows for a batch of targets: feature targets read
-  ``vectors[b]`` (``[D]``) at ``mlp_in[layers[b], positions[b]]``, logit
-  targets (``is_logit[b]``) the demeaned logit of ``tokens[b]`` at the last
-  position. Feature sources are read out ``chunk`` at a time."""
+                vectors, logit_cotangents, *, chunk: int):
+  """``[B, n_sources]`` rows for a batch of targets: target ``b`` is
+  ``vectors[b] . mlp_in[layers[b], positions[b]] + logit_cotangents[b] .
+  logits`` (``[D]``, ``[V]``; the logits the last position's before any
+  soft-cap): a feature target has a zero cotangent, a logit target a zero
+  vector. Feature sources are read out ``chunk`` at a time."""
   (mlp_in, last), pullback = jax.vjp(linear.targets, *linear.zero_deltas())
-  vocab = last.shape[0]
 
-  def one(layer, position, vector, token, logit):
-    demeaned = jax.nn.one_hot(token, vocab, dtype=last.dtype) - 1.0 / vocab
-    cotangent = (jnp.zeros_like(mlp_in).at[layer, position].set(
-        jnp.where(logit, 0.0, vector)), jnp.where(logit, demeaned, 0.0))
-    return pullback(cotangent)
+  def one(layer, position, vector, cotangent):
+    return pullback((jnp.zeros_like(mlp_in).at[layer, position].set(vector),
+                     cotangent.astype(last.dtype)))
 
-  grad_embed, grad_mlp = jax.vmap(one)(layers, positions, vectors, tokens,
-                                       is_logit)
+  grad_embed, grad_mlp = jax.vmap(one)(layers, positions, vectors,
+                                       logit_cotangents)
   return _read_out(grad_embed, jnp.stack(grad_mlp, axis=1), sources, chunk)
 
 
@@ -133,6 +133,7 @@ class Rows:
     self._depths = block_depths(self.n_layers, prefix_lengths)
     self._host = (feats.errors, embed)  # Sliced for smaller models.
     self._models = {(self.seq, self.n_layers): (linear, self.sources)}
+    self._zeros = {}  # Zero logit cotangents by shape (`_zero_cotangents`).
 
   def _model(self, length: int, depth: int):
     """``(model, sources)`` of the prompt's first ``length`` positions and
@@ -166,12 +167,14 @@ class Rows:
       yield (index, self._lengths[length_at[index].max()],
              self._depths[depth_at[index].max()], size)
 
-  def _run(self, layers, positions, vectors, tokens, is_logit, out):
+  def _run(self, layers, positions, vectors, cotangents, is_logit, out):
     """Rows of the targets (``vectors(index)``: the ``[len(index), D]``
-    vectors of targets ``index``), into ``out``."""
+    vectors of targets ``index``; ``cotangents``: the ``[n, V]`` logit
+    cotangents of logit targets, or None for feature targets), into
+    ``out``."""
     split = jnp.asarray if self.placement is None else self.placement.split
     if out is None:
-      out = np.zeros((len(tokens), self.width), np.float32)
+      out = np.zeros((len(layers), self.width), np.float32)
     for index, length, depth, size in self._batches(layers, positions,
                                                     is_logit):
       linear, sources = self._model(length, depth)
@@ -182,10 +185,21 @@ class Rows:
           linear, sources, padded(layers), padded(positions),
           split(np.concatenate([vectors(index), np.zeros(
               (size - len(index), self.linear.width), np.float32)])),
-          padded(tokens), padded(is_logit),
+          self._zero_cotangents(size, linear.cut) if cotangents is None
+          else padded(cotangents),
           chunk=self.plan.chunk))[:len(index)]
       self._write(out, index, rows, length, depth)
     return out
+
+  def _zero_cotangents(self, size: int, cut: bool) -> jax.Array:
+    """``[size, V]`` zero logit cotangents on device (``[size, 1]`` for a
+    cut model, whose logits are one zero), made once per shape: feature
+    batches ship no logit cotangents."""
+    key = (size, 1 if cut else self.vocab)
+    if key not in self._zeros:
+      split = jnp.asarray if self.placement is None else self.placement.split
+      self._zeros[key] = split(np.zeros(key, np.float32))
+    return self._zeros[key]
 
   def _write(self, out: np.ndarray, index: np.ndarray, rows: np.ndarray,
              length: int, depth: int) -> None:
@@ -203,14 +217,17 @@ class Rows:
         :, start + depth * length:]
     out[index] = block
 
-  def logits(self, tokens: np.ndarray, out=None) -> np.ndarray:
-    """Rows of the demeaned logits of ``tokens`` (last position), written
-    into ``out`` (``[len(tokens), width]``) if given."""
-    zeros = np.zeros(len(tokens), np.int32)
+  def logits(self, cotangents: np.ndarray, out=None) -> np.ndarray:
+    """Rows of the logit targets ``cotangents . logits`` (``[K, V]``
+    float32, the last position's logits before any soft-cap; a demeaned
+    one-hot for a token's demeaned logit), written into ``out`` (``[K,
+    width]``) if given."""
+    zeros = np.zeros(len(cotangents), np.int32)
     width = self.linear.width
     return self._run(zeros, zeros,
                      lambda index: np.zeros((len(index), width), np.float32),
-                     tokens.astype(np.int32), np.ones(len(tokens), bool), out)
+                     np.asarray(cotangents, np.float32),
+                     np.ones(len(cotangents), bool), out)
 
   def features(self, feats: PromptFeatures, index: np.ndarray,
                out=None) -> np.ndarray:
@@ -218,5 +235,4 @@ class Rows:
     ``out`` if given."""
     return self._run(feats.layers[index], feats.positions[index],
                      lambda batch: feats.encoder_rows(index[batch]),
-                     np.zeros(len(index), np.int32),
-                     np.zeros(len(index), bool), out)
+                     None, np.zeros(len(index), bool), out)

@@ -58,7 +58,7 @@ def _assert_same_graph(got: dict, want: dict) -> None:
   for name, value in want.items():
     if name == "ways":
       continue
-    if np.asarray(value).dtype.kind in "iu":
+    if np.asarray(value).dtype.kind in "iuU":  # Ints, labels: exact.
       np.testing.assert_array_equal(got[name], value, err_msg=name)
     else:
       np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5,

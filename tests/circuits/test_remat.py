@@ -36,8 +36,8 @@ def _compiled(linear, transcoders):
              "embed": jnp.ones((SEQ, WIDTH))}
   batch = 2
   args = (linear, sources, jnp.array([2, 1]), jnp.array([SEQ - 1, 7]),
-          jnp.ones((batch, WIDTH)), jnp.zeros(batch, jnp.int32),
-          jnp.zeros(batch, bool))
+          jnp.ones((batch, WIDTH)),
+          jnp.zeros((batch, config("llama_gqa").vocab_size)))
   compiled = rows._batch_rows.lower(*args, chunk=16).compile()
   return compiled.memory_analysis().temp_size_in_bytes, compiled(*args)
 
