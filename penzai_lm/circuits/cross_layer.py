@@ -16,7 +16,7 @@ token's are as for per-layer transcoders.
 
 Array conventions (float32, one prompt): ``N`` active features, ``L``
 blocks, ``T`` positions, ``D`` the residual width. A feature's decoder
-vectors (`PromptFeatures.decoder_rows`) are ``[L, D]``: block ``t``'s is
+vectors (`FeatureWeights.decoder_rows`) are ``[L, D]``: block ``t``'s is
 what it writes to ``mlp_out[t]`` (zero for ``t`` before its own block); a
 per-layer transcoder feature's are ``[D]``. Active features are sorted by
 ``(layer, position, id)`` (circuit-tracer's coalesced sparse order), the

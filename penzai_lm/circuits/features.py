@@ -63,13 +63,6 @@ class PromptFeatures:
     SAEs that subtract ``b_dec``)."""
     return self.weights.encoder_rows(self.layers[index], self.ids[index])
 
-  def decoder_rows(self, index: np.ndarray) -> np.ndarray:
-    """Features ``index``'s decoder vectors, what each writes to
-    ``mlp_out``: ``[n, D]``, or for a cross-layer transcoder ``[n, L, D]``
-    (what it writes to each block's; `cross_layer`) float32."""
-    return self.weights.decoder_rows(self.layers[index], self.ids[index],
-                                     self.coefficients[index])
-
 
 def check_transcoders(model, transcoders
                       ) -> (tuple[SparseAutoencoder, ...]

@@ -24,6 +24,7 @@ from penzai_lm import sae as sae_lib  # pylint: disable=g-import-not-at-top
 from penzai_lm.evals import LM  # pylint: disable=g-import-not-at-top
 from penzai_lm.evals.requests import load_from_args  # pylint: disable=g-import-not-at-top
 from tests.circuits.small_graphs import write_tokenizer_dir  # pylint: disable=g-import-not-at-top
+from tests.evals.test_lm_eval_parity import TASKS  # pylint: disable=g-import-not-at-top
 from tests.loading.synthetic_checkpoints import write_random_llama  # pylint: disable=g-import-not-at-top
 from tests.sae.format_files import saelens_dir  # pylint: disable=g-import-not-at-top
 
@@ -35,19 +36,7 @@ QUESTIONS = [
      "answer": 0},
     {"question": "hello", "choices": [" world", " cat"], "answer": 1},
 ]
-TASK = """task: pzlm_sae_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
+TASK = TASKS["pzlm_mc"].replace("pzlm_mc", "pzlm_sae_mc")
 
 
 @pytest.fixture(scope="module", name="files")
