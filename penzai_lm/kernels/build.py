@@ -58,7 +58,7 @@ TARGETS = (
     "pzlm_matvec_out_f32", "pzlm_matvec_out_bf16", "pzlm_matvec_out_f16",
     "pzlm_matvec_in_f32", "pzlm_matvec_in_bf16", "pzlm_matvec_in_f16",
     "pzlm_matvec_q8", "pzlm_matvec_q8_16", "pzlm_matvec_q4",
-    "pzlm_matvec_q8_x8", "pzlm_matvec_q4_x8",
+    "pzlm_matvec_q8_x8", "pzlm_matvec_q4_x8", "pzlm_matvec_q8_16_x8",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
     "pzlm_decode_attention_f16", "pzlm_rows", "pzlm_after", "pzlm_sample",
 )

@@ -8,6 +8,7 @@
 #define PENZAI_LM_KERNELS_COMMON_H_
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -174,7 +175,11 @@ inline float ToF32(Half v) { return F16ToF32(v.bits); }
 class Workers {
  public:
   static Workers& Get(int64_t threads) {
-    static Workers* workers = new Workers(threads);  // lives for the process
+    // PZLM_KERNEL_THREADS (a benchmark's knob) overrides XLA's count.
+    static Workers* workers = new Workers([threads] {
+      const char* env = std::getenv("PZLM_KERNEL_THREADS");
+      return env ? std::max(1, std::atoi(env)) : threads;
+    }());  // lives for the process
     return *workers;
   }
 

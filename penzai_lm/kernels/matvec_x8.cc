@@ -3,19 +3,31 @@
 //
 // Each row of the activations x: f32[R, K] is quantized once per call to
 // int8 blocks of 32 along K (q8_0's rule: d = max|x| / 127, q = rint(x / d),
-// computed as x * (1 / d) in float32), then every block of weights is
-// dotted with it in integers (int8_dot.h: VNNI where the CPU has it) and
-// the block's sum scaled by d_w * d_x; 4-bit weights' offsets multiply the
-// block's sum of the rounded x, d_x * Σ q (llama.cpp's q8_1). So every
+// computed as x * (1 / d) in float32), then the weights are dotted with it
+// in integers, 64 bytes at a time (int8_dot.h: VNNI where the CPU has it),
+// and each block's integer sum is scaled by d_w * d_x. Offsets (4-bit
+// formats' mins, q8_16's per-group offsets) and the +128 of flipped int8
+// weights (int8_dot.h) multiply the blocks' sums of the rounded x,
+// d_x * Σ q (llama.cpp's q8_1), in one vector loop per output. So every
 // product is the float product of the rounded activations q * d_x with the
 // weights: it differs from matvec.cc's by the activations' rounding, at
 // most d_x / 2 = max|x| / 254 per value, which the tests bound.
 //
+// A step is 64 bytes of one output's weights: 128 values of a 4-bit row
+// (4 blocks of 32, each 16 bytes of nibbles: its values 0-15 in the low
+// nibbles, 16-31 in the high ones, ggml's order) or 64 values of an int8
+// row. The quantized activations are laid out per step to match, so a
+// step costs one load, the nibble masks, one or two integer dots per row,
+// a conversion and one multiply-add: for 4-bit weights the step's low
+// nibbles meet the x values 0-15 of its 4 blocks and the high nibbles
+// values 16-31, both summed into the same lanes (lanes 4j..4j+3: block j).
+//
 // Conventions as in matvec.cc (out-major quantized weights, K % 32 == 0):
-//   q8:  qs s8[N, K], scale f32[N, K / 32] (q8_0) or f32[N, 1] (one scale
-//        per output).
-//   q4:  qs u8[N, K / 2], scale and mins f32[N, K / 32], ggml's nibble
-//        order.
+//   q8:    qs s8[N, K], scale f32[N, K / 32] (q8_0) or f32[N, 1] (one
+//          scale per output).
+//   q4:    qs u8[N, K / 2], scale and mins f32[N, K / 32], ggml's nibble
+//          order.
+//   q8_16: qs s8[N, K], scale and mins f32[N, K / 16].
 // A row of x whose block holds a NaN or an infinity gives NaN outputs.
 
 #include <cmath>
@@ -29,29 +41,49 @@ namespace {
 using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 using namespace pzlm::x8;  // NOLINT
 
-// The activations, quantized: per row, K int8 values (zeros past K, up to a
-// whole step of 64), and per block of 32 the sum of its rounded values
-// s = d * Σ q and its scale d on the block's 8 lanes of a step (dl: 16
-// floats per step).
-struct QuantizedX {
-  int64_t R, K, steps;
-  std::vector<int8_t> q;
-  std::vector<float> s, dl;
+// The cache lines of n floats at p (a row's scales or offsets: a stream
+// of their own, short runs the hardware prefetchers miss).
+inline void PrefetchFloats(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+  __builtin_prefetch(p + n - 1);
+}
 
-  QuantizedX(const float* x, int64_t R_, int64_t K_)
-      : R(R_), K(K_), steps((K_ + 63) / 64), q(R_ * steps * 64, 0),
-        s(R_ * steps * 2, 0.f), dl(R_ * steps * 16, 0.f) {
-    for (int64_t r = 0; r < R; ++r) {
+// How a format's step meets the activations: 4-bit steps take 128 values,
+// the step's 4 blocks' values 0-15 then their values 16-31 ("split");
+// int8 steps take 64 values in order.
+enum class Order { kSplit, kPlain };
+
+// The activations, quantized: per row, the int8 values laid out by steps
+// (zeros past K) and, per step, two sets of 16 lane factors: `Lanes`, each
+// lane's block's d_x, and `Sums`, the sums of the rounded values
+// d_x * Σ q of each lane's block of 32 (split order) or group of 16
+// (plain), divided by the lanes that share it (4), so that an offset per
+// block or group times these lanes adds up to offset * d_x * Σ q.
+class QuantizedX {
+ public:
+  QuantizedX(const float* x, int64_t R, int64_t K, Order order)
+      : K_(K), order_(order),
+        step_values_(order == Order::kSplit ? 128 : 64),
+        steps_((K + step_values_ - 1) / step_values_),
+        q_(R * steps_ * step_values_, 0), lanes_(R * steps_ * 16, 0.f),
+        sums_(R * steps_ * 16, 0.f), totals_(R, 0.f) {
+    for (int64_t r = 0; r < R; ++r)
       for (int64_t b = 0; b < K / 32; ++b) Block(x + r * K + 32 * b, r, b);
-    }
   }
-  const int8_t* Q(int64_t r, int64_t step) const {
-    return q.data() + (r * steps + step) * 64;
+  int64_t steps() const { return steps_; }
+  int64_t K() const { return K_; }
+  // Step s of row r: 64 or 128 bytes (Order::kSplit: the low half first).
+  const int8_t* Q(int64_t r, int64_t s) const {
+    return q_.data() + (r * steps_ + s) * step_values_;
   }
-  const float* Lanes(int64_t r, int64_t step) const {
-    return dl.data() + (r * steps + step) * 16;
+  Floats Lanes(int64_t r, int64_t s) const {
+    return LoadFloats(lanes_.data() + (r * steps_ + s) * 16);
   }
-  const float* Sums(int64_t r) const { return s.data() + r * steps * 2; }
+  Floats Sums(int64_t r, int64_t s) const {
+    return LoadFloats(sums_.data() + (r * steps_ + s) * 16);
+  }
+  // d_x * Σ q over the whole row.
+  float Total(int64_t r) const { return totals_[r]; }
 
  private:
   void Block(const float* x, int64_t r, int64_t b) {
@@ -61,113 +93,213 @@ struct QuantizedX {
       finite = finite && std::isfinite(x[j]);
       amax = std::max(amax, std::fabs(x[j]));
     }
-    const float db = finite ? amax / 127.f : NAN;
-    const float inv = finite && amax > 0.f ? 1.f / db : 0.f;
-    int8_t* qb = q.data() + r * steps * 64 + 32 * b;
-    int32_t sum = 0;
+    const float d = finite ? amax / 127.f : NAN;
+    const float inv = finite && amax > 0.f ? 1.f / d : 0.f;
+    int8_t q[32];
+    int32_t half[2] = {0, 0};
     for (int j = 0; j < 32; ++j) {
       float v = std::nearbyint(x[j] * inv);
-      qb[j] = int8_t(std::min(127.f, std::max(-127.f, v)));
-      sum += qb[j];
+      q[j] = int8_t(std::min(127.f, std::max(-127.f, v)));
+      half[j / 16] += q[j];
     }
-    s[r * steps * 2 + b] = db * float(sum);
-    float* lanes = dl.data() + r * steps * 16 + 8 * b;
-    for (int j = 0; j < 8; ++j) lanes[j] = db;
+    totals_[r] += d * float(half[0] + half[1]);
+    // Where the block's values go, and its lanes in the step.
+    const int64_t s = 32 * b / step_values_;
+    const int64_t j = b - s * (step_values_ / 32);  // block within the step
+    int8_t* step = q_.data() + (r * steps_ + s) * step_values_;
+    float* lanes = lanes_.data() + (r * steps_ + s) * 16;
+    float* sums = sums_.data() + (r * steps_ + s) * 16;
+    if (order_ == Order::kSplit) {
+      std::memcpy(step + 16 * j, q, 16);
+      std::memcpy(step + 64 + 16 * j, q + 16, 16);
+      for (int l = 0; l < 4; ++l) {
+        lanes[4 * j + l] = d;
+        sums[4 * j + l] = d * float(half[0] + half[1]) / 4;
+      }
+    } else {
+      std::memcpy(step + 32 * j, q, 32);
+      for (int l = 0; l < 8; ++l) {
+        lanes[8 * j + l] = d;
+        sums[8 * j + l] = d * float(half[l / 4]) / 4;
+      }
+    }
   }
+
+  int64_t K_;
+  Order order_;
+  int64_t step_values_, steps_;
+  std::vector<int8_t> q_;
+  std::vector<float> lanes_, sums_, totals_;
 };
 
-// int8 weights, q8_0 blocks (blocks == K / 32) or one scale per output
-// (blocks == 1).
+// The per-row lane factors of one step, loaded once for every output.
+struct RowStep {
+  Floats lanes, sums;
+};
+
+// A format: its step's weights decoded once per output (`Decode`), their
+// factors (`Factors`), and how one row's integer dot with them adds to the
+// output's lanes (`Add`). Then per output a final factor (`Final`) and a
+// term per row (`RowTerm`) outside the lanes.
+
+// int8 weights with one scale per block of 32 (q8_0), or per output
+// (kChannel). Flipped weights (int8_dot.h) add 128 Σ x, taken off with
+// -128 * the sums' lanes under the same scales.
+template <bool kChannel>
 struct Q8W {
+  static constexpr Order kOrder = Order::kPlain;
   const int8_t* qs;
   const float* scale;
-  int64_t K, blocks;
-  static constexpr int kBytesPerStep = 64;
+  int64_t K;
+  struct Decoded { Bytes w; };
+  struct Factors { Floats scale; };
   int64_t RowBytes() const { return K; }
-  const uint8_t* Step(int64_t n, int64_t step) const {
-    return reinterpret_cast<const uint8_t*>(qs + n * K + 64 * step);
+  void PrefetchFactors(int64_t n) const {
+    if (!kChannel) PrefetchFloats(scale + n * (K / 32), K / 32);
   }
-  // The step's lanes' weight scales (1 for per-output scales).
-  Floats Scales(int64_t n, int64_t step, int64_t valid_blocks) const {
-    if (blocks == 1) return BlockLanes(kOnes);
-    const float* p = scale + n * blocks + 2 * step;
-    if (valid_blocks == 2) return BlockLanes(p);
-    const float t[2] = {p[0], 0.f};
-    return BlockLanes(t);
+  const uint8_t* Step(int64_t n, int64_t s) const {
+    return reinterpret_cast<const uint8_t*>(qs + n * K + 64 * s);
   }
-  Floats Dot(SignedBytes w, Bytes x) const { return DotS8(w, x); }
-  SignedBytes Decode(const uint8_t* p) const { return Split(LoadBytes(p)); }
-  float Offset(int64_t, const QuantizedX&, int64_t) const { return 0.f; }
-  float Final(int64_t n) const { return blocks == 1 ? scale[n] : 1.f; }
-  static constexpr float kOnes[2] = {1.f, 1.f};
+  Decoded Decode(const uint8_t* p, int valid_bytes) const {
+    return {Signed(valid_bytes == 64 ? LoadBytes(p)
+                                     : LoadBytesN(p, valid_bytes))};
+  }
+  Factors Get(int64_t n, int64_t s, int valid_values) const {
+    if (kChannel) return {NoFloats()};
+    return {Spread<2>(scale + n * (K / 32) + 2 * s, valid_values / 32)};
+  }
+  Floats Add(Floats acc, const Decoded& w, const Factors& f, const int8_t* x,
+             const RowStep& row) const {
+    Floats dot = ToFloats(DotSigned(NoInts(), w.w, LoadBytes(x)));
+    if (kChannel) return Fma(dot, row.lanes, acc);
+    Floats t = kFlip ? Fma(dot, row.lanes, Mul(row.sums, Splat(-128.f)))
+                     : Mul(dot, row.lanes);
+    return Fma(f.scale, t, acc);
+  }
+  float RowTerm(const QuantizedX& x, int64_t r) const {
+    return kChannel && kFlip ? -128.f * x.Total(r) : 0.f;
+  }
+  float Final(int64_t n) const { return kChannel ? scale[n] : 1.f; }
 };
 
 // 4-bit weights: w = nibble * scale + min, blocks of 32.
 struct Q4W {
+  static constexpr Order kOrder = Order::kSplit;
   const uint8_t* qs;
   const float* scale;
   const float* mins;
   int64_t K;
-  static constexpr int kBytesPerStep = 32;
+  struct Decoded { Bytes low, high; };
+  struct Factors { Floats scale, min; };
   int64_t RowBytes() const { return K / 2; }
-  const uint8_t* Step(int64_t n, int64_t step) const {
-    return qs + n * (K / 2) + 32 * step;
+  void PrefetchFactors(int64_t n) const {
+    PrefetchFloats(scale + n * (K / 32), K / 32);
+    PrefetchFloats(mins + n * (K / 32), K / 32);
   }
-  Floats Scales(int64_t n, int64_t step, int64_t valid_blocks) const {
-    const float* p = scale + n * (K / 32) + 2 * step;
-    if (valid_blocks == 2) return BlockLanes(p);
-    const float t[2] = {p[0], 0.f};
-    return BlockLanes(t);
+  const uint8_t* Step(int64_t n, int64_t s) const {
+    return qs + n * (K / 2) + 64 * s;
   }
-  Floats Dot(Bytes w, Bytes x) const { return DotU4(w, x); }
-  Bytes Decode(const uint8_t* p) const { return Nibbles(p); }
-  // Σ_b min[n, b] * s[r, b] (the rounded x's block sums).
-  float Offset(int64_t n, const QuantizedX& x, int64_t r) const {
-    const float* m = mins + n * (K / 32);
-    const float* s = x.Sums(r);
-    float t = 0.f;
-    for (int64_t b = 0; b < K / 32; ++b) t += m[b] * s[b];
-    return t;
+  Decoded Decode(const uint8_t* p, int valid_bytes) const {
+    Bytes b = valid_bytes == 64 ? LoadBytes(p) : LoadBytesN(p, valid_bytes);
+    return {Low4(b), High4(b)};
   }
+  Factors Get(int64_t n, int64_t s, int valid_values) const {
+    const int64_t at = n * (K / 32) + 4 * s;
+    return {Spread<4>(scale + at, valid_values / 32),
+            Spread<4>(mins + at, valid_values / 32)};
+  }
+  Floats Add(Floats acc, const Decoded& w, const Factors& f, const int8_t* x,
+             const RowStep& row) const {
+    Ints i = DotUS(DotUS(NoInts(), w.low, LoadBytes(x)), w.high,
+                   LoadBytes(x + 64));
+    acc = Fma(f.scale, Mul(ToFloats(i), row.lanes), acc);
+    return Fma(f.min, row.sums, acc);
+  }
+  float RowTerm(const QuantizedX&, int64_t) const { return 0.f; }
   float Final(int64_t) const { return 1.f; }
 };
+
+// int8 groups of 16, w = q * scale + min per group (the kept K-quants).
+struct Q8G16W {
+  static constexpr Order kOrder = Order::kPlain;
+  const int8_t* qs;
+  const float* scale;
+  const float* mins;
+  int64_t K;
+  struct Decoded { Bytes w; };
+  struct Factors { Floats scale, min; };
+  int64_t RowBytes() const { return K; }
+  void PrefetchFactors(int64_t n) const {
+    PrefetchFloats(scale + n * (K / 16), K / 16);
+    PrefetchFloats(mins + n * (K / 16), K / 16);
+  }
+  const uint8_t* Step(int64_t n, int64_t s) const {
+    return reinterpret_cast<const uint8_t*>(qs + n * K + 64 * s);
+  }
+  Decoded Decode(const uint8_t* p, int valid_bytes) const {
+    return {Signed(valid_bytes == 64 ? LoadBytes(p)
+                                     : LoadBytesN(p, valid_bytes))};
+  }
+  Factors Get(int64_t n, int64_t s, int valid_values) const {
+    const int64_t at = n * (K / 16) + 4 * s;
+    return {Spread<4>(scale + at, valid_values / 16),
+            Spread<4>(mins + at, valid_values / 16)};
+  }
+  Floats Add(Floats acc, const Decoded& w, const Factors& f, const int8_t* x,
+             const RowStep& row) const {
+    Floats dot = ToFloats(DotSigned(NoInts(), w.w, LoadBytes(x)));
+    Floats t = kFlip ? Fma(dot, row.lanes, Mul(row.sums, Splat(-128.f)))
+                     : Mul(dot, row.lanes);
+    return Fma(f.min, row.sums, Fma(f.scale, t, acc));
+  }
+  float RowTerm(const QuantizedX&, int64_t) const { return 0.f; }
+  float Final(int64_t) const { return 1.f; }
+};
+
+// One step s of outputs [n0, n0 + OUTS) and rows [r0, r0 + RB), added to
+// acc; kTail: the last step, of `valid` values (< a whole step).
+template <int RB, int OUTS, bool kTail, typename W>
+inline void Step(const W& w, const QuantizedX& x, int64_t r0, int64_t n0,
+                 int64_t s, int valid, Floats (&acc)[RB][OUTS]) {
+  const int bytes = W::kOrder == Order::kSplit ? valid / 2 : valid;
+  RowStep rows[RB];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) rows[r] = {x.Lanes(r0 + r, s), x.Sums(r0 + r, s)};
+#pragma GCC unroll 16
+  for (int o = 0; o < OUTS; ++o) {
+    const uint8_t* p = w.Step(n0 + o, s);
+    if (!kTail) __builtin_prefetch(p + 2 * OUTS * w.RowBytes());
+    const typename W::Decoded wv = w.Decode(p, kTail ? bytes : 64);
+    const typename W::Factors f = w.Get(n0 + o, s, valid);
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r)
+      acc[r][o] = w.Add(acc[r][o], wv, f, x.Q(r0 + r, s), rows[r]);
+  }
+}
 
 // Outputs [n0, n0 + OUTS) of rows [r0, r0 + RB).
 template <int RB, int OUTS, typename W>
 void Block(const W& w, const QuantizedX& x, float* y, int64_t N, int64_t r0,
            int64_t n0) {
   Floats acc[RB][OUTS];
-  for (auto& a : acc) for (auto& b : a) b = Zero();
-  const int64_t whole = x.K / 64;
-  for (int64_t step = 0; step < x.steps; ++step) {
-    decltype(w.Decode(nullptr)) wv[OUTS];
-    Floats ws[OUTS];
-    for (int o = 0; o < OUTS; ++o) {
-      const uint8_t* p = w.Step(n0 + o, step);
-      if (step < whole) {
-        __builtin_prefetch(p + 2 * OUTS * w.RowBytes());
-        wv[o] = w.Decode(p);
-        ws[o] = w.Scales(n0 + o, step, 2);
-      } else {  // Half a step: the last block, padded with zeros.
-        alignas(64) uint8_t pad[64] = {};
-        std::memcpy(pad, p, W::kBytesPerStep / 2);
-        wv[o] = w.Decode(pad);
-        ws[o] = w.Scales(n0 + o, step, 1);
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      Bytes xv = LoadBytes(x.Q(r0 + r, step));
-      Floats xd = LoadFloats(x.Lanes(r0 + r, step));
-      for (int o = 0; o < OUTS; ++o) {
-        acc[r][o] = Fma(w.Dot(wv[o], xv), Mul(ws[o], xd), acc[r][o]);
-      }
-    }
-  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
+    for (int o = 0; o < OUTS; ++o) acc[r][o] = NoFloats();
+  // The next outputs' factors, to be in cache when their block starts.
+  for (int o = 0; o < OUTS; ++o) w.PrefetchFactors(n0 + OUTS + o);
+  constexpr int kValues = W::kOrder == Order::kSplit ? 128 : 64;
+  const int64_t whole = x.K() / kValues;
+  for (int64_t s = 0; s < whole; ++s)
+    Step<RB, OUTS, false>(w, x, r0, n0, s, kValues, acc);
+  if (x.K() % kValues)
+    Step<RB, OUTS, true>(w, x, r0, n0, whole, int(x.K() % kValues), acc);
   for (int r = 0; r < RB; ++r) {
-    for (int o = 0; o < OUTS; ++o) {
-      y[(r0 + r) * N + n0 + o] = Total(acc[r][o]) * w.Final(n0 + o) +
-                                 w.Offset(n0 + o, x, r0 + r);
-    }
+    float total[OUTS];
+    Totals<OUTS>(acc[r], total);
+    const float term = w.RowTerm(x, r0 + r);
+    for (int o = 0; o < OUTS; ++o)
+      y[(r0 + r) * N + n0 + o] = (total[o] + term) * w.Final(n0 + o);
   }
 }
 
@@ -185,7 +317,7 @@ void Range(const W& w, const QuantizedX& x, float* y, int64_t N, int64_t r0,
 template <typename W>
 void Product(ffi::ThreadPool& pool, const W& w, const float* xf, float* y,
              int64_t R, int64_t K, int64_t N) {
-  const QuantizedX x(xf, R, K);
+  const QuantizedX x(xf, R, K, W::kOrder);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t tile = std::clamp<int64_t>(N / (8 * threads) / 4 * 4, 4, 64);
   ParallelTiles(pool, (N + tile - 1) / tile, [&](int64_t t) {
@@ -211,8 +343,13 @@ ffi::Error Q8X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       sd[0] != qd[0] || (sd[1] != 1 && sd[1] * 32 != K))
     return ffi::Error::InvalidArgument(
         "q8_x8: K % 32 == 0, qs [N, K], scale [N, K / 32] or [N, 1]");
-  Q8W w{qs.typed_data(), scale.typed_data(), K, sd[1]};
-  Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
+  if (sd[1] == 1) {
+    Q8W<true> w{qs.typed_data(), scale.typed_data(), K};
+    Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
+  } else {
+    Q8W<false> w{qs.typed_data(), scale.typed_data(), K};
+    Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
+  }
   return ffi::Error::Success();
 }
 
@@ -229,6 +366,24 @@ ffi::Error Q4X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument(
         "q4_x8: K % 32 == 0, qs [N, K / 2], scale and mins [N, K / 32]");
   Q4W w{qs.typed_data(), scale.typed_data(), mins.typed_data(), K};
+  Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
+  return ffi::Error::Success();
+}
+
+ffi::Error Q8G16X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                   ffi::Buffer<ffi::S8> qs, ffi::Buffer<ffi::F32> scale,
+                   ffi::Buffer<ffi::F32> mins,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions(),
+       md = mins.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [R, K]");
+  const int64_t R = xd[0], K = xd[1];
+  if (K % 32 != 0 || qd.size() != 2 || qd[1] != K || sd.size() != 2 ||
+      sd[0] != qd[0] || sd[1] * 16 != K || md.size() != 2 || md[0] != sd[0] ||
+      md[1] != sd[1])
+    return ffi::Error::InvalidArgument(
+        "q8_16_x8: K % 32 == 0, qs [N, K], scale and mins [N, K / 16]");
+  Q8G16W w{qs.typed_data(), scale.typed_data(), mins.typed_data(), K};
   Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
   return ffi::Error::Success();
 }
@@ -250,6 +405,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4_x8, Q4X8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8_16_x8, Q8G16X8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

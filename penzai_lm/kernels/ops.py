@@ -81,10 +81,24 @@ def q8(x: jax.Array, qs: jax.Array, scale: jax.Array, *,
 
 
 def q8_16(x: jax.Array, qs: jax.Array, scale: jax.Array,
-          mins: jax.Array) -> jax.Array:
+          mins: jax.Array, *, int8_activations: bool = False) -> jax.Array:
   """``x @ w.T`` with ``w[n, k] = qs[n, k] * scale[n, k // 16]
   + mins[n, k // 16]`` (``qs: int8[N, K]``, ``scale`` and ``mins``:
-  ``f32[N, K // 16]``)."""
+  ``f32[N, K // 16]``).
+
+  With ``int8_activations`` (``K % 32 == 0``) the activations are
+  quantized as in `q8`, and the offsets multiply each group's sum of the
+  rounded ``x``.
+
+  Raises:
+    ValueError: If ``int8_activations`` is set and ``K % 32 != 0``.
+  """
+  if int8_activations:
+    if qs.shape[1] % 32:
+      raise ValueError(
+          f"q8_16 with int8_activations needs K % 32 == 0; got"
+          f" K={qs.shape[1]}. Call it with int8_activations=False.")
+    return _call("pzlm_matvec_q8_16_x8", qs.shape[0], x, qs, scale, mins)
   return _call("pzlm_matvec_q8_16", qs.shape[0], x, qs, scale, mins)
 
 

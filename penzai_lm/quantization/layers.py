@@ -76,8 +76,8 @@ class QuantizedLinear(pz.nn.Layer):
     int8_activations: In the kernels, quantize the activations to int8
       blocks of 32 and take integer dot products (llama.cpp's scheme;
       `penzai_lm.kernels.ops.q8`): faster, and off by the activations'
-      rounding. Applies to the int8, q8_0, q4_0 and q4_1 formats with
-      ``K % 32 == 0``; others ignore it. Set by
+      rounding. Applies to every layout with ``K % 32 == 0``; other
+      shapes ignore it. Set by
       ``penzai_lm.kernels.with_cpu_kernels(model, int8_activations=True)``.
   """
 
@@ -118,12 +118,13 @@ class QuantizedLinear(pz.nn.Layer):
       qs, scale, mins = self._arrays()
       k = math.prod(s for _, s in self.in_axes)
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
+      groups = (k // 16,) if self.format == "q8_16" else (1, k // 32)
       x8 = (self.int8_activations and k % 32 == 0
-            and scale.shape[1] in (1, k // 32))
+            and scale.shape[1] in groups)
       if self.format in formats.FOUR_BIT:
         y = ops.q4(flat, qs, scale, mins, int8_activations=x8)
       elif mins is not None:
-        y = ops.q8_16(flat, qs, scale, mins)
+        y = ops.q8_16(flat, qs, scale, mins, int8_activations=x8)
       else:
         y = ops.q8(flat, qs, scale, int8_activations=x8)
       shape = [x.named_shape[a] for a in row_axes] + [

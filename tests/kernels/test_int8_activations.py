@@ -65,6 +65,19 @@ def _q4(n, k, seed=3):
   return qs, scale, mins, w
 
 
+def _q8_16(n, k, seed=4):
+  """int8 groups of 16 with a scale and an offset each (kept K-quants:
+  values up to 6 bits here, and full int8 in the first row)."""
+  rng = np.random.default_rng(seed)
+  qs = rng.integers(-32, 32, (n, k), dtype=np.int8)
+  qs[0] = rng.integers(-128, 128, k, dtype=np.int8)
+  scale = rng.uniform(1e-3, 1e-1, (n, k // 16)).astype(np.float32)
+  mins = rng.uniform(-1, 1, (n, k // 16)).astype(np.float32)
+  w = (qs.astype(np.float64).reshape(n, k // 16, 16) * scale[..., None]
+       + mins[..., None]).reshape(n, k)
+  return qs, scale, mins, w
+
+
 def _dequantized_x(x):
   q, d = ops.quantize_rows(x)
   rows, k = x.shape
@@ -121,14 +134,26 @@ def test_q4_int8_activations(rows, k, n):
   _check(got, x, w)
 
 
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_q8_16_int8_activations(rows, k, n):
+  qs, scale, mins, w = _q8_16(n, k)
+  x = _x(rows, k)
+  got = np.asarray(jax.jit(lambda *a: ops.q8_16(*a, int8_activations=True))(
+      x, qs, scale, mins))
+  assert got.shape == (rows, n) and got.dtype == np.float32
+  _check(got, x, w)
+
+
 def test_non_finite_activations_give_nan_rows():
   qs, scale, _ = _q8(8, 64, 2)
   q4s, s4, m4, _ = _q4(8, 64)
   x = _x(3, 64)
   x[1, 40] = np.inf
   x[2, 3] = np.nan
+  g16 = _q8_16(8, 64)[:3]
   for got in (ops.q8(x, qs, scale, int8_activations=True),
-              ops.q4(x, q4s, s4, m4, int8_activations=True)):
+              ops.q4(x, q4s, s4, m4, int8_activations=True),
+              ops.q8_16(x, *g16, int8_activations=True)):
     got = np.asarray(got)
     assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all()
 
@@ -137,6 +162,10 @@ def test_unsupported_shapes_are_errors():
   with pytest.raises(ValueError, match="K % 32 == 0"):
     ops.q8(_x(1, 48), np.zeros((4, 48), np.int8), np.ones((4, 3), np.float32),
            int8_activations=True)
+  with pytest.raises(ValueError, match="K % 32 == 0"):
+    ops.q8_16(_x(1, 48), np.zeros((4, 48), np.int8),
+              np.ones((4, 3), np.float32), np.ones((4, 3), np.float32),
+              int8_activations=True)
   with pytest.raises(ValueError, match="blocks of 32"):
     ops.q8(_x(1, 64), np.zeros((4, 64), np.int8), np.ones((4, 4), np.float32),
            int8_activations=True)
@@ -179,7 +208,7 @@ def test_every_isa_path(isa, tmp_path):
   lib = ctypes.cdll.LoadLibrary(str(library))
   assert ctypes.CFUNCTYPE(ctypes.c_char_p)(
       ("pzlm_int8_dot_isa", lib))().decode() == isa
-  for name in ("q8_x8", "q4_x8"):
+  for name in ("q8_x8", "q4_x8", "q8_16_x8"):
     jax.ffi.register_ffi_target(
         f"pzlm_test_{isa}_{name}",
         jax.ffi.pycapsule(getattr(lib, f"pzlm_matvec_{name}")),
@@ -196,6 +225,13 @@ def test_every_isa_path(isa, tmp_path):
     qs, scale, mins, w = _q4(n, k)
     got = jax.ffi.ffi_call(f"pzlm_test_{isa}_q4_x8", out)(x, qs, scale, mins)
     want = ops.q4(x, qs, scale, mins, int8_activations=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                               atol=1e-5 * np.abs(np.asarray(want)).max())
+    _check(np.asarray(got), x, w)
+    qs, scale, mins, w = _q8_16(n, k)
+    got = jax.ffi.ffi_call(f"pzlm_test_{isa}_q8_16_x8", out)(x, qs, scale,
+                                                             mins)
+    want = ops.q8_16(x, qs, scale, mins, int8_activations=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
                                atol=1e-5 * np.abs(np.asarray(want)).max())
     _check(np.asarray(got), x, w)
