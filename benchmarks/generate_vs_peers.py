@@ -19,7 +19,9 @@ tokens, so every engine produces exactly the requested number of tokens):
   without the files, these engines are skipped with a line saying how to
   set them up. llama.cpp runs at its defaults (weights repacked at load
   where it has a layout for the CPU); ``llamacpp-<variant>-norepack``
-  (not run by default) turns that off.
+  (not run by default) turns that off, and ``llamacpp-noamx-<variant>``
+  runs a llama.cpp built without AMX (``setup_llamacpp.sh noamx``; its
+  AMX path crashes on this project's Intel machines).
 * ``transformers``: Hugging Face transformers on torch CPU, float32, loading
   the same GGUF file (dequantized to float32), ``model.generate(...,
   do_sample=False)`` with its default KV cache, ``--threads`` torch threads.
@@ -156,7 +158,7 @@ def run_child(engine: str, spec: dict) -> dict | None:
   with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
     json.dump(spec, f)
   if engine in llamacpp_engine.ENGINES:
-    command = [llamacpp_engine.VENV_PYTHON, llamacpp_engine.__file__,
+    command = [llamacpp_engine.python_of(engine), llamacpp_engine.__file__,
                "--spec", f.name]
   else:
     command = [sys.executable, os.path.abspath(__file__), "--engine", engine,
@@ -256,9 +258,13 @@ def report(results: list[dict], extra: dict, agree: int):
   extra["ratios"], extra["agreement"] = {}, {}
   pairs = [(REFERENCE, e, b) for (e, b) in by
            if e != REFERENCE and (REFERENCE, b) in by]
-  pairs += [(e, penzai_lm_engine.peer(e), b) for (e, b) in by
+  # Each variant against every llama.cpp build and repack setting of its
+  # closest file that ran (the native build's defaults may have crashed).
+  pairs += [(e, peer, b) for (e, b) in by
             if e in PENZAI_LM and e != REFERENCE
-            and (penzai_lm_engine.peer(e), b) in by]
+            for (peer, pb) in by if pb == b and peer in llamacpp_engine.ENGINES
+            and llamacpp_engine.variant(peer)[0] == llamacpp_engine.variant(
+                penzai_lm_engine.peer(e))[0]]
   if pairs:  # Each penzai_lm engine vs each peer at the same batch.
     print("\nspeed-ups (medians; > 1 means the penzai_lm engine is faster; "
           "TTFT = peer TTFT / penzai_lm TTFT):")
@@ -357,6 +363,7 @@ def make_jobs(args, engines: list[str]) -> list[tuple[str, dict]]:
                prompts=make_prompts(tokenizer, args.prompt, rows))
     if engine in PENZAI_LM:
       out["load_kwargs"] = penzai_lm_engine.load_kwargs(engine)
+      out["int8_activations"] = penzai_lm_engine.int8_activations(engine)
     if engine in llamacpp_engine.ENGINES:
       name, out["repack"] = llamacpp_engine.variant(engine)
       out["gguf"] = (str(model_path) if name == "file"

@@ -58,29 +58,42 @@ from peers.make_ggufs import VARIANTS
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 VENV_PYTHON = os.path.join(PEERS_DIR, "llamacpp-venv", "bin", "python")
+# The same llama.cpp built without AMX (``setup_llamacpp.sh noamx``).
+NOAMX_VENV_PYTHON = os.path.join(PEERS_DIR, "llamacpp-noamx-venv", "bin",
+                                 "python")
 # llamacpp-file: the --model's own GGUF file, as penzai_lm fetched it.
 _FILES = (*VARIANTS, "file")
-ENGINES = (*(f"llamacpp-{v}" for v in _FILES),
-           *(f"llamacpp-{v}-norepack" for v in _FILES))
+ENGINES = tuple(f"llamacpp-{build}{v}{repack}"
+                for build in ("", "noamx-") for v in _FILES
+                for repack in ("", "-norepack"))
 MARKER = "RESULT_JSON: "  # generate_vs_peers.py reads the line with this.
 
 
 def variant(engine: str) -> tuple[str, bool]:
   """``(file variant, repack)`` of an engine name: ``"llamacpp-q8_0"`` ->
-  ``("q8_0", True)``, ``"llamacpp-file-norepack"`` -> ``("file", False)``."""
-  name = engine.split("-", 1)[1]
+  ``("q8_0", True)``, ``"llamacpp-noamx-file-norepack"`` ->
+  ``("file", False)``."""
+  name = engine.split("-", 1)[1].removeprefix("noamx-")
   if name.endswith("-norepack"):
     return name[:-len("-norepack")], False
   return name, True
 
 
+def python_of(engine: str) -> str:
+  """The python of the llama.cpp build that ``engine`` runs on: ``noamx``
+  engines on the build without AMX, the others on the native one."""
+  return NOAMX_VENV_PYTHON if "-noamx-" in engine else VENV_PYTHON
+
+
 def missing(engine: str) -> str | None:
   """Why ``engine`` cannot run here (and how to fix it), or None."""
-  venv = os.path.dirname(os.path.dirname(VENV_PYTHON))
-  if not (os.path.exists(VENV_PYTHON) and glob.glob(os.path.join(
+  python = python_of(engine)
+  venv = os.path.dirname(os.path.dirname(python))
+  if not (os.path.exists(python) and glob.glob(os.path.join(
       venv, "lib", "python*", "site-packages", "llama_cpp", "lib", "*"))):
+    flavour = " noamx" if python == NOAMX_VENV_PYTHON else ""
     return (f"no llama.cpp build in {venv}; build it (~10 min) with:"
-            " bash benchmarks/peers/setup_llamacpp.sh")
+            f" bash benchmarks/peers/setup_llamacpp.sh{flavour}")
   if variant(engine)[0] == "file":
     return None
   path = gguf_path(variant(engine)[0])

@@ -1,4 +1,4 @@
-"""Writes F32, F16, Q8_0 and Q4_1 GGUF variants of SmolLM2-135M-Instruct.
+"""Writes F32, F16, Q8_0, Q4_0, Q4_1 and Q4_K_M GGUF variants of SmolLM2-135M.
 
 Every variant is made from the same file, the SmolLM2-135M-Instruct GGUF
 that penzai_lm fetches (Q4_1 layers, a Q8_0 token embedding, F32 norms), so
@@ -9,8 +9,18 @@ weight formats on exactly the same weights. Each tensor is dequantized with
 and every metadata field is copied over (tokenizer arrays included, strings
 byte for byte), except ``general.file_type``, which names the variant. As in
 llama.cpp's converter, 1-D tensors (the norms) stay F32 in every variant;
-the token embedding of the Q4_1 variant stays Q8_0, as in the source file
-(so that variant holds the source file's blocks again).
+the token embedding of the Q4_0 and Q4_1 variants stays Q8_0, as in the
+source file (so the Q4_1 variant holds the source file's blocks again).
+
+Q4_K_M is llama.cpp's own mix, written by llama.cpp's quantizer
+(``llama_model_quantize`` with ``LLAMA_FTYPE_MOSTLY_Q4_K_M``, as its
+``llama-quantize`` tool does) from the F32 variant: gguf-py cannot write
+K-quants. SmolLM2's rows of 576 values are not whole super-blocks of 256,
+so llama.cpp falls back for those tensors (Q4_K -> Q5_0, Q6_K -> Q8_0) and
+uses Q4_K / Q6_K only for ``ffn_down`` (1,536 values a row): the file mixes
+Q5_0, Q8_0, Q4_K and Q6_K, like the real Gemma 3 270M Q4_K_M file. It needs
+``llama_cpp`` (the llama.cpp venv of ``setup_llamacpp.sh``); from another
+python the script runs that step in the llama.cpp venv.
 
 Shapes: GGUF lists a tensor's shape as ``[in, out]`` (``ReaderTensor.shape``)
 while the dequantized numpy array is ``(out, in)``; `gguf.GGUFWriter`
@@ -30,7 +40,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import subprocess
 import time
 
 import numpy as np
@@ -40,11 +52,13 @@ GGUF_DIR = os.path.join(PEERS_DIR, "ggufs")
 SOURCE = os.path.expanduser(
     "~/.cache/penzai_lm/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 STEM = "SmolLM2-135M-Instruct"
-VARIANTS = ("f32", "f16", "q8_0", "q4_1")
+VARIANTS = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q4_k_m")
+# Written by llama.cpp's quantizer from the F32 variant.
+LLAMACPP_VARIANTS = {"q4_k_m": 15}  # LLAMA_FTYPE_MOSTLY_Q4_K_M
 
 
 def gguf_path(variant: str, out_dir: str = GGUF_DIR) -> str:
-  """Where the ``variant`` ("f32", "f16", "q8_0" or "q4_1") file goes."""
+  """Where the ``variant`` (one of `VARIANTS`) file goes."""
   return os.path.join(out_dir, f"{STEM}.{variant.upper()}.gguf")
 
 
@@ -62,15 +76,16 @@ def _target_type(variant: str, name: str, ndim: int):
   from gguf import GGMLQuantizationType as T  # pylint: disable=g-import-not-at-top
   if ndim < 2:
     return T.F32
-  if variant == "q4_1" and name == "token_embd.weight":
+  if variant in ("q4_0", "q4_1") and name == "token_embd.weight":
     return T.Q8_0
-  return dict(f32=T.F32, f16=T.F16, q8_0=T.Q8_0, q4_1=T.Q4_1)[variant]
+  return dict(f32=T.F32, f16=T.F16, q8_0=T.Q8_0, q4_0=T.Q4_0,
+              q4_1=T.Q4_1)[variant]
 
 
 def _file_type(variant: str) -> int:
   from gguf import LlamaFileType as F  # pylint: disable=g-import-not-at-top
   return dict(f32=F.ALL_F32, f16=F.MOSTLY_F16, q8_0=F.MOSTLY_Q8_0,
-              q4_1=F.MOSTLY_Q4_1)[variant]
+              q4_0=F.MOSTLY_Q4_0, q4_1=F.MOSTLY_Q4_1)[variant]
 
 
 def _copy_fields(reader, writer, variant: str):
@@ -134,8 +149,9 @@ def write_variant(reader, variant: str, path: str) -> dict:
   return dict(types=counts, max_abs_change=worst)
 
 
-def verify(source_reader, path: str):
-  """Re-reads ``path``: same fields and shapes as the source, close values."""
+def verify(source_reader, path: str, tolerance: float = 0.02):
+  """Re-reads ``path``: same fields and shapes as the source, values within
+  ``tolerance`` of each tensor's largest magnitude."""
   import gguf  # pylint: disable=g-import-not-at-top
   out = gguf.GGUFReader(path)
   skip = {"general.file_type", "GGUF.kv_count"}
@@ -150,15 +166,54 @@ def verify(source_reader, path: str):
       assert [bytes(other.parts[i]) for i in other.data] == [
           bytes(field.parts[i]) for i in field.data], key
   theirs = {t.name: t for t in source_reader.tensors}
-  assert [t.name for t in out.tensors] == list(theirs), "tensor order"
+  # gguf-py keeps the source's order; llama.cpp's quantizer sorts by name.
+  assert sorted(t.name for t in out.tensors) == sorted(theirs), "tensors"
   for t in out.tensors:
     src = theirs[t.name]
     assert t.shape.tolist() == src.shape.tolist(), t.name
     a = gguf.quants.dequantize(t.data, t.tensor_type)
     b = gguf.quants.dequantize(src.data, src.tensor_type)
     scale = float(np.max(np.abs(b))) or 1.0
-    # Q4_1 of (already Q4_1) values: exact up to fp16 scales; Q8_0: ~1/127.
-    assert np.max(np.abs(a.reshape(b.shape) - b)) <= 0.02 * scale, t.name
+    # Q4_1 of (already Q4_1) values: exact up to fp16 scales; Q8_0: ~1/127;
+    # Q4_0: 1/8 of a block's largest magnitude (its clamped end).
+    assert np.max(np.abs(a.reshape(b.shape) - b)) <= tolerance * scale, t.name
+
+
+def _tolerance(variant: str) -> float:
+  return 0.13 if variant in ("q4_0", "q4_k_m") else 0.02
+
+
+def quantize_with_llamacpp(source: str, path: str, ftype: int) -> dict:
+  """Writes ``path`` from the F32 GGUF ``source`` with llama.cpp's own
+  quantizer (``llama_model_quantize``); tensor types counted."""
+  import gguf  # pylint: disable=g-import-not-at-top
+  try:
+    import llama_cpp  # pylint: disable=g-import-not-at-top
+  except ImportError:  # Not the llama.cpp venv: run this step there.
+    venv = os.path.join(PEERS_DIR, "llamacpp-venv", "bin", "python")
+    if not os.path.exists(venv):
+      raise SystemExit(f"{os.path.basename(path)} is written by llama.cpp's"
+                       " quantizer: build it first with"
+                       " bash benchmarks/peers/setup_llamacpp.sh") from None
+    code = ("import sys; sys.path.insert(0, sys.argv[1]);"
+            " from make_ggufs import quantize_with_llamacpp as q;"
+            " print(q(sys.argv[2], sys.argv[3], int(sys.argv[4])))")
+    subprocess.run([venv, "-c", code, os.path.dirname(__file__), source,
+                    path, str(ftype)], check=True)
+    return {}
+  params = llama_cpp.llama_model_quantize_default_params()
+  params.ftype = ftype
+  params.nthread = os.cpu_count() or 1
+  tmp = path + ".tmp"
+  status = llama_cpp.llama_model_quantize(source.encode(), tmp.encode(),
+                                          ctypes.byref(params))
+  if status:
+    raise RuntimeError(f"llama_model_quantize returned {status}")
+  os.replace(tmp, path)
+  counts = {}
+  for t in gguf.GGUFReader(path).tensors:
+    counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+  return dict(types=counts)
 
 
 def check_in_llamacpp(path: str, prompt: str, n: int = 24) -> str:
@@ -199,10 +254,18 @@ def main():
       print(f"reading {source}")
       reader = gguf.GGUFReader(source)
     start = time.perf_counter()
-    info = write_variant(reader, variant, path)
-    verify(reader, path)
+    if variant in LLAMACPP_VARIANTS:
+      f32 = gguf_path("f32", args.out)
+      if not os.path.exists(f32):
+        raise SystemExit(f"{variant} is quantized from {f32}: write the f32"
+                         " variant first (--variants f32," + variant + ")")
+      info = quantize_with_llamacpp(f32, path, LLAMACPP_VARIANTS[variant])
+      info["max_abs_change"] = float("nan")
+    else:
+      info = write_variant(reader, variant, path)
+    verify(reader, path, _tolerance(variant))
     print(f"{path}: {os.path.getsize(path) / 2**20:.0f} MiB, "
-          f"{info['types']}, max |change| {info['max_abs_change']:.3g}, "
+          f"{info.get('types')}, max |change| {info['max_abs_change']:.3g}, "
           f"re-read OK ({time.perf_counter() - start:.0f} s)", flush=True)
   if args.check:
     prompt = ("The lighthouse keeper kept a logbook in which every ship, "

@@ -25,12 +25,23 @@ VARIANTS = {
     "penzai_lm-int8": (dict(quantize="int8"), "llamacpp-q8_0"),
     "penzai_lm-q8_0": (dict(name_or_path=gguf_path("q8_0"), quantize="keep"),
                        "llamacpp-q8_0"),
+    "penzai_lm-q4_0": (dict(name_or_path=gguf_path("q4_0"), quantize="keep"),
+                       "llamacpp-q4_0"),
     "penzai_lm-q4_1": (dict(name_or_path=gguf_path("q4_1"), quantize="keep"),
                        "llamacpp-q4_1"),
+    "penzai_lm-q4_k_m": (dict(name_or_path=gguf_path("q4_k_m"),
+                              quantize="keep"), "llamacpp-q4_k_m"),
     # The model's own file (--model), kept in its blocks: for Gemma 3 270M
     # the Q4_K_M mix of Q4_K, Q6_K, Q5_0 and Q8_0.
     "penzai_lm-keep": (dict(quantize="keep"), "llamacpp-file"),
 }
+# "<variant>-x8": the same model with int8 activations in its quantized
+# products (`penzai_lm.kernels.with_cpu_kernels(model,
+# int8_activations=True)`), llama.cpp's own arithmetic on CPU.
+X8 = "-x8"
+for _name in [n for n in VARIANTS if n.split("-")[-1][:2] in ("q8", "q4")]:
+  VARIANTS[_name + X8] = VARIANTS[_name]
+del _name
 ENABLED = tuple(VARIANTS)
 # The variants that load the --model file itself (the others read
 # make_ggufs.py's SmolLM2 files).
@@ -40,6 +51,11 @@ ANY_MODEL = ("penzai_lm", "penzai_lm-bf16", "penzai_lm-int8", "penzai_lm-keep")
 def load_kwargs(engine: str) -> dict:
   """The ``penzai_lm.load`` keyword arguments of variant ``engine``."""
   return dict(VARIANTS[engine][0])
+
+
+def int8_activations(engine: str) -> bool:
+  """Whether variant ``engine`` runs its products on int8 activations."""
+  return engine.endswith(X8)
 
 
 def peer(engine: str) -> str:
@@ -64,6 +80,8 @@ def run(spec: dict) -> dict:
     kwargs.setdefault("name_or_path", spec["model"])
   start = time.perf_counter()
   model, _ = penzai_lm.load(**kwargs)
+  if spec.get("int8_activations"):
+    model = penzai_lm.kernels.with_cpu_kernels(model, int8_activations=True)
   out = dict(load_s=time.perf_counter() - start, load_kwargs=kwargs)
   prompts, new = spec["prompts"], spec["new"]
   settings = dict(max_new_tokens=new, temperature=0.0, stop_tokens=[])
