@@ -2,7 +2,8 @@
 
 The kernels (`matvec.cc`, `matvec_x8.cc`, `attention.cc` and
 `sampler.cc`, sharing `common.h`; `sampler.cc` also `row_ops.h`,
-`matvec_x8.cc` also `int8_dot.h`; and `rows.cc`) are C++
+`matvec.cc` also `float_vec.h` and `weight_formats.h`, `matvec_x8.cc`
+also `int8_dot.h`; and `rows.cc`) are C++
 against the XLA FFI headers that ship with jaxlib, built into one library
 once per machine with the system C++ compiler (``-O3 -march=native``:
 the vector width and the F16C instructions matter) and loaded with
@@ -65,7 +66,8 @@ TARGETS = (
 _DIR = pathlib.Path(__file__).parent
 _SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "attention.cc",
             _DIR / "rows.cc", _DIR / "sampler.cc")
-_HEADERS = (_DIR / "common.h", _DIR / "row_ops.h", _DIR / "int8_dot.h")
+_HEADERS = (_DIR / "common.h", _DIR / "row_ops.h", _DIR / "int8_dot.h",
+            _DIR / "float_vec.h", _DIR / "weight_formats.h")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
           "-w")
 

@@ -107,12 +107,8 @@ inline V16 ExpNonPositive(V16 x) {
   return y * LoadAs<V16>(&bits);
 }
 
-// Weight formats. Each gives, for an out-major output n, a Row, and
-//   Get(row, k, v):  v[0 .. kStep / 16) = weights [k, k + kStep) as floats
-//   At(row, k):      one weight (the tail of K past the last whole step)
-//   Scale(row):      a factor for the output's sum (a per-channel scale)
-// Decoding happens in registers, right before the FMAs that use it: a
-// weight is read once per pass and never written back as floats.
+// 16 values of a weight or cache as float32, in registers (the loads of
+// weight_formats.h and attention.cc).
 inline V16 Cvt16(const float* p) { return Load(p); }
 inline V16 Cvt16(const uint16_t* p) {  // bf16: the high half of a float
 #if defined(__AVX512F__)
@@ -175,9 +171,9 @@ inline float ToF32(Half v) { return F16ToF32(v.bits); }
 class Workers {
  public:
   static Workers& Get(int64_t threads) {
-    // PZLM_KERNEL_THREADS (a benchmark's knob) overrides XLA's count.
+    // PENZAI_LM_KERNEL_THREADS (a benchmark knob) overrides XLA's count.
     static Workers* workers = new Workers([threads] {
-      const char* env = std::getenv("PZLM_KERNEL_THREADS");
+      const char* env = std::getenv("PENZAI_LM_KERNEL_THREADS");
       return env ? std::max(1, std::atoi(env)) : threads;
     }());  // lives for the process
     return *workers;

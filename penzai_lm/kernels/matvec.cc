@@ -19,213 +19,38 @@
 //   y: f32[R, N]  result.
 //   "out-major" weights are [N, K] (each output's weights contiguous, as
 //   GGUF and tied embedding tables store them); "in-major" are [K, N].
-//   Quantized weights are out-major and blockwise along K:
-//     q8:  qs s8[N, K],          w = qs * scale[n, k / block]
-//     q8_16: qs s8[N, K],        w = qs * scale[n, k / 16] + min[n, k / 16]
-//     q4:  qs u8[N, K / 2],      w = nibble * scale[n, k / 32] + min[n, k / 32]
-//          (ggml's order: byte j of each 32-value block holds value j in its
-//          low nibble and value j + 16 in its high nibble).
+//   Quantized weights are out-major and blockwise along K
+//   (weight_formats.h).
 // Work is split into tiles of outputs, handed out through an atomic counter
 // to the caller and the kernels' own worker threads: a worker that starts
 // late finds no tiles left, so a call never waits on a busy thread.
 
 
 #include "common.h"
+#include "float_vec.h"
+#include "weight_formats.h"
 
 namespace {
 
 using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 
-// The products' 16-float vector, VF. With AVX-512 it is GCC's 64-byte
-// vector, one register. With AVX2 only, GCC has no machine mode for a
-// 64-byte vector: it kept the accumulators in memory and moved them
-// through general registers on every FMA (an AVX2-only EPYC: SmolLM2's f32
-// products took 35 ms a step at 1 row and 300 ms at 8, where XLA took 22
-// and 69). There VF is two 8-float vectors, which GCC keeps in registers.
+// Blocks: with AVX-512, 32 registers of 16 floats: 4 rows x 4 outputs of
+// accumulators plus the decoded weights fit. With AVX2, 16 registers of 8
+// floats: 2 rows x 2 outputs x 2 accumulators plus the decoded weights
+// (4 x 4, which spills, measured the same end to end within this
+// machine's noise: SmolLM2 f32 decode 31.0 / 31.5 tok/s at batch 1, 113 /
+// 117 at batch 8).
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// Blocks for 16 registers of 8 floats: 2 rows x 2 outputs x 2
-// accumulators plus the decoded weights fit. (4 x 4, which spills, measured
-// the same end to end within this machine's noise: SmolLM2 f32 decode
-// 31.0 / 31.5 tok/s at batch 1, 113 / 117 at batch 8.)
 constexpr int kOuts = 2;
 constexpr int kRowPass = 2;
 constexpr int kInVecs = 4;
 constexpr int kInVecsRows = 2;
-typedef float V8 __attribute__((vector_size(32)));
-struct VF { V8 lo, hi; };
-inline VF operator+(VF a, VF b) { return {a.lo + b.lo, a.hi + b.hi}; }
-inline VF operator*(VF a, VF b) { return {a.lo * b.lo, a.hi * b.hi}; }
-inline VF& operator+=(VF& a, VF b) {
-  a.lo += b.lo;
-  a.hi += b.hi;
-  return a;
-}
-inline VF Splat(float s) {
-  V8 v = V8{} + s;
-  return {v, v};
-}
-inline VF LoadF(const float* p) { return {LoadAs<V8>(p), LoadAs<V8>(p + 8)}; }
-inline V8 Bf16x8(const uint16_t* p) {
-  return (V8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline VF LoadF(const uint16_t* p) { return {Bf16x8(p), Bf16x8(p + 8)}; }
-inline VF LoadF(const Half* h) {
-#if defined(__F16C__)
-  const __m128i* p = reinterpret_cast<const __m128i*>(h);
-  return {(V8)_mm256_cvtph_ps(_mm_loadu_si128(p)),
-          (V8)_mm256_cvtph_ps(_mm_loadu_si128(p + 1))};
 #else
-  float t[16];
-  for (int j = 0; j < 16; ++j) t[j] = F16ToF32(h[j].bits);
-  return LoadF(t);
-#endif
-}
-inline V8 S8x8(const int8_t* p) {
-  return (V8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline VF LoadS8(const int8_t* p) { return {S8x8(p), S8x8(p + 8)}; }
-inline VF LoadU8(U8x16 b) {
-  __m128i v = (__m128i)b;
-  return {(V8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
-          (V8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
-}
-inline void StoreF(float* p, VF v) {
-  std::memcpy(p, &v.lo, 32);
-  std::memcpy(p + 8, &v.hi, 32);
-}
-inline float SumF(VF v) {
-  V8 t = v.lo + v.hi;
-  float s = 0;
-  for (int j = 0; j < 8; ++j) s += t[j];
-  return s;
-}
-#else
-// Blocks for 32 registers of 16 floats: 4 rows x 4 outputs of
-// accumulators plus the decoded weights fit.
 constexpr int kOuts = 4;
 constexpr int kRowPass = 4;
 constexpr int kInVecs = 16;
 constexpr int kInVecsRows = 4;
-using VF = V16;
-inline VF Splat(float s) { return V16{} + s; }
-template <typename T>
-inline VF LoadF(const T* p) { return Cvt16(p); }
-inline VF LoadS8(const int8_t* p) { return CvtS8(p); }
-inline VF LoadU8(U8x16 b) { return CvtU8(b); }
-inline void StoreF(float* p, VF v) { Store(p, v); }
-inline float SumF(VF v) { return Sum(v); }
 #endif
-
-template <typename T>
-struct Dense {
-  static constexpr int kStep = 16;
-  const T* w;
-  int64_t K;
-  using Row = const T*;
-  Row row(int64_t n) const { return w + n * K; }
-  void Prefetch(Row r, int64_t ahead, int64_t k) const {
-    __builtin_prefetch(r + ahead * K + k);
-  }
-  void Get(Row r, int64_t k, VF* v) const { v[0] = LoadF(r + k); }
-  float At(Row r, int64_t k) const { return ToF32(r[k]); }
-  float Scale(Row) const { return 1.f; }
-};
-
-// The int8 formats' arrays: qs [N, K], and scales.
-struct Q8Arrays {
-  const int8_t* qs;
-  const float* scale;
-  int64_t K;
-  template <typename Row>
-  void Prefetch(const Row& r, int64_t ahead, int64_t k) const {
-    __builtin_prefetch(r.q + ahead * K + k);
-  }
-};
-
-// int8 with one scale per output (block == K): the scale multiplies the sum.
-struct Q8Channel : Q8Arrays {
-  static constexpr int kStep = 16;
-  struct Row { const int8_t* q; float d; };
-  Row row(int64_t n) const { return {qs + n * K, scale[n]}; }
-  void Get(Row r, int64_t k, VF* v) const {
-    v[0] = LoadS8(r.q + k);
-  }
-  float At(Row r, int64_t k) const { return float(r.q[k]); }
-  float Scale(Row r) const { return r.d; }
-};
-
-// Q8_0: blocks of 32, one scale each.
-struct Q8Block32 : Q8Arrays {
-  static constexpr int kStep = 32;
-  struct Row { const int8_t* q; const float* s; };
-  Row row(int64_t n) const { return {qs + n * K, scale + n * (K / 32)}; }
-  void Get(Row r, int64_t k, VF* v) const {
-    VF d = Splat(r.s[k / 32]);
-    v[0] = LoadS8(r.q + k) * d;
-    v[1] = LoadS8(r.q + k + 16) * d;
-  }
-  float At(Row r, int64_t k) const { return r.q[k] * r.s[k / 32]; }
-  float Scale(Row) const { return 1.f; }
-};
-
-// int8 blocks of any other size (correct, not tuned: the quantizers make
-// blocks of 32 or of all of K).
-struct Q8Any : Q8Arrays {
-  static constexpr int kStep = 16;
-  int64_t block;
-  struct Row { const int8_t* q; const float* s; };
-  Row row(int64_t n) const { return {qs + n * K, scale + n * (K / block)}; }
-  void Get(Row r, int64_t k, VF* v) const {
-    float t[16];
-    for (int j = 0; j < 16; ++j) t[j] = At(r, k + j);
-    v[0] = LoadF(t);
-  }
-  float At(Row r, int64_t k) const { return r.q[k] * r.s[k / block]; }
-  float Scale(Row) const { return 1.f; }
-};
-
-// int8 groups of 16 with a scale and an offset each (the layout that
-// holds llama.cpp's K-quants exactly). K is a multiple of 16.
-struct Q8Group16 : Q8Arrays {
-  static constexpr int kStep = 16;
-  const float* mins;
-  struct Row { const int8_t* q; const float* s; const float* m; };
-  Row row(int64_t n) const {
-    return {qs + n * K, scale + n * (K / 16), mins + n * (K / 16)};
-  }
-  void Get(Row r, int64_t k, VF* v) const {
-    v[0] = LoadS8(r.q + k) * Splat(r.s[k / 16]) + Splat(r.m[k / 16]);
-  }
-  float At(Row, int64_t) const { return 0.f; }  // K % 16 == 0: no tail
-  float Scale(Row) const { return 1.f; }
-};
-
-// 4-bit blocks of 32: w = nibble * d + m, ggml's nibble order (byte j holds
-// value j low and value j + 16 high). K is a multiple of 32.
-struct Q4 {
-  static constexpr int kStep = 32;
-  const uint8_t* qs;
-  const float* scale;
-  const float* mins;
-  int64_t K;
-  struct Row { const uint8_t* q; const float* s; const float* m; };
-  Row row(int64_t n) const {
-    return {qs + n * (K / 2), scale + n * (K / 32), mins + n * (K / 32)};
-  }
-  void Prefetch(Row r, int64_t ahead, int64_t k) const {
-    __builtin_prefetch(r.q + ahead * (K / 2) + k / 2);
-  }
-  void Get(Row r, int64_t k, VF* v) const {
-    U8x16 b = LoadAs<U8x16>(r.q + k / 2);
-    VF d = Splat(r.s[k / 32]), m = Splat(r.m[k / 32]);
-    v[0] = LoadU8(b & 15) * d + m;
-    v[1] = LoadU8(b >> 4) * d + m;
-  }
-  float At(Row, int64_t) const { return 0.f; }  // K % 32 == 0: no tail
-  float Scale(Row) const { return 1.f; }
-};
 
 // Outputs [n0, n0 + OUTS) of RB rows of x: each step of K is decoded
 // once, into registers, and used by every row; RB * OUTS accumulators.

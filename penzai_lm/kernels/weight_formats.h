@@ -1,0 +1,137 @@
+// The weight formats the float products read (matvec.cc). Each
+// gives, for an out-major output n, a Row, and
+//   Get(row, k, v):  v[0 .. kStep / 16) = weights [k, k + kStep) as floats
+//   At(row, k):      one weight (the tail of K past the last whole step)
+//   Scale(row):      a factor for the output's sum (a per-channel scale)
+//   Prefetch(row, ahead, k): the weights `ahead` outputs further on.
+// Decoding happens in registers, right before the FMAs that use it: a
+// weight is read once per pass and never written back as floats.
+//
+// Layouts (out-major, blockwise along K):
+//   Dense<T>:  T[N, K] (float, bfloat16 as uint16_t, float16 as Half)
+//   q8:        qs s8[N, K], w = qs * scale[n, k / block]
+//   q8_16:     qs s8[N, K], w = qs * scale[n, k / 16] + min[n, k / 16]
+//   q4:        qs u8[N, K / 2], w = nibble * scale[n, k / 32] + min[n, k / 32]
+//              (ggml's order: byte j of each 32-value block holds value j
+//              in its low nibble and value j + 16 in its high nibble).
+
+#ifndef PENZAI_LM_KERNELS_WEIGHT_FORMATS_H_
+#define PENZAI_LM_KERNELS_WEIGHT_FORMATS_H_
+
+#include "common.h"
+#include "float_vec.h"
+
+namespace pzlm {
+
+template <typename T>
+struct Dense {
+  static constexpr int kStep = 16;
+  const T* w;
+  int64_t K;
+  using Row = const T*;
+  Row row(int64_t n) const { return w + n * K; }
+  void Prefetch(Row r, int64_t ahead, int64_t k) const {
+    __builtin_prefetch(r + ahead * K + k);
+  }
+  void Get(Row r, int64_t k, VF* v) const { v[0] = LoadF(r + k); }
+  float At(Row r, int64_t k) const { return ToF32(r[k]); }
+  float Scale(Row) const { return 1.f; }
+};
+
+// The int8 formats' arrays: qs [N, K], and scales.
+struct Q8Arrays {
+  const int8_t* qs;
+  const float* scale;
+  int64_t K;
+  template <typename Row>
+  void Prefetch(const Row& r, int64_t ahead, int64_t k) const {
+    __builtin_prefetch(r.q + ahead * K + k);
+  }
+};
+
+// int8 with one scale per output (block == K): the scale multiplies the sum.
+struct Q8Channel : Q8Arrays {
+  static constexpr int kStep = 16;
+  struct Row { const int8_t* q; float d; };
+  Row row(int64_t n) const { return {qs + n * K, scale[n]}; }
+  void Get(Row r, int64_t k, VF* v) const {
+    v[0] = LoadS8(r.q + k);
+  }
+  float At(Row r, int64_t k) const { return float(r.q[k]); }
+  float Scale(Row r) const { return r.d; }
+};
+
+// Q8_0: blocks of 32, one scale each.
+struct Q8Block32 : Q8Arrays {
+  static constexpr int kStep = 32;
+  struct Row { const int8_t* q; const float* s; };
+  Row row(int64_t n) const { return {qs + n * K, scale + n * (K / 32)}; }
+  void Get(Row r, int64_t k, VF* v) const {
+    VF d = Splat(r.s[k / 32]);
+    v[0] = LoadS8(r.q + k) * d;
+    v[1] = LoadS8(r.q + k + 16) * d;
+  }
+  float At(Row r, int64_t k) const { return r.q[k] * r.s[k / 32]; }
+  float Scale(Row) const { return 1.f; }
+};
+
+// int8 blocks of any other size (correct, not tuned: the quantizers make
+// blocks of 32 or of all of K).
+struct Q8Any : Q8Arrays {
+  static constexpr int kStep = 16;
+  int64_t block;
+  struct Row { const int8_t* q; const float* s; };
+  Row row(int64_t n) const { return {qs + n * K, scale + n * (K / block)}; }
+  void Get(Row r, int64_t k, VF* v) const {
+    float t[16];
+    for (int j = 0; j < 16; ++j) t[j] = At(r, k + j);
+    v[0] = LoadF(t);
+  }
+  float At(Row r, int64_t k) const { return r.q[k] * r.s[k / block]; }
+  float Scale(Row) const { return 1.f; }
+};
+
+// int8 groups of 16 with a scale and an offset each (the layout that
+// holds llama.cpp's K-quants exactly). K is a multiple of 16.
+struct Q8Group16 : Q8Arrays {
+  static constexpr int kStep = 16;
+  const float* mins;
+  struct Row { const int8_t* q; const float* s; const float* m; };
+  Row row(int64_t n) const {
+    return {qs + n * K, scale + n * (K / 16), mins + n * (K / 16)};
+  }
+  void Get(Row r, int64_t k, VF* v) const {
+    v[0] = LoadS8(r.q + k) * Splat(r.s[k / 16]) + Splat(r.m[k / 16]);
+  }
+  float At(Row, int64_t) const { return 0.f; }  // K % 16 == 0: no tail
+  float Scale(Row) const { return 1.f; }
+};
+
+// 4-bit blocks of 32: w = nibble * d + m, ggml's nibble order (byte j holds
+// value j low and value j + 16 high). K is a multiple of 32.
+struct Q4 {
+  static constexpr int kStep = 32;
+  const uint8_t* qs;
+  const float* scale;
+  const float* mins;
+  int64_t K;
+  struct Row { const uint8_t* q; const float* s; const float* m; };
+  Row row(int64_t n) const {
+    return {qs + n * (K / 2), scale + n * (K / 32), mins + n * (K / 32)};
+  }
+  void Prefetch(Row r, int64_t ahead, int64_t k) const {
+    __builtin_prefetch(r.q + ahead * (K / 2) + k / 2);
+  }
+  void Get(Row r, int64_t k, VF* v) const {
+    U8x16 b = LoadAs<U8x16>(r.q + k / 2);
+    VF d = Splat(r.s[k / 32]), m = Splat(r.m[k / 32]);
+    v[0] = LoadU8(b & 15) * d + m;
+    v[1] = LoadU8(b >> 4) * d + m;
+  }
+  float At(Row, int64_t) const { return 0.f; }  // K % 32 == 0: no tail
+  float Scale(Row) const { return 1.f; }
+};
+
+}  // namespace pzlm
+
+#endif  // PENZAI_LM_KERNELS_WEIGHT_FORMATS_H_
