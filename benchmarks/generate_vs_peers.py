@@ -260,11 +260,12 @@ def report(results: list[dict], extra: dict, agree: int):
            if e != REFERENCE and (REFERENCE, b) in by]
   # Each variant against every llama.cpp build and repack setting of its
   # closest file that ran (the native build's defaults may have crashed).
-  pairs += [(e, peer, b) for (e, b) in by
-            if e in PENZAI_LM and e != REFERENCE
-            for (peer, pb) in by if pb == b and peer in llamacpp_engine.ENGINES
-            and llamacpp_engine.variant(peer)[0] == llamacpp_engine.variant(
-                penzai_lm_engine.peer(e))[0]]
+  peer_pairs = [
+      (e, peer, b) for (e, b) in by if e in PENZAI_LM and e != REFERENCE
+      for (peer, pb) in by if pb == b and peer in llamacpp_engine.ENGINES
+      and llamacpp_engine.variant(peer)[0] == llamacpp_engine.variant(
+          penzai_lm_engine.peer(e))[0]]
+  pairs += peer_pairs
   if pairs:  # Each penzai_lm engine vs each peer at the same batch.
     print("\nspeed-ups (medians; > 1 means the penzai_lm engine is faster; "
           "TTFT = peer TTFT / penzai_lm TTFT):")
@@ -291,6 +292,23 @@ def report(results: list[dict], extra: dict, agree: int):
     rows = f"min over {len(same)} rows " if len(same) > 1 else ""
     print(f"  {a['engine']:<15} batch {a['batch']}: {rows}{min(same)} of "
           f"{a['compared']}" + (f" (rows: {same})" if len(same) > 1 else ""))
+  # Where the arithmetic is the same (each -x8 variant quantizes its
+  # activations to int8 blocks as llama.cpp does), the tokens should be
+  # too: every penzai_lm variant against the llama.cpp runs of its file.
+  extra["peer_agreement"] = {}
+  for ours, engine, batch in peer_pairs:
+    a, b = by[(ours, batch)], by[(engine, batch)]
+    n = min(agree, a["new"], b["new"])
+    extra["peer_agreement"][f"{ours}/{engine}@batch{batch}"] = same = [
+        leading_agreement(x[:n], y[:n]) for x, y in zip(a["tokens"],
+                                                        b["tokens"])]
+  if extra["peer_agreement"]:
+    print(f"\ngreedy agreement of each variant with llama.cpp on its file:"
+          f" identical leading tokens among the first {agree} (min over"
+          " rows):")
+  for key, same in extra["peer_agreement"].items():
+    print(f"  {key}: {min(same)}" + (f" (rows: {same})" if len(same) > 1
+                                     else ""))
   unstable = [r["engine"] for r in results
               if not r.get("tokens_same_every_round", True)]
   if unstable:
