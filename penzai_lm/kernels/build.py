@@ -34,6 +34,15 @@ fix it, and decoding uses XLA's dots.
 Where there is no compiler, or ``PENZAI_LM_CPU_KERNELS=0``, `cpu_kernels`
 returns None and callers use XLA's own dots (correct, slower for bf16 and
 quantized weights on CPU).
+
+Which instructions: the library is built for the CPU it runs on
+(``-march=native``), and the kernels pick their code paths from what that
+enables when they are compiled (AVX-512 with VNNI and BF16, AVX-512, AVX2
+with or without AVX-VNNI, or portable loops: `ops.int8_dot_isa` names
+the int8 path). ``PENZAI_LM_CPU_ISA`` forces a lower target on x86-64
+(`ISAS`: ``avx512`` without VNNI, ``avx2``, ``portable``), each its own
+library in the cache: the tests build and run every path this CPU can run,
+and a path the CPU cannot run is refused rather than built.
 """
 
 from __future__ import annotations
@@ -68,8 +77,48 @@ _SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "attention.cc",
             _DIR / "rows.cc", _DIR / "sampler.cc")
 _HEADERS = (_DIR / "common.h", _DIR / "row_ops.h", _DIR / "int8_dot.h",
             _DIR / "float_vec.h", _DIR / "weight_formats.h")
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread",
-          "-w")
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
+
+# PENZAI_LM_CPU_ISA -> (target flags, CPU flags it needs). x86-64 levels:
+# v4 is AVX-512 F/BW/CD/DQ/VL (no VNNI), v3 AVX2 with FMA and F16C.
+ISAS = {
+    "native": (("-march=native",), frozenset()),
+    "avx512": (("-march=x86-64-v4", "-mtune=native"),
+               frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),
+    "avx2": (("-march=x86-64-v3", "-mtune=native"),
+             frozenset({"avx2", "fma", "f16c"})),
+    "portable": (("-march=x86-64", "-mtune=native"), frozenset()),
+}
+
+
+def isa() -> str:
+  """The target the kernels are built for: ``PENZAI_LM_CPU_ISA`` (one of
+  `ISAS`), ``native`` by default.
+
+  Raises:
+    ValueError: For an unknown name, a forced target off x86-64, or one
+      whose instructions this CPU lacks (the library would die of SIGILL).
+  """
+  name = os.environ.get("PENZAI_LM_CPU_ISA", "native") or "native"
+  if name not in ISAS:
+    raise ValueError(
+        f"PENZAI_LM_CPU_ISA={name!r} is not a kernel target; choose one of"
+        f" {', '.join(ISAS)} (native: this CPU's best).")
+  if name != "native" and platform.machine() not in ("x86_64", "AMD64"):
+    raise ValueError(
+        f"PENZAI_LM_CPU_ISA={name!r} is an x86-64 target and this is"
+        f" {platform.machine()}; unset it (native).")
+  missing = ISAS[name][1] - set(_cpu_fingerprint().split())
+  if missing:
+    raise ValueError(
+        f"PENZAI_LM_CPU_ISA={name!r} needs {', '.join(sorted(missing))},"
+        " which this CPU lacks; choose a lower target or unset it.")
+  return name
+
+
+def compile_flags() -> tuple[str, ...]:
+  """The compiler flags of the library for `isa`."""
+  return _FLAGS + ISAS[isa()][0]
 
 
 def _cache_dir() -> pathlib.Path:
@@ -103,7 +152,7 @@ def library_key(compiler: str) -> str:
   for path in _SOURCES + _HEADERS:
     key.update(f"{path.name}\0".encode())
     key.update(path.read_bytes())
-  for part in (_compiler_identity(compiler), " ".join(_FLAGS),
+  for part in (_compiler_identity(compiler), " ".join(compile_flags()),
                jaxlib.__version__, _cpu_fingerprint()):
     key.update(b"\0" + part.encode())
   return key.hexdigest()
@@ -218,7 +267,7 @@ def _temporary(beside: pathlib.Path):
 
 def _compile(compiler: str, output: pathlib.Path) -> None:
   subprocess.run(
-      [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{_DIR}",
+      [compiler, *compile_flags(), f"-I{jax.ffi.include_dir()}", f"-I{_DIR}",
        *map(str, _SOURCES), "-o", str(output)],
       check=True, capture_output=True, text=True)
 
@@ -256,6 +305,8 @@ def cpu_kernels() -> ctypes.CDLL | None:
 
   Raises:
     penzai_lm.paths.CacheDirError: If the cache directory cannot be made.
+    ValueError: If ``PENZAI_LM_CPU_ISA`` names no target this CPU runs
+      (`isa`).
   """
   if os.environ.get("PENZAI_LM_CPU_KERNELS", "1") == "0":
     return None

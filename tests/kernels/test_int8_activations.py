@@ -4,22 +4,16 @@ Each is checked two ways: against numpy on the same int8 activations
 (`ops.quantize_rows`: integer dot products, so float rounding only), and
 against the float product, within the bound that the activations' rounding
 allows (|x - q * d| <= d / 2 per value). The library built for this machine
-uses its best instructions (`ops.int8_dot_isa`); `test_every_isa_path`
-builds the kernel again for the other paths this CPU can run (AVX-512
-without VNNI, AVX2, portable) so that each is tested here.
+uses its best instructions (`ops.int8_dot_isa`); `test_isa_paths.py` runs
+this file again on every other path this CPU can run (AVX-512 without VNNI,
+AVX2, portable).
 """
-
-import ctypes
-import pathlib
-import platform
-import subprocess
 
 import jax
 import numpy as np
 import pytest
 from penzai import pz
 
-from penzai_lm.kernels import build
 from penzai_lm.kernels import ops
 from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import TransformerConfig
@@ -169,72 +163,6 @@ def test_unsupported_shapes_are_errors():
   with pytest.raises(ValueError, match="blocks of 32"):
     ops.q8(_x(1, 64), np.zeros((4, 64), np.int8), np.ones((4, 4), np.float32),
            int8_activations=True)
-
-
-def _cpu_flags() -> set[str]:
-  try:
-    line = build._cpu_fingerprint()
-  except OSError:
-    return set()
-  return set(line.split())
-
-
-# Flags that force each path (on top of -march=native), and the CPU flags
-# it needs.
-_PATHS = {
-    "avx512bw": (("-mno-avx512vnni", "-mno-avxvnni"), {"avx512bw"}),
-    "avx2": (("-mno-avx512f", "-mno-avxvnni"), {"avx2"}),
-    "portable": (("-mno-avx", "-mno-sse4.1", "-mno-f16c"), set()),
-}
-
-
-@pytest.mark.parametrize("isa", sorted(_PATHS))
-def test_every_isa_path(isa, tmp_path):
-  flags, needs = _PATHS[isa]
-  compiler = build.find_compiler()
-  if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
-    pytest.skip("x86-64 paths need an x86-64 compiler")
-  if not needs <= _cpu_flags():
-    pytest.skip(f"this CPU lacks {needs - _cpu_flags()}")
-  library = tmp_path / f"x8_{isa}.so"
-  kernels = pathlib.Path(build.__file__).parent
-  done = subprocess.run(
-      [compiler, *build._FLAGS, *flags, f"-I{jax.ffi.include_dir()}",
-       f"-I{kernels}", str(kernels / "matvec_x8.cc"), "-o", str(library)],
-      capture_output=True, text=True)
-  if done.returncode and "unrecognized command-line option" in done.stderr:
-    pytest.skip(f"{compiler} lacks one of {flags}")
-  assert done.returncode == 0, done.stderr[-2000:]
-  lib = ctypes.cdll.LoadLibrary(str(library))
-  assert ctypes.CFUNCTYPE(ctypes.c_char_p)(
-      ("pzlm_int8_dot_isa", lib))().decode() == isa
-  for name in ("q8_x8", "q4_x8", "q8_16_x8"):
-    jax.ffi.register_ffi_target(
-        f"pzlm_test_{isa}_{name}",
-        jax.ffi.pycapsule(getattr(lib, f"pzlm_matvec_{name}")),
-        platform="cpu")
-  for rows, k, n in SHAPES[1:]:
-    x = _x(rows, k)
-    out = jax.ShapeDtypeStruct((rows, n), np.float32)
-    qs, scale, w = _q8(n, k, k // 32)
-    got = jax.ffi.ffi_call(f"pzlm_test_{isa}_q8_x8", out)(x, qs, scale)
-    want = ops.q8(x, qs, scale, int8_activations=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
-                               atol=1e-5 * np.abs(np.asarray(want)).max())
-    _check(np.asarray(got), x, w)
-    qs, scale, mins, w = _q4(n, k)
-    got = jax.ffi.ffi_call(f"pzlm_test_{isa}_q4_x8", out)(x, qs, scale, mins)
-    want = ops.q4(x, qs, scale, mins, int8_activations=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
-                               atol=1e-5 * np.abs(np.asarray(want)).max())
-    _check(np.asarray(got), x, w)
-    qs, scale, mins, w = _q8_16(n, k)
-    got = jax.ffi.ffi_call(f"pzlm_test_{isa}_q8_16_x8", out)(x, qs, scale,
-                                                             mins)
-    want = ops.q8_16(x, qs, scale, mins, int8_activations=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
-                               atol=1e-5 * np.abs(np.asarray(want)).max())
-    _check(np.asarray(got), x, w)
 
 
 def _small_model():
