@@ -2,16 +2,19 @@
 // CPU), called through the XLA FFI.
 //
 // Each row of the activations x: f32[R, K] is quantized once per call to
-// int8 blocks of 32 along K (q8_0's rule: d = max|x| / 127, q = rint(x / d),
-// computed as x * (1 / d) in float32), then the weights are dotted with it
+// int8 blocks of 32 along K as llama.cpp's quantize_row_q8_0 does: d =
+// max|x| / 127, q = rint(x * (1 / d)) in float32, and d kept as a float16
+// (its block_q8_0.d), then the weights are dotted with it
 // in integers, 64 bytes at a time (int8_dot.h: VNNI where the CPU has it),
 // and each block's integer sum is scaled by d_w * d_x. Offsets (4-bit
 // formats' mins, q8_16's per-group offsets) and the +128 of flipped int8
 // weights (int8_dot.h) multiply the blocks' sums of the rounded x,
-// d_x * Σ q (llama.cpp's q8_1), in one vector loop per output. So every
-// product is the float product of the rounded activations q * d_x with the
-// weights: it differs from matvec.cc's by the activations' rounding, at
-// most d_x / 2 = max|x| / 254 per value, which the tests bound.
+// d_x * Σ q (llama.cpp's q8_1, whose sums it rounds to float16 too; here
+// they are exact, as the flipped weights need), folded into each step's
+// lanes. So every product is the float product of the rounded activations
+// q * d_x with the weights: it differs from matvec.cc's by the activations'
+// rounding, at most d_x / 2 + 127 |d_x - d| <= 0.5625 d per value (d the
+// unrounded scale), which the tests bound.
 //
 // A step is 64 bytes of one output's weights: 128 values of a 4-bit row
 // (4 blocks of 32, each 16 bytes of nibbles: its values 0-15 in the low
@@ -40,6 +43,15 @@ namespace {
 
 using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 using namespace pzlm::x8;  // NOLINT
+
+// v rounded to float16 (to nearest even) and back.
+inline float ToHalfAndBack(float v) {
+#if defined(__F16C__)
+  return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  return float(_Float16(v));
+#endif
+}
 
 // The cache lines of n floats at p (a row's scales or offsets: a stream
 // of their own, short runs the hardware prefetchers miss).
@@ -86,7 +98,31 @@ class QuantizedX {
   float Total(int64_t r) const { return totals_[r]; }
 
  private:
-  void Block(const float* x, int64_t r, int64_t b) {
+  // q = rint(x * (1 / d)) for one block of 32, d = max|x| / 127 (NaN if
+  // the block holds a NaN or an infinity); the halves' sums of q.
+  static float Round(const float* x, int8_t* q, int32_t* half) {
+#if defined(__AVX512F__)
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    // x * 0 is NaN exactly where x is a NaN or an infinity.
+    const __m512 zero = _mm512_setzero_ps();
+    const bool finite = _mm512_cmp_ps_mask(
+        _mm512_add_ps(_mm512_mul_ps(a, zero), _mm512_mul_ps(b, zero)), zero,
+        _CMP_EQ_OQ) == 0xffff;
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = finite ? amax / 127.f : NAN;
+    const __m512 inv = _mm512_set1_ps(finite && amax > 0.f ? 1.f / d : 0.f);
+    // Rounded to nearest even (MXCSR's default), as nearbyint; |x| * (1 /
+    // d) <= 127 up to a rounding, which the saturating narrowing clamps.
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                     _mm512_cvtsepi32_epi8(qb));
+    half[0] = _mm512_reduce_add_epi32(qa);
+    half[1] = _mm512_reduce_add_epi32(qb);
+    return d;
+#else
     float amax = 0.f;
     bool finite = true;
     for (int j = 0; j < 32; ++j) {
@@ -95,13 +131,21 @@ class QuantizedX {
     }
     const float d = finite ? amax / 127.f : NAN;
     const float inv = finite && amax > 0.f ? 1.f / d : 0.f;
-    int8_t q[32];
-    int32_t half[2] = {0, 0};
+    half[0] = half[1] = 0;
     for (int j = 0; j < 32; ++j) {
       float v = std::nearbyint(x[j] * inv);
       q[j] = int8_t(std::min(127.f, std::max(-127.f, v)));
       half[j / 16] += q[j];
     }
+    return d;
+#endif
+  }
+
+  void Block(const float* x, int64_t r, int64_t b) {
+    int8_t q[32];
+    int32_t half[2];
+    const float d32 = Round(x, q, half);
+    const float d = ToHalfAndBack(d32);  // block_q8_0.d is a float16
     totals_[r] += d * float(half[0] + half[1]);
     // Where the block's values go, and its lanes in the step.
     const int64_t s = 32 * b / step_values_;
@@ -132,9 +176,10 @@ class QuantizedX {
   std::vector<float> lanes_, sums_, totals_;
 };
 
-// The per-row lane factors of one step, loaded once for every output.
+// The per-row lane factors of one step, loaded once for every output;
+// flip = -128 * sums (what flipped int8 weights take off).
 struct RowStep {
-  Floats lanes, sums;
+  Floats lanes, sums, flip;
 };
 
 // A format: its step's weights decoded once per output (`Decode`), their
@@ -172,8 +217,7 @@ struct Q8W {
              const RowStep& row) const {
     Floats dot = ToFloats(DotSigned(NoInts(), w.w, LoadBytes(x)));
     if (kChannel) return Fma(dot, row.lanes, acc);
-    Floats t = kFlip ? Fma(dot, row.lanes, Mul(row.sums, Splat(-128.f)))
-                     : Mul(dot, row.lanes);
+    Floats t = kFlip ? Fma(dot, row.lanes, row.flip) : Mul(dot, row.lanes);
     return Fma(f.scale, t, acc);
   }
   float RowTerm(const QuantizedX& x, int64_t r) const {
@@ -248,8 +292,7 @@ struct Q8G16W {
   Floats Add(Floats acc, const Decoded& w, const Factors& f, const int8_t* x,
              const RowStep& row) const {
     Floats dot = ToFloats(DotSigned(NoInts(), w.w, LoadBytes(x)));
-    Floats t = kFlip ? Fma(dot, row.lanes, Mul(row.sums, Splat(-128.f)))
-                     : Mul(dot, row.lanes);
+    Floats t = kFlip ? Fma(dot, row.lanes, row.flip) : Mul(dot, row.lanes);
     return Fma(f.min, row.sums, Fma(f.scale, t, acc));
   }
   float RowTerm(const QuantizedX&, int64_t) const { return 0.f; }
@@ -264,7 +307,10 @@ inline void Step(const W& w, const QuantizedX& x, int64_t r0, int64_t n0,
   const int bytes = W::kOrder == Order::kSplit ? valid / 2 : valid;
   RowStep rows[RB];
 #pragma GCC unroll 16
-  for (int r = 0; r < RB; ++r) rows[r] = {x.Lanes(r0 + r, s), x.Sums(r0 + r, s)};
+  for (int r = 0; r < RB; ++r) {
+    const Floats sums = x.Sums(r0 + r, s);
+    rows[r] = {x.Lanes(r0 + r, s), sums, Mul(sums, Splat(-128.f))};
+  }
 #pragma GCC unroll 16
   for (int o = 0; o < OUTS; ++o) {
     const uint8_t* p = w.Step(n0 + o, s);

@@ -57,13 +57,14 @@ def q8(x: jax.Array, qs: jax.Array, scale: jax.Array, *,
   (``qs: int8[N, K]``, ``scale: f32[N, K // block]``).
 
   With ``int8_activations`` (`matvec_x8.cc`), each row of ``x`` is first
-  quantized to int8 blocks of 32 (q8_0's rule, `quantize_rows`) and the
-  products are integer dot products (VNNI where the CPU has it; see
-  `int8_dot_isa`): it needs ``K % 32 == 0`` and blocks of 32 or one scale
-  per output. The result is the product of the rounded activations
-  ``q * d`` with ``w``: each activation is off by at most ``d / 2`` (1/254
-  of its block's largest magnitude). A block holding a NaN or an infinity
-  makes its row's outputs NaN.
+  quantized to int8 blocks of 32 with a float16 scale (llama.cpp's q8_0,
+  `quantize_rows`) and the products are integer dot products (VNNI where
+  the CPU has it; see `int8_dot_isa`): it needs ``K % 32 == 0`` and blocks
+  of 32 or one scale per output. The result is the product of the rounded
+  activations ``q * d`` with ``w``: each activation is off by at most
+  ``0.5625 / 127`` of its block's largest magnitude (half a step, and the
+  scale's float16 rounding). A block holding a NaN or an infinity makes its
+  row's outputs NaN.
 
   Raises:
     ValueError: If ``int8_activations`` is set for a shape it does not
@@ -124,8 +125,9 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
   Returns:
     ``(q, d)``: ``int8[R, K]`` and ``f32[R, K // 32]`` with
-    ``x ~= q * d`` per block of 32: ``d = max|x| / 127`` and
-    ``q = rint(x * (1 / d))`` in float32 (0 where the block is all zeros).
+    ``x ~= q * d`` per block of 32, as llama.cpp's ``quantize_row_q8_0``
+    makes them: ``q = rint(x * (1 / (max|x| / 127)))`` in float32 (0 where
+    the block is all zeros), and ``d = max|x| / 127`` rounded to float16.
   """
   x = np.asarray(x, np.float32)
   rows, k = x.shape
@@ -134,7 +136,7 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   with np.errstate(divide="ignore"):
     inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
   q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
-  return q.reshape(rows, k), d
+  return q.reshape(rows, k), d.astype(np.float16).astype(np.float32)
 
 
 def int8_dot_isa() -> str:

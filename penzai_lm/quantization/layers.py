@@ -113,14 +113,16 @@ class QuantizedLinear(pz.nn.Layer):
             f" {size}; its input has axes {dict(x.named_shape)}.")
     row_axes = [a for a in x.named_axes if a not in in_names]
     rows = math.prod(x.named_shape[a] for a in row_axes)
-    if (self.use_cpu_kernel and 0 < rows <= MAX_ROWS
+    k = math.prod(s for _, s in self.in_axes)
+    groups = ((k // 16,) if self.format == "q8_16" else (1, k // 32))
+    x8 = (self.use_cpu_kernel and self.int8_activations and k % 32 == 0
+          and self._arrays()[1].shape[1] in groups)
+    # On the kernels: decoding, and with int8 activations every product
+    # (prefills too, as llama.cpp computes them).
+    if (self.use_cpu_kernel and 0 < rows and (rows <= MAX_ROWS or x8)
         and not x.positional_shape):
       qs, scale, mins = self._arrays()
-      k = math.prod(s for _, s in self.in_axes)
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
-      groups = (k // 16,) if self.format == "q8_16" else (1, k // 32)
-      x8 = (self.int8_activations and k % 32 == 0
-            and scale.shape[1] in groups)
       if self.format in formats.FOUR_BIT:
         y = ops.q4(flat, qs, scale, mins, int8_activations=x8)
       elif mins is not None:

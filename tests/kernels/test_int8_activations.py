@@ -79,11 +79,20 @@ def _dequantized_x(x):
           * d[..., None].astype(np.float64)).reshape(rows, k)
 
 
+def _step_error(d):
+  """The most a rounded activation is off in a block of unrounded scale d:
+  half a step, and 127 times the scale's float16 rounding."""
+  d16 = d.astype(np.float16).astype(np.float64)
+  return d / 2 + 127 * np.abs(d - d16)
+
+
 def _rounding_bound(x, w):
-  """|x8 product - float product| <= sum |w| * d / 2 (+ float rounding)."""
+  """|x8 product - float product| <= sum |w| * step error (+ float
+  rounding)."""
   rows, k = x.shape
-  d = np.abs(x.reshape(rows, k // 32, 32)).max(-1) / 127
-  half = np.repeat(d / 2, 32, axis=1)
+  d = (np.abs(x.reshape(rows, k // 32, 32)).max(-1) / np.float32(127)
+       ).astype(np.float32).astype(np.float64)
+  half = np.repeat(_step_error(d), 32, axis=1)
   return half @ np.abs(w).T * (1 + 1e-5) + 1e-5 * np.abs(x) @ np.abs(w).T
 
 
@@ -100,11 +109,18 @@ def test_quantize_rows_follows_q8_0():
   x = _x(3, 96)
   q, d = ops.quantize_rows(x)
   blocks = x.reshape(3, 3, 32)
-  np.testing.assert_array_equal(d, np.abs(blocks).max(-1) / np.float32(127))
+  exact = np.abs(blocks).max(-1) / np.float32(127)
+  # block_q8_0 keeps its scale as a float16; q is rounded with the exact one.
+  np.testing.assert_array_equal(d, exact.astype(np.float16).astype(np.float32))
+  assert not np.array_equal(d, exact)
+  inv = np.where(exact > 0, np.float32(1) / np.where(exact > 0, exact, 1), 0)
+  np.testing.assert_array_equal(
+      q.reshape(3, 3, 32), np.rint(blocks * inv[..., None].astype(np.float32)))
   assert d[0, 0] == 0 and (q[0, :32] == 0).all()
   assert np.abs(q).max() == 127
-  err = np.abs(q.reshape(3, 3, 32) * d[..., None] - blocks)
-  assert (err <= d[..., None] / 2 * (1 + 1e-6)).all()
+  err = np.abs(q.reshape(3, 3, 32) * d[..., None].astype(np.float64) - blocks)
+  bound = _step_error(exact.astype(np.float64))
+  assert (err <= bound[..., None] * (1 + 1e-6)).all()
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
