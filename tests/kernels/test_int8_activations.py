@@ -189,9 +189,9 @@ def _small_model():
   return build_transformer(config, seed=0)
 
 
-def _logits(model):
+def _logits(model, shape=(2, 3)):
   tokens = pz.nx.wrap(np.random.default_rng(0).integers(
-      1, 97, (2, 3)).astype(np.int32)).tag("batch", "seq")
+      1, 97, shape).astype(np.int32)).tag("batch", "seq")
   fn = jax.jit(lambda m, t: m(t).untag("batch", "seq", "vocabulary")
                .data_array)
   return np.asarray(fn(model, tokens)), fn.lower(model, tokens).as_text()
@@ -218,3 +218,12 @@ def test_with_cpu_kernels_int8_activations(fmt):
   scale = np.abs(want).max()
   np.testing.assert_allclose(got, want, atol=2e-2 * scale, rtol=0)
   assert not np.array_equal(got, want)
+  # A prompt's rows (more than a decode step's) take int8 activations too,
+  # as llama.cpp's prefill does; without them, XLA's dot on the rows.
+  want, hlo = _logits(plain, (2, 24))
+  assert "_x8" not in hlo and "pzlm_matvec_q" not in hlo
+  got, hlo = _logits(x8, (2, 24))
+  assert "_x8" in hlo
+  # (Rounding errors reach later positions through attention: 5%.)
+  np.testing.assert_allclose(got, want, atol=5e-2 * np.abs(want).max(),
+                             rtol=0)
