@@ -73,12 +73,13 @@ class QuantizedLinear(pz.nn.Layer):
     format: The weight layout (`penzai_lm.quantization.formats.LAYOUTS`).
     use_cpu_kernel: Run small products on the CPU kernels (set by the
       engine for models on one CPU device).
-    int8_activations: In the kernels, quantize the activations to int8
-      blocks of 32 and take integer dot products (llama.cpp's scheme;
-      `penzai_lm.kernels.ops.q8`): faster, and off by the activations'
-      rounding. Applies to every layout with ``K % 32 == 0``; other
-      shapes ignore it. Set by
-      ``penzai_lm.kernels.with_cpu_kernels(model, int8_activations=True)``.
+    int8_activations: In the decode kernels (at most `MAX_ROWS` rows),
+      quantize the activations to int8 blocks of 32 and take integer dot
+      products (llama.cpp's scheme; `penzai_lm.kernels.ops.q8`): faster,
+      and off by the activations' rounding. Applies to every layout with
+      ``K % 32 == 0``; other shapes ignore it, and prompts run in float.
+      Set by ``penzai_lm.kernels.with_cpu_kernels(model,
+      int8_activations=True)``.
   """
 
   qs: pz.ParameterLike[pz.nx.NamedArray]
@@ -113,16 +114,18 @@ class QuantizedLinear(pz.nn.Layer):
             f" {size}; its input has axes {dict(x.named_shape)}.")
     row_axes = [a for a in x.named_axes if a not in in_names]
     rows = math.prod(x.named_shape[a] for a in row_axes)
-    k = math.prod(s for _, s in self.in_axes)
-    groups = ((k // 16,) if self.format == "q8_16" else (1, k // 32))
-    x8 = (self.use_cpu_kernel and self.int8_activations and k % 32 == 0
-          and self._arrays()[1].shape[1] in groups)
-    # On the kernels: decoding, and with int8 activations every product
-    # (prefills too, as llama.cpp computes them).
-    if (self.use_cpu_kernel and 0 < rows and (rows <= MAX_ROWS or x8)
+    # Decoding on the kernels. A prompt's rows stay on XLA's GEMM (below),
+    # in float, int8_activations or not: the int8 products were 25-35%
+    # slower there (docs/cpu-speed.md), where llama.cpp's prefill
+    # quantizes the activations too.
+    if (self.use_cpu_kernel and 0 < rows <= MAX_ROWS
         and not x.positional_shape):
       qs, scale, mins = self._arrays()
+      k = math.prod(s for _, s in self.in_axes)
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
+      groups = (k // 16,) if self.format == "q8_16" else (1, k // 32)
+      x8 = (self.int8_activations and k % 32 == 0
+            and scale.shape[1] in groups)
       if self.format in formats.FOUR_BIT:
         y = ops.q4(flat, qs, scale, mins, int8_activations=x8)
       elif mins is not None:
