@@ -187,27 +187,31 @@ struct RowStep {
 // output's lanes (`Add`). Then per output a final factor (`Final`) and a
 // term per row (`RowTerm`) outside the lanes.
 
-// int8 weights with one scale per block of 32 (q8_0), or per output
-// (kChannel). Flipped weights (int8_dot.h) add 128 Σ x, taken off with
-// -128 * the sums' lanes under the same scales.
-template <bool kChannel>
-struct Q8W {
+// int8 weights [N, K], read 64 values a step (flipped: int8_dot.h).
+struct Int8Rows {
   static constexpr Order kOrder = Order::kPlain;
   const int8_t* qs;
-  const float* scale;
   int64_t K;
   struct Decoded { Bytes w; };
-  struct Factors { Floats scale; };
   int64_t RowBytes() const { return K; }
-  void PrefetchFactors(int64_t n) const {
-    if (!kChannel) PrefetchFloats(scale + n * (K / 32), K / 32);
-  }
   const uint8_t* Step(int64_t n, int64_t s) const {
     return reinterpret_cast<const uint8_t*>(qs + n * K + 64 * s);
   }
   Decoded Decode(const uint8_t* p, int valid_bytes) const {
     return {Signed(valid_bytes == 64 ? LoadBytes(p)
                                      : LoadBytesN(p, valid_bytes))};
+  }
+};
+
+// int8 weights with one scale per block of 32 (q8_0), or per output
+// (kChannel). Flipped weights (int8_dot.h) add 128 Σ x, taken off with
+// -128 * the sums' lanes under the same scales.
+template <bool kChannel>
+struct Q8W : Int8Rows {
+  const float* scale;
+  struct Factors { Floats scale; };
+  void PrefetchFactors(int64_t n) const {
+    if (!kChannel) PrefetchFloats(scale + n * (K / 32), K / 32);
   }
   Factors Get(int64_t n, int64_t s, int valid_values) const {
     if (kChannel) return {NoFloats()};
@@ -264,25 +268,13 @@ struct Q4W {
 };
 
 // int8 groups of 16, w = q * scale + min per group (the kept K-quants).
-struct Q8G16W {
-  static constexpr Order kOrder = Order::kPlain;
-  const int8_t* qs;
+struct Q8G16W : Int8Rows {
   const float* scale;
   const float* mins;
-  int64_t K;
-  struct Decoded { Bytes w; };
   struct Factors { Floats scale, min; };
-  int64_t RowBytes() const { return K; }
   void PrefetchFactors(int64_t n) const {
     PrefetchFloats(scale + n * (K / 16), K / 16);
     PrefetchFloats(mins + n * (K / 16), K / 16);
-  }
-  const uint8_t* Step(int64_t n, int64_t s) const {
-    return reinterpret_cast<const uint8_t*>(qs + n * K + 64 * s);
-  }
-  Decoded Decode(const uint8_t* p, int valid_bytes) const {
-    return {Signed(valid_bytes == 64 ? LoadBytes(p)
-                                     : LoadBytesN(p, valid_bytes))};
   }
   Factors Get(int64_t n, int64_t s, int valid_values) const {
     const int64_t at = n * (K / 16) + 4 * s;
@@ -390,10 +382,10 @@ ffi::Error Q8X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument(
         "q8_x8: K % 32 == 0, qs [N, K], scale [N, K / 32] or [N, 1]");
   if (sd[1] == 1) {
-    Q8W<true> w{qs.typed_data(), scale.typed_data(), K};
+    Q8W<true> w{{qs.typed_data(), K}, scale.typed_data()};
     Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
   } else {
-    Q8W<false> w{qs.typed_data(), scale.typed_data(), K};
+    Q8W<false> w{{qs.typed_data(), K}, scale.typed_data()};
     Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
   }
   return ffi::Error::Success();
@@ -429,7 +421,7 @@ ffi::Error Q8G16X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       md[1] != sd[1])
     return ffi::Error::InvalidArgument(
         "q8_16_x8: K % 32 == 0, qs [N, K], scale and mins [N, K / 16]");
-  Q8G16W w{qs.typed_data(), scale.typed_data(), mins.typed_data(), K};
+  Q8G16W w{{qs.typed_data(), K}, scale.typed_data(), mins.typed_data()};
   Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
   return ffi::Error::Success();
 }
