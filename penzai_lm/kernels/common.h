@@ -269,4 +269,18 @@ void ParallelTiles(ffi::ThreadPool& pool, int64_t n_tiles, Body body) {
 
 }  // namespace pzlm
 
+// The FFI signature of a weight product: x f32 [R, K], then the weight
+// buffers of its format (element types, in order), y f32 [R, N].
+#define PZLM_WEIGHT_ARG(T) .Arg<ffi::Buffer<T>>()
+#define PZLM_PRODUCT_BINDING_1(A) \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>() \
+      PZLM_WEIGHT_ARG(A).Ret<ffi::Buffer<ffi::F32>>()
+#define PZLM_PRODUCT_BINDING_2(A, B) \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>() \
+      PZLM_WEIGHT_ARG(A) PZLM_WEIGHT_ARG(B).Ret<ffi::Buffer<ffi::F32>>()
+#define PZLM_PRODUCT_BINDING_3(A, B, C)                                  \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()  \
+      PZLM_WEIGHT_ARG(A) PZLM_WEIGHT_ARG(B) PZLM_WEIGHT_ARG(C)          \
+          .Ret<ffi::Buffer<ffi::F32>>()
+
 #endif  // PENZAI_LM_KERNELS_COMMON_H_

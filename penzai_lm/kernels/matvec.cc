@@ -309,51 +309,29 @@ ffi::Error Q4OutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-#define DENSE_BINDING(T)             \
-  ffi::Ffi::Bind()                   \
-      .Ctx<ffi::ThreadPool>()        \
-      .Arg<ffi::Buffer<ffi::F32>>()  \
-      .Arg<ffi::Buffer<T>>()         \
-      .Ret<ffi::Buffer<ffi::F32>>()
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_out_f32,
                               (DenseOutMajor<ffi::F32, Dense<float>>),
-                              DENSE_BINDING(ffi::F32));
+                              PZLM_PRODUCT_BINDING_1(ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_out_bf16,
                               (DenseOutMajor<ffi::BF16, Dense<uint16_t>>),
-                              DENSE_BINDING(ffi::BF16));
+                              PZLM_PRODUCT_BINDING_1(ffi::BF16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_out_f16,
                               (DenseOutMajor<ffi::F16, Dense<Half>>),
-                              DENSE_BINDING(ffi::F16));
+                              PZLM_PRODUCT_BINDING_1(ffi::F16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_in_f32,
                               (DenseInMajor<ffi::F32, float>),
-                              DENSE_BINDING(ffi::F32));
+                              PZLM_PRODUCT_BINDING_1(ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_in_bf16,
                               (DenseInMajor<ffi::BF16, uint16_t>),
-                              DENSE_BINDING(ffi::BF16));
+                              PZLM_PRODUCT_BINDING_1(ffi::BF16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_in_f16,
                               (DenseInMajor<ffi::F16, Half>),
-                              DENSE_BINDING(ffi::F16));
+                              PZLM_PRODUCT_BINDING_1(ffi::F16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8, Q8OutMajor,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8_16, Q8Group16OutMajor,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4, Q4OutMajor,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              PZLM_PRODUCT_BINDING_2(ffi::S8, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    pzlm_matvec_q8_16, Q8Group16OutMajor,
+    PZLM_PRODUCT_BINDING_3(ffi::S8, ffi::F32, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    pzlm_matvec_q4, Q4OutMajor,
+    PZLM_PRODUCT_BINDING_3(ffi::U8, ffi::F32, ffi::F32));

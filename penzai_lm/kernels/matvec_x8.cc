@@ -432,25 +432,10 @@ ffi::Error Q8G16X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 extern "C" const char* pzlm_int8_dot_isa() { return pzlm::x8::Isa(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8_x8, Q8X8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4_x8, Q4X8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8_16_x8, Q8G16X8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              PZLM_PRODUCT_BINDING_2(ffi::S8, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    pzlm_matvec_q4_x8, Q4X8,
+    PZLM_PRODUCT_BINDING_3(ffi::U8, ffi::F32, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    pzlm_matvec_q8_16_x8, Q8G16X8,
+    PZLM_PRODUCT_BINDING_3(ffi::S8, ffi::F32, ffi::F32));

@@ -135,20 +135,13 @@ def test_q8_int8_activations(rows, k, n, per_output):
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
-def test_q4_int8_activations(rows, k, n):
-  qs, scale, mins, w = _q4(n, k)
+@pytest.mark.parametrize("fmt", ["q4", "q8_16"])
+def test_grouped_int8_activations(rows, k, n, fmt):
+  """Formats with a scale and an offset per group (q4_1, kept K-quants)."""
+  make, product = {"q4": (_q4, ops.q4), "q8_16": (_q8_16, ops.q8_16)}[fmt]
+  qs, scale, mins, w = make(n, k)
   x = _x(rows, k)
-  got = np.asarray(jax.jit(lambda *a: ops.q4(*a, int8_activations=True))(
-      x, qs, scale, mins))
-  assert got.shape == (rows, n) and got.dtype == np.float32
-  _check(got, x, w)
-
-
-@pytest.mark.parametrize("rows,k,n", SHAPES)
-def test_q8_16_int8_activations(rows, k, n):
-  qs, scale, mins, w = _q8_16(n, k)
-  x = _x(rows, k)
-  got = np.asarray(jax.jit(lambda *a: ops.q8_16(*a, int8_activations=True))(
+  got = np.asarray(jax.jit(lambda *a: product(*a, int8_activations=True))(
       x, qs, scale, mins))
   assert got.shape == (rows, n) and got.dtype == np.float32
   _check(got, x, w)
