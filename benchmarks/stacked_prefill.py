@@ -27,6 +27,8 @@ import json, resource, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from penzai import pz
 import penzai_lm
+# Cold compiles, even where the environment names a persistent cache.
+jax.config.update("jax_enable_compilation_cache", False)
 stacked, prompt, warm = sys.argv[1] == "1", int(sys.argv[2]), int(sys.argv[3])
 model = penzai_lm.load_model(use_layer_stack=stacked)
 ids = (np.arange(prompt)[None] % 1000 + 100).astype(np.int32)
