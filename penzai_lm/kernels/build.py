@@ -71,6 +71,7 @@ TARGETS = (
     "pzlm_matvec_q8_x8", "pzlm_matvec_q4_x8", "pzlm_matvec_q8_16_x8",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
     "pzlm_decode_attention_f16", "pzlm_rows", "pzlm_after", "pzlm_sample",
+    "pzlm_split",
 )
 _DIR = pathlib.Path(__file__).parent
 _SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "attention.cc",

@@ -8,6 +8,9 @@
 //
 // pzlm_after: copies a (small) array once another one is ready, an order
 // XLA cannot see through (`ops.after`).
+//
+// pzlm_split: copies the n blocks of an [n, ...] array to n results
+// (`ops.split`): one call where XLA:CPU compiles a kernel per slice.
 
 #include <cstdint>
 #include <cstring>
@@ -50,6 +53,24 @@ ffi::Error After(ffi::AnyBuffer ready, ffi::AnyBuffer value,
   return ffi::Error::Success();
 }
 
+ffi::Error Split(ffi::AnyBuffer x, ffi::RemainingRets outs) {
+  const size_t n = outs.size();
+  if (n == 0) return ffi::Error::Success();
+  const size_t part = x.size_bytes() / n;
+  if (part * n != x.size_bytes())
+    return ffi::Error::InvalidArgument("split: [n, ...] into n results");
+  const char* src = static_cast<const char*>(x.untyped_data());
+  for (size_t i = 0; i < n; ++i) {
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (!out.has_value()) return out.error();
+    if ((*out)->element_type() != x.element_type() ||
+        (*out)->size_bytes() != part)
+      return ffi::Error::InvalidArgument("split: results like x's blocks");
+    std::memcpy((*out)->untyped_data(), src + i * part, part);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_after, After,
@@ -63,3 +84,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_rows, Rows,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_split, Split,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingRets());

@@ -96,3 +96,16 @@ def test_after_copies_the_value_once_the_other_is_ready():
   assert got.tobytes() == value.tobytes()  # bit for bit, -0.0 included
   ints = np.arange(12, dtype=np.int8).reshape(3, 4)
   assert np.array_equal(jax.jit(ops.after)(_x(1, 1), ints), ints)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+def test_split_equals_slices(dtype):
+  x = jnp.arange(5 * 3 * 4).reshape(5, 3, 4).astype(dtype)
+  parts = jax.jit(ops.split)(x)
+  assert len(parts) == 5
+  for i, part in enumerate(parts):
+    assert part.dtype == x.dtype
+    assert np.asarray(part).tobytes() == np.asarray(x[i]).tobytes()
+  assert not ops.split(jnp.zeros((0, 3)))
+  with pytest.raises(ValueError, match="leading axis"):
+    ops.split(jnp.zeros(()))
