@@ -7,11 +7,19 @@ Decoding therefore runs on an equivalent model whose stacks are replaced by
 a Sequential of per-layer blocks (per-layer state variables get one
 variable per layer). On CPU those blocks' weights alias the stacked buffers
 (`_take`), so decoding holds one copy of the weights.
+
+A prompt's prefill, on the other hand, is one call over many tokens: there
+the scan's slice copies cost little, and one compiled block instead of one
+per layer saves most of a new program's compile and first-run time. The
+engine therefore prefills on the stacked model and hands the decode loop
+the per-layer state: `unstacked_state_order` says where each state
+variable of the unstacked model comes from, `split_state` computes them.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -118,3 +126,110 @@ def unstack_layers(model, lineage: Lineage | None = None):
   if not selection.count():
     return model
   return selection.apply(lambda stack: _unstack(stack, lineage))
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSlice:
+  """Where one state variable of a model's unstacked form comes from.
+
+  Attributes:
+    label: The stacked model's state variable.
+    axis: The stack axis it is sliced along (None: taken whole, as a
+      variable outside the stacks or one the blocks share).
+    index: The block (None with ``axis`` None).
+  """
+
+  label: str
+  axis: str | None = None
+  index: int | None = None
+
+
+def _is_node(x) -> bool:
+  return isinstance(x, (pz.StateVariable, pz.nn.LayerStack))
+
+
+def _per_layer(var, axis: str) -> bool:
+  return (var.metadata.get("layerstack_axes", {}).get(axis)
+          == pz.nn.LayerStackVarBehavior.PER_LAYER)
+
+
+def unstacked_state_order(model) -> tuple[StateSlice, ...] | None:
+  """For each state variable of ``unstack_layers(model)``, in the order
+  ``pz.unbind_state_vars`` lists them, where it comes from in ``model``.
+
+  The unstacked model holds each stack's variables block by block, in the
+  stack's own order (`_unstack`); a variable the blocks share appears once,
+  in the first. Returns None for a stack inside a stack (not followed).
+  """
+  out, seen = [], set()
+
+  def add(label, axis=None, index=None):
+    if (label, index) not in seen:
+      seen.add((label, index))
+      out.append(StateSlice(label, axis, index))
+
+  for node in jax.tree_util.tree_leaves(model, is_leaf=_is_node):
+    if isinstance(node, pz.StateVariable):
+      add(node.label)
+    elif isinstance(node, pz.nn.LayerStack):
+      inner = jax.tree_util.tree_leaves(node.stacked_sublayers,
+                                        is_leaf=_is_node)
+      if any(isinstance(x, pz.nn.LayerStack) for x in inner):
+        return None
+      variables = [x for x in inner if isinstance(x, pz.StateVariable)]
+      axis = node.stack_axis
+      for i in range(node.stack_axis_size):
+        for var in variables:
+          if _per_layer(var, axis):
+            add(var.label, axis, i)
+          else:
+            add(var.label)
+  return tuple(out)
+
+
+def split_state(state, order, split=None) -> list:
+  """The values of the unstacked model's state variables, in ``order``
+  (`unstacked_state_order`), from the stacked model's state (a list of
+  ``pz.StateVariableValue``; inside a program, or eagerly).
+
+  ``split(data)``: the blocks of an ``[n, ...]`` array as a list of ``n``
+  arrays (default: ``n`` slices; `penzai_lm.kernels.ops.split` on CPU,
+  where XLA compiles a kernel per slice).
+  """
+  values = {v.label: v.value for v in state}
+  blocks = {}
+  out = []
+  for s in order:
+    if s.axis is None:
+      out.append(values[s.label])
+      continue
+    if (s.label, s.axis) not in blocks:
+      blocks[s.label, s.axis] = _blocks_of(values[s.label], s.axis, split)
+    out.append(blocks[s.label, s.axis][s.index])
+  return out
+
+
+def _blocks_of(value, axis: str, split) -> list:
+  """A state value's blocks along a stack axis (each without the axis)."""
+  leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=_is_named)
+  n = None
+  per_leaf = []
+  for x in leaves:
+    if _is_named(x) and axis in x.named_shape:
+      n = x.named_shape[axis]
+      moved = x.untag_prefix(axis).with_positional_prefix()
+      data = (split or _slices)(moved.data_array)
+      per_leaf.append([pz.nx.NamedArray(
+          named_axes=collections.OrderedDict(moved.named_axes),
+          data_array=d) for d in data])
+    else:
+      per_leaf.append(None)
+  if n is None:
+    raise ValueError(f"a per-layer state value has no {axis!r} axis.")
+  return [jax.tree_util.tree_unflatten(
+      treedef, [x if p is None else p[i] for x, p in zip(leaves, per_leaf)])
+          for i in range(n)]
+
+
+def _slices(data) -> list:
+  return [data[i] for i in range(data.shape[0])]
