@@ -38,9 +38,11 @@ import time
 from typing import Any
 
 import jax
+from penzai import pz
 
 from penzai_lm.generation import prepare as prepare_lib
 from penzai_lm.generation import request as request_lib
+from penzai_lm.generation import stacked_prefill
 from penzai_lm.generation.results import GenerationResult
 from penzai_lm.generation.run import check_run_controls
 from penzai_lm.generation.run import Run
@@ -69,6 +71,20 @@ def _derivable_unstack(model, leaves, values) -> Derivable:
                                                        values))
 
 
+def _aliased(prepared: prepare_lib.PreparedModel, leaves,
+             values) -> prepare_lib.PreparedModel:
+  """``prepared`` holding aliases of the model's weights (`alias_weights`),
+  not the weights themselves."""
+  prepared = prepared.with_arrays(alias_weights(prepared.arrays(), leaves,
+                                                values))
+  if prepared.prefill is not None:
+    prepared = dataclasses.replace(prepared, prefill=dataclasses.replace(
+        prepared.prefill,
+        state_args=alias_weights(prepared.prefill.state_args, leaves, values)))
+  return dataclasses.replace(
+      prepared, state_args=alias_weights(prepared.state_args, leaves, values))
+
+
 class Engine:
   """Prepares models and runs generation on a `Runtime`'s programs.
 
@@ -81,6 +97,12 @@ class Engine:
     unstack_layer_stacks: Decode layer stacks as per-layer blocks (see
       `penzai_lm.runtime.unstack`); False decodes the stacks as they are
       (slow on CPU; for comparisons).
+    prefill_over_stacks: Prefill fresh prompts on the model as the user
+      stacked it (one block compiled and scanned), not on the per-layer
+      blocks (`stacked_prefill.py`). A new prefill program compiles and
+      first runs in a third of the time, but on XLA:CPU its warm runs are
+      slower (bfloat16 weights also take +0.4 GB); figures in
+      `docs/cpu-speed.md`. Off by default.
     prompt_attention: How prompts attend over the KV caches where a layer's
       attention chain is plain (`penzai_lm.model.prompt_attention`):
       "auto" (the default) runs them as cuDNN flash attention on a single
@@ -94,6 +116,7 @@ class Engine:
                unstack_layer_stacks: bool = True,
                program_store: ProgramStore | str | os.PathLike | None = "auto",
                prompt_attention: str | None = "auto",
+               prefill_over_stacks: bool = False,
                runtime: Runtime | None = None):
     """Creates an engine.
 
@@ -107,6 +130,7 @@ class Engine:
       program_store: A `ProgramStore`, a directory, None or "auto" (see
         `Runtime`).
       prompt_attention: See the class attribute.
+      prefill_over_stacks: See the class attribute.
       runtime: Run on this runtime (e.g. `default_runtime()`, shared with
         top-level model calls) instead of a new one made from
         ``max_programs``, ``compiler_options`` and ``program_store``, which
@@ -135,6 +159,10 @@ class Engine:
     self.programs = runtime.programs
     self.prompt_attention = prompt_attention
     self.unstack_layer_stacks = bool(unstack_layer_stacks)
+    if not isinstance(prefill_over_stacks, bool):
+      raise TypeError("prefill_over_stacks must be True or False, got"
+                      f" {prefill_over_stacks!r}.")
+    self.prefill_over_stacks = prefill_over_stacks
     self._prepared = IdentityCache(max_models)
     # Unstacked models are shared by every bucket of one model (one copy of
     # the weights in decode layout, not one per bucket).
@@ -231,19 +259,26 @@ class Engine:
         decoded = prepare_lib.rows_to_batch(
             model if decoded is None else decoded, shape.batch_axis, index,
             lineage)
-      prepared = prepare_lib.prepare_model(
-          model, cached_model=cached, use_cache=shape.use_cache,
+      options = dict(
+          cached_model=cached, use_cache=shape.use_cache,
           batch_axis=shape.batch_axis, batch=shape.batch,
-          cache_len=shape.cache_len, decoded=decoded,
-          capture=request.capture, prompt_attention=self.prompt_attention)
-      recipes = lineage.recipes(prepared.model_leaves, leaves, values)
-      prepared = dataclasses.replace(
-          prepared,
-          model_leaves=alias_weights(prepared.model_leaves, leaves, values),
-          state_args=alias_weights(prepared.state_args, leaves, values))
+          cache_len=shape.cache_len, prompt_attention=self.prompt_attention)
+      prepared = prepare_lib.prepare_model(
+          model, decoded=decoded, capture=request.capture, **options)
+      if (self.prefill_over_stacks and self.unstack_layer_stacks
+          and shape.use_cache and not request.capture
+          and pz.select(model).at_instances_of(pz.nn.LayerStack).count()):
+        # Fresh prompts run on the stacked model (its per-row values
+        # gathered too), and the decode loop on the unstacked one.
+        stacked = prepare_lib.prepare_model(
+            model, decoded=None if index is None else prepare_lib.rows_to_batch(
+                model, shape.batch_axis, index, lineage), **options)
+        prepared = stacked_prefill.with_stacked_prefill(prepared, stacked)
+      recipes = lineage.recipes(prepared.arrays(), leaves, values)
       return Derivable(
-          prepared, recipes, leaves=lambda p: p.model_leaves,
-          rebuild=lambda p, new: dataclasses.replace(p, model_leaves=new))
+          _aliased(prepared, leaves, values), recipes,
+          leaves=lambda p: p.arrays(), rebuild=lambda p, new: p.with_arrays(
+              new))
 
     return self._prepared.get_or_make(
         model, (cached, shape.use_cache, shape.batch_axis, shape.batch,

@@ -6,7 +6,8 @@ batch and cache size (an uncached `TransformerLM`), frozen, split into
 stateless layers and state, and flattened. The `Engine` caches the results
 per model structure, weights and shape (`penzai_lm.runtime.program_cache`).
 
-Layer stacks are unstacked for decoding (`penzai_lm.runtime.unstack`).
+Layer stacks are unstacked for decoding (`penzai_lm.runtime.unstack`);
+an engine may prefill prompts on the stacked model (`stacked_prefill.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from penzai_lm.runtime.derived import Lineage
 from penzai_lm.runtime.placement import placement_of
 from penzai_lm.runtime.shared_traces import share_block_traces
 from penzai_lm.runtime.unstack import host_view
+from penzai_lm.runtime.unstack import StateSlice
+from penzai_lm.runtime.unstack import unstacked_state_order
 
 
 def per_row_size(model, batch_axis: str) -> int | None:
@@ -132,6 +135,11 @@ class PreparedModel:
     cpu_sampler: Whether the decode loop asks the CPU kernel to pick tokens
       (`penzai_lm.kernels.ops.sample`; see `sampling.sample_next`): the
       model is on one CPU device and the kernels are available.
+    prefill: The model with its layer stacks, prepared the same way, that
+      fresh prompts are prefilled on (`stacked_prefill.py`); None: they are
+      prefilled on this model.
+    state_order: For a model with layer stacks, where each state variable
+      of its unstacked form comes from (`unstacked_state_order`).
   """
 
   model_leaves: list
@@ -142,6 +150,24 @@ class PreparedModel:
   blocks: int = 0
   parameters: int = 0
   cpu_sampler: bool = False
+  prefill: "PreparedModel | None" = None
+  state_order: tuple[StateSlice, ...] | None = None
+
+  def arrays(self) -> list:
+    """The arrays of the stateless model and of its `prefill` model's (the
+    ones a variant's recipes index; `penzai_lm.runtime.derived`)."""
+    if self.prefill is None:
+      return list(self.model_leaves)
+    return list(self.model_leaves) + list(self.prefill.model_leaves)
+
+  def with_arrays(self, new: list) -> "PreparedModel":
+    """This model with `arrays` replaced by ``new``."""
+    n = len(self.model_leaves)
+    prefill = self.prefill
+    if prefill is not None:
+      prefill = dataclasses.replace(prefill, model_leaves=list(new[n:]))
+    return dataclasses.replace(self, model_leaves=list(new[:n]),
+                               prefill=prefill)
 
 
 def _constant_fill(x):
@@ -232,9 +258,12 @@ def _prepare_runnable(runnable, user_labels, batch_axis, batch,
     labels = runnable.layout.labels
   layout = StateLayout(state_treedef, tuple(specs), labels,
                        frozenset(user_labels), placement)
+  stacked = pz.select(runnable).at_instances_of(pz.nn.LayerStack).count()
   return PreparedModel(model_leaves, treedef, layout, args,
                        blocks=count_blocks(stateless),
-                       parameters=count_parameters(model_leaves))
+                       parameters=count_parameters(model_leaves),
+                       state_order=(unstacked_state_order(runnable)
+                                    if stacked else None))
 
 
 def _frozen_params(model):

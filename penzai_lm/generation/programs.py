@@ -6,7 +6,11 @@
    projection), and returns the decode loop's `LoopState`. With
    ``num_samples > 1`` the prefill runs once per prompt at the prompt batch
    and the resulting state (caches, positions and any patch state with the
-   batch axis) is gathered to the decode rows.
+   batch axis) is gathered to the decode rows. With
+   ``Engine(prefill_over_stacks=True)`` a fresh prompt for a model with
+   layer stacks runs on the stacked model (one block compiled and scanned,
+   `stacked_prefill.py`) and its caches are split into the
+   decode model's per-layer ones.
 2. **Decode loop** (`decode_program`, a `jax.lax.while_loop`): each
    iteration feeds every row's pending token (the last prompt token first)
    through the functional cached model, then picks each row's next token:
@@ -159,9 +163,13 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
   """Prefill program: returns the initial decode-loop state.
 
   Args:
-    static: ``(PrefillShape, treedef, StateLayout)``.
-    model_leaves: The stateless model's arrays.
-    state_args: Non-constant initial state leaves (all leaves of a
+    static: ``(PrefillShape, treedef, StateLayout, stacked)``: the decode
+      model's structure and state layout, and ``stacked``, a
+      `stacked_prefill.StackedPrefill` (the prompt then runs on the model
+      with its layer stacks, whose state is handed to the decode model's
+      layout) or None (on the decode model itself).
+    model_leaves: The arrays of the stateless model the prompt runs on.
+    state_args: Its non-constant initial state leaves (all leaves of a
       continued state).
     tokens, padding: (prefill rows, P) left-padded prompts and their mask.
     src: (B,) prefill row of each decode row.
@@ -169,13 +177,17 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
     start: The first cache slot of this prompt: 0, or where a continuation
       appends to the previous state.
   """
-  shape, treedef, layout = static
+  shape, treedef, layout, stacked = static
   decode = shape.decode
+  if stacked is not None:
+    treedef, run_layout = stacked.treedef, stacked.layout
+  else:
+    run_layout = layout
   model = jax.tree_util.tree_unflatten(treedef, model_leaves)
   if shape.continued:
-    state0 = _continued_state(layout, state_args, start)
+    state0 = _continued_state(run_layout, state_args, start)
   else:
-    state0 = layout.initial(state_args)
+    state0 = run_layout.initial(state_args)
   P = shape.prompt_len
   dtokens, dpadding = (tokens[src], padding[src]) if shape.gather else (
       tokens, padding)
@@ -183,12 +195,15 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
   # plus a continued session's history.
   gen_start = jnp.sum(~padding, axis=1, dtype=jnp.int32)
   if shape.continued:
-    history, history_mask = _history(state0, layout.labels, decode.batch_axis)
+    history, history_mask = _history(state0, run_layout.labels,
+                                     decode.batch_axis)
     del history
     gen_start += jnp.sum(history_mask, axis=1, dtype=jnp.int32)
   if decode.use_cache:
     state = _prefill_cache(shape, model, state0, tokens, padding, src,
                            gen_start)
+    if stacked is not None:
+      state = stacked.unstacked(state, layout)
     state = layout.conform(state)
     model_state = layout.pack(state)
   else:

@@ -18,6 +18,7 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.generation import programs
+from penzai_lm.generation import stacked_prefill
 from penzai_lm.generation.captures import CaptureBuffers
 from penzai_lm.generation.prepare import PreparedModel
 from penzai_lm.generation.prompts import token_list
@@ -170,12 +171,17 @@ class Run:
 
   def prefill(self) -> None:
     prepared = self._prepared
-    args = (prepared.model_leaves, self._state_args, *_prompt_batch(
-        self.request), np.asarray(self.start_slot, np.int32))
+    # A fresh prompt runs on the model with its layer stacks, if it has one.
+    stacked = (None if self.request.prefill.continued
+               else stacked_prefill.program_static(prepared))
+    runs_on = prepared if stacked is None else prepared.prefill
+    state_args = self._state_args if stacked is None else runs_on.state_args
+    args = (runs_on.model_leaves, state_args, *_prompt_batch(self.request),
+            np.asarray(self.start_slot, np.int32))
     pending = self._engine.lower(
         "prefill", programs.prefill_program,
-        (self.request.prefill, prepared.treedef, prepared.layout), args,
-        shape=self.request.prefill, blocks=prepared.blocks,
+        (self.request.prefill, prepared.treedef, prepared.layout, stacked),
+        args, shape=self.request.prefill, blocks=prepared.blocks,
         parameters=prepared.parameters)
     if pending.out_info is not None and prepared.layout.placement is None:
       # A first request: XLA builds the decode program (its carry is the

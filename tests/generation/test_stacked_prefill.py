@@ -1,0 +1,172 @@
+"""``Engine(prefill_over_stacks=True)``: prompts prefilled over the stacks.
+
+The engine decodes on per-layer blocks (`penzai_lm.runtime.unstack`); this
+setting runs a fresh prompt's prefill on the model as the user stacked it,
+then splits its stacked caches into the decode model's per-layer ones
+(`prepare.with_stacked_prefill`). The reference is the default engine
+(its prefill runs per layer): every family, option and patch generates
+the same tokens and log-probs both ways.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from penzai import pz
+from penzai.toolshed.save_intermediates import SaveIntermediate
+
+from penzai_lm import interp
+from penzai_lm.generation import Engine
+from penzai_lm.generation import Session
+from penzai_lm.model import KVCachingTransformerLM
+from penzai_lm.runtime.unstack import split_state
+from penzai_lm.runtime.unstack import unstack_layers
+from penzai_lm.runtime.unstack import unstacked_state_order
+from tests.generation import conftest
+from tests.generation.conftest import prompts
+from tests.model.configs import CONFIGS
+
+GREEDY = dict(max_new_tokens=6, temperature=0.0, stop_tokens=[])
+
+
+def _stacked_engine():
+  return Engine(prefill_over_stacks=True)
+
+
+def _prefill_model(engine, model, rows, **options):
+  """The model a run's prefill runs on (None: the decode model)."""
+  return engine.start(model, rows, **options)._prepared.prefill  # pylint: disable=protected-access
+
+
+def _same(a, b):
+  assert a.tokens == b.tokens
+  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs),
+                             atol=2e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_family_prefills_over_its_stacks_as_per_layer(name):
+  model = conftest.tiny_model(name, True)
+  rows = prompts([5, 8], seed=60)
+  engine = _stacked_engine()
+  assert _prefill_model(engine, model, rows, **GREEDY) is not None
+  stacked = engine.generate(model, rows, **GREEDY)
+  per_layer = Engine().generate(model, rows, **GREEDY)
+  _same(stacked, per_layer)
+  # Off by default, and nothing to do for a model without stacks.
+  assert _prefill_model(Engine(), model, rows, **GREEDY) is None
+  assert _prefill_model(_stacked_engine(), unstack_layers(model), rows,
+                        **GREEDY) is None
+
+
+def test_samples_and_per_row_values_prefill_over_the_stacks():
+  model = conftest.tiny_model("llama_gqa", True)
+  vector = np.linspace(-1.0, 1.0, model.config.hidden_size, dtype=np.float32)
+  steer = interp.AddVector.build(vector, [0.0, 6.0])  # One per prompt.
+  rows = prompts([4, 7], seed=61)
+  options = dict(max_new_tokens=6, temperature=1.0, seed=[3, 4],
+                 num_samples=2, stop_tokens=[])
+  steered = interp.insert_at(model, "blocks.1.resid_post", steer)
+  _same(_stacked_engine().generate(steered, rows, **options),
+        Engine().generate(steered, rows, **options))
+  assert _prefill_model(_stacked_engine(), steered, rows,
+                        **options) is not None
+
+
+def test_patch_state_comes_out_of_the_stacked_prefill():
+  """A patch with state inside the stack (one value per block) and one
+  outside it: the decode loop starts from the prefill's values."""
+  model = conftest.tiny_model("llama_gqa", True)
+
+  def patched(base):
+    base = (pz.select(base).at_instances_of(pz.nn.EmbeddingLookup)
+            .insert_after(SaveIntermediate()))
+    return interp.insert_at(base, "blocks.1.resid_post",
+                            interp.AddVector.build(
+                                np.ones(32, np.float32), 0.5))
+
+  rows = prompts([5, 3], seed=62)
+  stacked = _stacked_engine().generate(patched(model), rows, **GREEDY)
+  per_layer = Engine().generate(patched(model), rows, **GREEDY)
+  _same(stacked, per_layer)
+  (a,), (b,) = stacked.state.values(), per_layer.state.values()
+  np.testing.assert_allclose(a.unwrap("batch", "seq", "embedding"),
+                             b.unwrap("batch", "seq", "embedding"))
+
+
+def test_session_turns_continue_from_a_stacked_prefill():
+  model = conftest.tiny_model("gemma3", True)
+  turns = [prompts([5], seed=63)[0], prompts([3], seed=64)[0]]
+  replies = []
+  for engine in (_stacked_engine(), Engine()):
+    session = Session(model, engine=engine)
+    replies.append([session.generate(t, **GREEDY).tokens for t in turns])
+  assert replies[0] == replies[1]
+
+
+def test_one_prefill_program_per_bucket():
+  model = conftest.tiny_model("gemma2", True)
+  engine = _stacked_engine()
+  engine.generate(model, prompts([4, 6], seed=65), **GREEDY)
+  assert engine.compilations == 2
+  engine.generate(model, prompts([7, 3], seed=66), **GREEDY)
+  assert engine.compilations == 2
+
+
+def test_captures_keep_the_per_layer_prefill():
+  model = conftest.tiny_model("llama_gqa", True)
+  rows = prompts([4], seed=67)
+  options = dict(GREEDY, capture=["blocks.1.resid_post"])
+  assert _prefill_model(_stacked_engine(), model, rows, **options) is None
+
+
+def test_the_setting_is_checked():
+  with pytest.raises(TypeError, match="prefill_over_stacks must be True or"):
+    Engine(prefill_over_stacks="yes")
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2", "llama_gqa"])
+def test_the_state_order_matches_an_unstacked_cached_model(name):
+  """`unstacked_state_order` and `split_state` against `unstack_layers` of
+  a stacked cached model whose caches hold distinct values."""
+  model = conftest.tiny_model(name, True)
+  cached = KVCachingTransformerLM.from_uncached(model, 8, {"batch": 2})
+  _, variables = pz.unbind_state_vars(cached)
+  key = iter(jax.random.split(jax.random.key(0), 64))
+  for var in variables:
+    var.value = jax.tree_util.tree_map(
+        lambda x: x if not jnp.issubdtype(x.dtype, jnp.floating)
+        else jax.random.normal(next(key), x.shape, x.dtype), var.value)
+  order = unstacked_state_order(cached)
+  got = split_state([v.freeze() for v in variables], order)
+  want = [v.value for v in pz.unbind_state_vars(unstack_layers(cached))[1]]
+  assert len(got) == len(want) > len(variables)
+  for a, b in zip(got, want):
+    for x, y in zip(jax.tree_util.tree_leaves(a, is_leaf=pz.nx.is_namedarray),
+                    jax.tree_util.tree_leaves(b, is_leaf=pz.nx.is_namedarray)):
+      if not isinstance(y, pz.nx.NamedArrayBase):  # The cache end index.
+        np.testing.assert_array_equal(x, y)
+        continue
+      assert dict(x.named_shape) == dict(y.named_shape)
+      axes = tuple(y.named_shape)
+      np.testing.assert_array_equal(x.unwrap(*axes), y.unwrap(*axes))
+
+
+def test_patched_variants_rederive_the_stacked_prefill_model():
+  """A variant (same weights, other patch values) reuses the prepared
+  model, the stacked prefill's arrays recomputed too."""
+  model = conftest.tiny_model("llama_gqa", True)
+  vector = np.linspace(-1.0, 1.0, 32, dtype=np.float32)
+  rows = prompts([4, 6], seed=68)
+
+  def steered(strength):
+    return interp.insert_at(model, "blocks.1.resid_post",
+                            interp.AddVector.build(vector, [0.0, strength]))
+
+  engine = _stacked_engine()
+  results = [engine.generate(steered(s), rows, **GREEDY) for s in (3., -9.)]
+  assert engine._prepared.derived == 1  # pylint: disable=protected-access
+  assert engine.compilations == 2
+  for s, result in zip((3., -9.), results):
+    _same(result, Engine().generate(steered(s), rows, **GREEDY))
+  assert results[0].tokens != results[1].tokens
