@@ -12,7 +12,8 @@ wall time from start to the first token. Target (issue 28): compile+trace
 <= 3 s without a persistent cache.
 
 ``--cold N`` runs N rounds of processes without a persistent cache
-instead, and ``--baseline DIR`` (a checkout of another commit, e.g. from
+instead, ``--stacked-prefill`` adds processes whose engine prefills over
+the layer stack (``Engine(prefill_over_stacks=True)``), and ``--baseline DIR`` (a checkout of another commit, e.g. from
 ``git worktree add``) alternates them with processes that import
 penzai_lm from DIR, for a side-by-side comparison on a shared machine; the
 medians close the table. Time to the first token there is
@@ -20,7 +21,7 @@ medians close the table. Time to the first token there is
 (XLA:CPU builds the YNNPACK dots' packed weights on their first call).
 
 Run: python benchmarks/new_process.py [--dtype bfloat16] [--quantize int8]
-     [--cold 5 [--baseline /tmp/before]]
+     [--cold 5 [--baseline /tmp/before] [--stacked-prefill]]
 """
 
 import argparse
@@ -47,8 +48,12 @@ model = penzai_lm.load_model("smollm2-135m-instruct", dtype=sys.argv[2],
                              quantize=sys.argv[3] or None)
 loaded = time.perf_counter()
 cpu = time.process_time()
+engine = None
+if sys.argv[4] == "1":
+  from penzai_lm.generation import Engine
+  engine = Engine(prefill_over_stacks=True)
 r = penzai_lm.generate(model, list(range(100, 228)), max_new_tokens=16,
-                       temperature=0.0)
+                       temperature=0.0, engine=engine)
 t = r.timings
 print(json.dumps(dict(
     load_s=loaded - start, prepare_s=t.prepare_s, compile_s=t.compile_s,
@@ -61,14 +66,17 @@ print(json.dumps(dict(
 """
 
 
-def run_child(args, cache_dir: str, pythonpath: str | None = None) -> dict:
-  """One fresh process's figures (penzai_lm from ``pythonpath`` if given)."""
+def run_child(args, cache_dir: str, pythonpath: str | None = None,
+              stacked: bool = False) -> dict:
+  """One fresh process's figures (penzai_lm from ``pythonpath`` if given;
+  ``stacked``: on ``Engine(prefill_over_stacks=True)``)."""
   env = dict(os.environ)
   if pythonpath:
     env["PYTHONPATH"] = os.pathsep.join(
         [pythonpath] + [p for p in [env.get("PYTHONPATH")] if p])
   out = subprocess.run(
-      [sys.executable, "-c", _CHILD, cache_dir, args.dtype, args.quantize],
+      [sys.executable, "-c", _CHILD, cache_dir, args.dtype, args.quantize,
+       "1" if stacked else "0"],
       capture_output=True, text=True, check=True, env=env,
       cwd=pythonpath)  # The working directory comes first on sys.path.
   r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -79,28 +87,32 @@ def run_child(args, cache_dir: str, pythonpath: str | None = None) -> dict:
 
 def cold_rounds(args) -> None:
   """``--cold``: rounds of processes without a persistent cache."""
-  sides = [("this checkout", None)]
+  sides = [("this checkout", None, False)]
   if args.baseline:
-    sides.insert(0, ("baseline", os.path.abspath(args.baseline)))
+    sides.insert(0, ("baseline", os.path.abspath(args.baseline), False))
+  if args.stacked_prefill:
+    sides.append(("over stacks", None, True))
   print(f"SmolLM2-135M {args.dtype} {args.quantize or ''}: 128-token prompt,"
         f" 16 new tokens, no persistent cache, {args.cold} rounds")
   columns = ("compile_s", "prefill_s", "xla_s", "cpu_s")
   print(f"{'process':15} {'compile+trace s':>15} {'1st prefill s':>13}"
-        f" {'XLA s':>6} {'CPU s':>6} {'load':>5}")
-  figures = {label: [] for label, _ in sides}
+        f" {'XLA s':>6} {'CPU s':>6} {'1st token s':>11} {'load':>5}")
+  figures = {label: [] for label, _, _ in sides}
   for _ in range(args.cold):
-    for label, path in sides:
-      r = run_child(args, "", path)
+    for label, path, stacked in sides:
+      r = run_child(args, "", path, stacked)
       figures[label].append(r)
       print(f"{label:15} {r['compile_s']:15.2f} {r['prefill_s']:13.2f}"
-            f" {r['xla_s']:6.2f} {r['cpu_s']:6.2f}"
+            f" {r['xla_s']:6.2f} {r['cpu_s']:6.2f} {r['first_token_s']:11.2f}"
             f" {os.getloadavg()[0]:5.2f}", flush=True)
   for label, runs in figures.items():
-    med = {c: statistics.median(r[c] for r in runs) for c in columns}
+    med = {c: statistics.median(r[c] for r in runs)
+           for c in columns + ("first_token_s",)}
     first = statistics.median(r["compile_s"] + r["prefill_s"] for r in runs)
     print(f"{label + ' median':15} {med['compile_s']:15.2f}"
           f" {med['prefill_s']:13.2f} {med['xla_s']:6.2f}"
-          f" {med['cpu_s']:6.2f}; compile+trace+prefill {first:.2f}")
+          f" {med['cpu_s']:6.2f} {med['first_token_s']:11.2f};"
+          f" compile+trace+prefill {first:.2f}")
 
 
 def main():
@@ -109,6 +121,9 @@ def main():
   parser.add_argument("--quantize", default="")
   parser.add_argument("--cold", type=int, default=0)
   parser.add_argument("--baseline", default="")
+  parser.add_argument("--stacked-prefill", action="store_true",
+                      help="with --cold: also processes on"
+                      " Engine(prefill_over_stacks=True)")
   args = parser.parse_args()
   if args.cold:
     cold_rounds(args)
