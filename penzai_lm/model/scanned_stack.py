@@ -27,6 +27,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from penzai import pz
 from penzai.core import named_axes
 from penzai.core import selectors
@@ -36,6 +37,28 @@ from penzai.core import variables
 from penzai_lm.model.stateless import stateless_call
 
 _Behavior = pz.nn.LayerStackVarBehavior
+
+
+# 16-bit floats scanned over travel as their bits: XLA:CPU otherwise
+# widens the whole stacked array to float32 before the loop (its dots take
+# float32), a second copy of the weights (SmolLM2 bfloat16: +405 MB).
+_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16):
+         jnp.uint16}
+
+
+def _as_bits(x):
+  bits = _BITS.get(jnp.dtype(x.dtype))
+  if bits is None:
+    return x
+  return dataclasses.replace(
+      x, data_array=jax.lax.bitcast_convert_type(x.data_array, bits))
+
+
+def _from_bits(x, dtype):
+  if jnp.dtype(x.dtype) == jnp.dtype(dtype):
+    return x
+  return dataclasses.replace(
+      x, data_array=jax.lax.bitcast_convert_type(x.data_array, dtype))
 
 
 def _has_axis(axis):
@@ -76,7 +99,8 @@ class ScannedLayerStack(pz.nn.LayerStack):
     # the stack axis moved to the front as a positional axis.
     to_scanned = lambda x: x.untag_prefix(axis).with_positional_prefix()
     stacked = _named_arrays_with(sublayer, axis)
-    array_slices = [to_scanned(x) for x in stacked.get_sequence()]
+    array_slices = [_as_bits(to_scanned(x)) for x in stacked.get_sequence()]
+    dtypes = [x.dtype for x in stacked.get_sequence()]
     sliced_states = [
         variables.StateVariableValue(
             value=jax.tree_util.tree_map(
@@ -88,7 +112,8 @@ class ScannedLayerStack(pz.nn.LayerStack):
     def body(carry, slices):
       arg, shared_states = carry
       array_slices, sliced_states = slices
-      block = stacked.set_sequence(array_slices)
+      block = stacked.set_sequence(
+          [_from_bits(x, d) for x, d in zip(array_slices, dtypes)])
       out, new_states = stateless_call(
           block, shared_states + sliced_states, arg, **side_inputs)
       by_label = {state.label: state for state in new_states}

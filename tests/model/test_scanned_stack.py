@@ -1,5 +1,6 @@
 """ScannedLayerStack against penzai's own LayerStack."""
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -9,11 +10,13 @@ import penzai.nn.layer_stack as penzai_layer_stack
 import pytest
 from penzai import pz
 
+from penzai_lm.model import build_transformer
 from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.model.scanned_stack import ScannedLayerStack
 from tests.model.conftest import _model
 from tests.model.conftest import random_tokens
 from tests.model.conftest import run_cached
+from tests.model.configs import config
 
 LAYERS, FEATURES = 4, 3
 PER_LAYER = {"layers": pz.nn.LayerStackVarBehavior.PER_LAYER}
@@ -160,3 +163,25 @@ def test_cached_transformer_matches_penzai_layer_stack():
     leaves = jax.tree_util.tree_leaves(value)
     for a, b in zip(jax.tree_util.tree_leaves(got_state[label]), leaves):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_bfloat16_weights_are_not_widened_before_the_loop():
+  """XLA:CPU widened a scanned bfloat16 stack to float32 before the loop
+  (a second copy of every weight); their bits travel instead, and the
+  output is the same as without the scan."""
+  cfg = config("llama_gqa", True).replace(parameter_dtype=jnp.bfloat16)
+  model = build_transformer(cfg, seed=3)
+  stacked_shapes = {
+      ",".join(map(str, x.data_array.shape))
+      for x in pz.select(model).at_instances_of(pz.nx.NamedArray).get_sequence()
+      if "blocks" in x.named_shape and x.dtype == jnp.bfloat16}
+  assert stacked_shapes
+  tokens = pz.nx.wrap(jnp.asarray(random_tokens((1, 6)))).tag("batch", "seq")
+  fn = jax.jit(lambda m, t: m(t).unwrap("batch", "seq", "vocabulary"))
+  hlo = fn.lower(model, tokens).compile().as_text()
+  assert not [s for s in stacked_shapes if f"f32[{s}]" in hlo]
+  unrolled = pz.select(model).at_instances_of(ScannedLayerStack).apply(
+      lambda s: dataclasses.replace(s, unroll=s.stack_axis_size))
+  np.testing.assert_allclose(
+      np.asarray(fn(model, tokens), np.float32),
+      np.asarray(fn(unrolled, tokens), np.float32), rtol=1e-2, atol=1e-2)
