@@ -5,9 +5,10 @@ The data path of `generate(model, prompts, **options)`:
 1. `request.build_request` validates everything once and returns a frozen
    `Request`: prompts, per-row limits and stop ids, seeds, the
    `SamplingSettings` and the bucketed `PrefillShape` / `DecodeShape`.
-2. `Engine.prepare` makes the model ready (layer stacks unstacked, cached
-   mode for the shape, frozen, flattened; `prepare.py`), cached per model
-   identity and shape.
+2. `Engine.prepare` makes the model ready (layer stacks unstacked for
+   decoding and, where it pays, kept for prompts: `stacked_prefill.py`;
+   cached mode for the shape, frozen, flattened: `prepare.py`), cached per
+   model identity and shape.
 3. A `Run` (`run.py`) calls the prefill program, then the decode program
    (`programs.py`) until every row has finished, in one call or in chunks
    when the host takes part (streaming, cancellation, stop strings, tools).
@@ -99,10 +100,11 @@ class Engine:
       (slow on CPU; for comparisons).
     prefill_over_stacks: Prefill fresh prompts on the model as the user
       stacked it (one block compiled and scanned), not on the per-layer
-      blocks (`stacked_prefill.py`). A new prefill program compiles and
-      first runs in a third of the time, but on XLA:CPU its warm runs are
-      slower (bfloat16 weights also take +0.4 GB); figures in
-      `docs/cpu-speed.md`. Off by default.
+      blocks (`stacked_prefill.py`): True, False or "auto" (the default:
+      where it costs no warm speed, `stacked_prefill.wanted`). A new
+      prefill program compiles and first runs in a third of the time, but
+      on XLA:CPU warm prefills of 16-bit and 4-bit weights are slower;
+      figures in `docs/cpu-speed.md`.
     prompt_attention: How prompts attend over the KV caches where a layer's
       attention chain is plain (`penzai_lm.model.prompt_attention`):
       "auto" (the default) runs them as cuDNN flash attention on a single
@@ -116,7 +118,7 @@ class Engine:
                unstack_layer_stacks: bool = True,
                program_store: ProgramStore | str | os.PathLike | None = "auto",
                prompt_attention: str | None = "auto",
-               prefill_over_stacks: bool = False,
+               prefill_over_stacks: bool | str = "auto",
                runtime: Runtime | None = None):
     """Creates an engine.
 
@@ -159,9 +161,10 @@ class Engine:
     self.programs = runtime.programs
     self.prompt_attention = prompt_attention
     self.unstack_layer_stacks = bool(unstack_layer_stacks)
-    if not isinstance(prefill_over_stacks, bool):
-      raise TypeError("prefill_over_stacks must be True or False, got"
-                      f" {prefill_over_stacks!r}.")
+    if not (isinstance(prefill_over_stacks, bool)
+            or prefill_over_stacks == "auto"):
+      raise ValueError('prefill_over_stacks must be True, False or "auto",'
+                       f" got {prefill_over_stacks!r}.")
     self.prefill_over_stacks = prefill_over_stacks
     self._prepared = IdentityCache(max_models)
     # Unstacked models are shared by every bucket of one model (one copy of
@@ -265,9 +268,9 @@ class Engine:
           cache_len=shape.cache_len, prompt_attention=self.prompt_attention)
       prepared = prepare_lib.prepare_model(
           model, decoded=decoded, capture=request.capture, **options)
-      if (self.prefill_over_stacks and self.unstack_layer_stacks
-          and shape.use_cache and not request.capture
-          and pz.select(model).at_instances_of(pz.nn.LayerStack).count()):
+      if (self.unstack_layer_stacks and shape.use_cache and not request.capture
+          and pz.select(model).at_instances_of(pz.nn.LayerStack).count()
+          and stacked_prefill.wanted(self.prefill_over_stacks, model)):
         # Fresh prompts run on the stacked model (its per-row values
         # gathered too), and the decode loop on the unstacked one.
         stacked = prepare_lib.prepare_model(

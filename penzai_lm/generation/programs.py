@@ -6,9 +6,9 @@
    projection), and returns the decode loop's `LoopState`. With
    ``num_samples > 1`` the prefill runs once per prompt at the prompt batch
    and the resulting state (caches, positions and any patch state with the
-   batch axis) is gathered to the decode rows. With
-   ``Engine(prefill_over_stacks=True)`` a fresh prompt for a model with
-   layer stacks runs on the stacked model (one block compiled and scanned,
+   batch axis) is gathered to the decode rows. Where the engine prefills
+   over the layer stacks (`Engine.prefill_over_stacks`), a fresh prompt
+   runs on the stacked model (one block compiled and scanned,
    `stacked_prefill.py`) and its caches are split into the
    decode model's per-layer ones.
 2. **Decode loop** (`decode_program`, a `jax.lax.while_loop`): each

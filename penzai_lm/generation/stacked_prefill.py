@@ -1,12 +1,13 @@
-"""Prompts prefilled over the layer stacks (`Engine(prefill_over_stacks=
-True)`).
+"""Prompts prefilled over the layer stacks (`Engine.prefill_over_stacks`).
 
 The decode loop runs on per-layer blocks (`penzai_lm.runtime.unstack`).
-With this setting a fresh prompt's prefill runs on the model as the user
-stacked it, prepared the same way (`prepare.prepare_model`): its caches
-come out with the stack axis, and `StackedPrefill.unstacked` splits them
-into the decode model's per-layer variables, in the order
-`penzai_lm.runtime.unstack.unstacked_state_order` gives.
+Where the engine prefills over the stacks (`wanted`), a fresh prompt's
+prefill runs on the model as the user stacked it, prepared the same way
+(`prepare.prepare_model`): its caches come out with the stack axis, and
+`StackedPrefill.unstacked` splits them into the decode model's per-layer
+variables, in the order `penzai_lm.runtime.unstack.unstacked_state_order`
+gives. A continued session turn keeps the per-layer prefill (its state is
+the decode model's).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from penzai import pz
 
 from penzai_lm.generation.prepare import PreparedModel
 from penzai_lm.generation.state import StateLayout
+from penzai_lm.kernels import on_one_cpu
 from penzai_lm.kernels import ops as kernel_ops
+from penzai_lm.quantization import formats
+from penzai_lm.quantization import QuantizedLinear
 from penzai_lm.runtime.unstack import split_state
 from penzai_lm.runtime.unstack import StateSlice
 
@@ -53,6 +57,34 @@ class StackedPrefill:
                          kernel_ops.split if self.split_kernel else None)
     return layout.conform([dataclasses.replace(ref, value=value)
                            for ref, value in zip(refs, values)])
+
+
+# Stacked weights whose scan costs warm prefill speed on XLA:CPU
+# (`docs/cpu-speed.md`, `benchmarks/stacked_prefill.py --engine`): 16-bit
+# floats (widened layer by layer) and the 4-bit formats (dequantized).
+_SLOW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def wanted(setting, model) -> bool:
+  """Whether an engine with ``prefill_over_stacks=setting`` prefills
+  ``model`` (which has layer stacks) over them. "auto": on one CPU device
+  with the kernels built, where no stacked weight is a 16-bit float or in
+  a 4-bit format, the weights whose warm prefill the scan slows down
+  (float32 and the 8-bit formats run as fast as per layer)."""
+  if setting != "auto":
+    return setting
+  if not (kernel_ops.available() and on_one_cpu(model)):
+    return False
+  for stack in (pz.select(model).at_instances_of(pz.nn.LayerStack)
+                .get_sequence()):
+    arrays = (pz.select(stack.stacked_sublayers)
+              .at_instances_of(pz.nx.NamedArrayBase).get_sequence())
+    if any(jnp.dtype(x.dtype) in _SLOW_DTYPES for x in arrays):
+      return False
+    if (pz.select(stack).at_instances_of(QuantizedLinear)
+        .where(lambda layer: layer.format in formats.FOUR_BIT).count()):
+      return False
+  return True
 
 
 def program_static(prepared: PreparedModel) -> StackedPrefill | None:

@@ -1,9 +1,9 @@
-"""``Engine(prefill_over_stacks=True)``: prompts prefilled over the stacks.
+"""``Engine(prefill_over_stacks=...)``: prompts prefilled over the stacks.
 
 The engine decodes on per-layer blocks (`penzai_lm.runtime.unstack`); this
 setting runs a fresh prompt's prefill on the model as the user stacked it,
 then splits its stacked caches into the decode model's per-layer ones
-(`prepare.with_stacked_prefill`). The reference is the default engine
+(`stacked_prefill.py`). The reference is an engine with the setting off
 (its prefill runs per layer): every family, option and patch generates
 the same tokens and log-probs both ways.
 """
@@ -18,7 +18,10 @@ from penzai.toolshed.save_intermediates import SaveIntermediate
 from penzai_lm import interp
 from penzai_lm.generation import Engine
 from penzai_lm.generation import Session
+from penzai_lm.kernels import ops
+from penzai_lm.model import build_transformer
 from penzai_lm.model import KVCachingTransformerLM
+from penzai_lm.quantization import quantize
 from penzai_lm.runtime.unstack import split_state
 from penzai_lm.runtime.unstack import unstack_layers
 from penzai_lm.runtime.unstack import unstacked_state_order
@@ -31,6 +34,10 @@ GREEDY = dict(max_new_tokens=6, temperature=0.0, stop_tokens=[])
 
 def _stacked_engine():
   return Engine(prefill_over_stacks=True)
+
+
+def _per_layer_engine():
+  return Engine(prefill_over_stacks=False)
 
 
 def _prefill_model(engine, model, rows, **options):
@@ -51,10 +58,11 @@ def test_every_family_prefills_over_its_stacks_as_per_layer(name):
   engine = _stacked_engine()
   assert _prefill_model(engine, model, rows, **GREEDY) is not None
   stacked = engine.generate(model, rows, **GREEDY)
-  per_layer = Engine().generate(model, rows, **GREEDY)
+  per_layer = _per_layer_engine().generate(model, rows, **GREEDY)
   _same(stacked, per_layer)
-  # Off by default, and nothing to do for a model without stacks.
-  assert _prefill_model(Engine(), model, rows, **GREEDY) is None
+  # Off where asked, and nothing to do for a model without stacks.
+  assert _prefill_model(Engine(prefill_over_stacks=False), model, rows,
+                        **GREEDY) is None
   assert _prefill_model(_stacked_engine(), unstack_layers(model), rows,
                         **GREEDY) is None
 
@@ -68,7 +76,7 @@ def test_samples_and_per_row_values_prefill_over_the_stacks():
                  num_samples=2, stop_tokens=[])
   steered = interp.insert_at(model, "blocks.1.resid_post", steer)
   _same(_stacked_engine().generate(steered, rows, **options),
-        Engine().generate(steered, rows, **options))
+        _per_layer_engine().generate(steered, rows, **options))
   assert _prefill_model(_stacked_engine(), steered, rows,
                         **options) is not None
 
@@ -87,7 +95,7 @@ def test_patch_state_comes_out_of_the_stacked_prefill():
 
   rows = prompts([5, 3], seed=62)
   stacked = _stacked_engine().generate(patched(model), rows, **GREEDY)
-  per_layer = Engine().generate(patched(model), rows, **GREEDY)
+  per_layer = _per_layer_engine().generate(patched(model), rows, **GREEDY)
   _same(stacked, per_layer)
   (a,), (b,) = stacked.state.values(), per_layer.state.values()
   np.testing.assert_allclose(a.unwrap("batch", "seq", "embedding"),
@@ -98,7 +106,7 @@ def test_session_turns_continue_from_a_stacked_prefill():
   model = conftest.tiny_model("gemma3", True)
   turns = [prompts([5], seed=63)[0], prompts([3], seed=64)[0]]
   replies = []
-  for engine in (_stacked_engine(), Engine()):
+  for engine in (_stacked_engine(), _per_layer_engine()):
     session = Session(model, engine=engine)
     replies.append([session.generate(t, **GREEDY).tokens for t in turns])
   assert replies[0] == replies[1]
@@ -121,8 +129,31 @@ def test_captures_keep_the_per_layer_prefill():
 
 
 def test_the_setting_is_checked():
-  with pytest.raises(TypeError, match="prefill_over_stacks must be True or"):
-    Engine(prefill_over_stacks="yes")
+  for bad in ("yes", 1, None):
+    with pytest.raises(ValueError, match="prefill_over_stacks must be True,"):
+      Engine(prefill_over_stacks=bad)
+
+
+@pytest.mark.skipif(not ops.available(), reason="CPU kernels not built: auto"
+                    " keeps the per-layer prefill without the split kernel")
+def test_auto_prefills_over_stacks_where_it_costs_no_warm_speed():
+  """On for float32 and 8-bit weights, off for 16-bit floats and the
+  4-bit formats (docs/cpu-speed.md) and for off-setting engines."""
+  model = conftest.tiny_model("llama_gqa", True)
+  rows = prompts([4], seed=69)
+  assert _prefill_model(Engine(), model, rows, **GREEDY) is not None
+  assert _prefill_model(Engine(prefill_over_stacks=False), model, rows,
+                        **GREEDY) is None
+  # Every contraction a multiple of the 32-value blocks.
+  blocks32 = build_transformer(model.config.replace(
+      hidden_size=64, head_dim=16, mlp_hidden_size=64), seed=7)
+  q8 = quantize(blocks32, "q8_0")
+  assert _prefill_model(Engine(), q8, rows, **GREEDY) is not None
+  for slow in (quantize(blocks32, "q4_0"), quantize(blocks32, "q4_1"),
+               build_transformer(model.config.replace(
+                   parameter_dtype=jnp.bfloat16), seed=7)):
+    assert _prefill_model(Engine(), slow, rows, **GREEDY) is None
+    assert _prefill_model(_stacked_engine(), slow, rows, **GREEDY) is not None
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma2", "llama_gqa"])
@@ -168,5 +199,5 @@ def test_patched_variants_rederive_the_stacked_prefill_model():
   assert engine._prepared.derived == 1  # pylint: disable=protected-access
   assert engine.compilations == 2
   for s, result in zip((3., -9.), results):
-    _same(result, Engine().generate(steered(s), rows, **GREEDY))
+    _same(result, _per_layer_engine().generate(steered(s), rows, **GREEDY))
   assert results[0].tokens != results[1].tokens
