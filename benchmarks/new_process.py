@@ -12,8 +12,9 @@ wall time from start to the first token. Target (issue 28): compile+trace
 <= 3 s without a persistent cache.
 
 ``--cold N`` runs N rounds of processes without a persistent cache
-instead, ``--stacked-prefill`` adds processes whose engine prefills over
-the layer stack (``Engine(prefill_over_stacks=True)``), and ``--baseline DIR`` (a checkout of another commit, e.g. from
+instead, ``--stacked-prefill`` runs them on engines that prefill over the
+layer stack and per layer (``Engine(prefill_over_stacks=True / False)``),
+and ``--baseline DIR`` (a checkout of another commit, e.g. from
 ``git worktree add``) alternates them with processes that import
 penzai_lm from DIR, for a side-by-side comparison on a shared machine; the
 medians close the table. Time to the first token there is
@@ -49,9 +50,9 @@ model = penzai_lm.load_model("smollm2-135m-instruct", dtype=sys.argv[2],
 loaded = time.perf_counter()
 cpu = time.process_time()
 engine = None
-if sys.argv[4] == "1":
+if sys.argv[4] != "default":
   from penzai_lm.generation import Engine
-  engine = Engine(prefill_over_stacks=True)
+  engine = Engine(prefill_over_stacks=sys.argv[4] == "1")
 r = penzai_lm.generate(model, list(range(100, 228)), max_new_tokens=16,
                        temperature=0.0, engine=engine)
 t = r.timings
@@ -67,16 +68,17 @@ print(json.dumps(dict(
 
 
 def run_child(args, cache_dir: str, pythonpath: str | None = None,
-              stacked: bool = False) -> dict:
+              stacked: bool | None = None) -> dict:
   """One fresh process's figures (penzai_lm from ``pythonpath`` if given;
-  ``stacked``: on ``Engine(prefill_over_stacks=True)``)."""
+  ``stacked``: on ``Engine(prefill_over_stacks=stacked)``, None: the
+  default engine)."""
   env = dict(os.environ)
   if pythonpath:
     env["PYTHONPATH"] = os.pathsep.join(
         [pythonpath] + [p for p in [env.get("PYTHONPATH")] if p])
   out = subprocess.run(
       [sys.executable, "-c", _CHILD, cache_dir, args.dtype, args.quantize,
-       "1" if stacked else "0"],
+       {None: "default", True: "1", False: "0"}[stacked]],
       capture_output=True, text=True, check=True, env=env,
       cwd=pythonpath)  # The working directory comes first on sys.path.
   r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -87,11 +89,11 @@ def run_child(args, cache_dir: str, pythonpath: str | None = None,
 
 def cold_rounds(args) -> None:
   """``--cold``: rounds of processes without a persistent cache."""
-  sides = [("this checkout", None, False)]
+  sides = [("this checkout", None, None)]
   if args.baseline:
-    sides.insert(0, ("baseline", os.path.abspath(args.baseline), False))
+    sides.insert(0, ("baseline", os.path.abspath(args.baseline), None))
   if args.stacked_prefill:
-    sides.append(("over stacks", None, True))
+    sides = [("over stacks", None, True), ("per layer", None, False)]
   print(f"SmolLM2-135M {args.dtype} {args.quantize or ''}: 128-token prompt,"
         f" 16 new tokens, no persistent cache, {args.cold} rounds")
   columns = ("compile_s", "prefill_s", "xla_s", "cpu_s")
@@ -122,8 +124,8 @@ def main():
   parser.add_argument("--cold", type=int, default=0)
   parser.add_argument("--baseline", default="")
   parser.add_argument("--stacked-prefill", action="store_true",
-                      help="with --cold: also processes on"
-                      " Engine(prefill_over_stacks=True)")
+                      help="with --cold: processes on"
+                      " Engine(prefill_over_stacks=True) and on False")
   args = parser.parse_args()
   if args.cold:
     cold_rounds(args)
