@@ -10,10 +10,12 @@ variable per layer). On CPU those blocks' weights alias the stacked buffers
 
 A prompt's prefill, on the other hand, is one call over many tokens: there
 the scan's slice copies cost little, and one compiled block instead of one
-per layer saves most of a new program's compile and first-run time. The
-engine therefore prefills on the stacked model and hands the decode loop
-the per-layer state: `unstacked_state_order` says where each state
-variable of the unstacked model comes from, `split_state` computes them.
+per layer saves most of a new program's compile and first-run time. So
+where that costs no warm speed the engine prefills on the stacked model
+and hands the decode loop the per-layer state
+(`penzai_lm.generation.stacked_prefill`): `unstacked_state_order` says
+where each state variable of the unstacked model comes from, `split_state`
+computes them.
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ def _rename_slots(tree, renamed: dict[str, str]):
       tree, is_leaf=lambda x: isinstance(x, pz.StateVariableSlot))
 
 
+def _per_layer(var, axis: str) -> bool:
+  return (var.metadata.get("layerstack_axes", {}).get(axis)
+          == pz.nn.LayerStackVarBehavior.PER_LAYER)
+
+
 def _unstack(stack: pz.nn.LayerStack,
              lineage: Lineage | None = None) -> pz.nn.Sequential:
   """An equivalent Sequential of the blocks of a LayerStack."""
@@ -93,8 +100,7 @@ def _unstack(stack: pz.nn.LayerStack,
       stack.stacked_sublayers))
   per_layer = {}
   for var in variables:
-    behavior = var.metadata.get("layerstack_axes", {}).get(axis)
-    if behavior == pz.nn.LayerStackVarBehavior.PER_LAYER:
+    if _per_layer(var, axis):
       metadata = dict(var.metadata)
       axes = dict(metadata["layerstack_axes"])
       del axes[axis]
@@ -146,11 +152,6 @@ class StateSlice:
 
 def _is_node(x) -> bool:
   return isinstance(x, (pz.StateVariable, pz.nn.LayerStack))
-
-
-def _per_layer(var, axis: str) -> bool:
-  return (var.metadata.get("layerstack_axes", {}).get(axis)
-          == pz.nn.LayerStackVarBehavior.PER_LAYER)
 
 
 def unstacked_state_order(model) -> tuple[StateSlice, ...] | None:
