@@ -69,12 +69,15 @@ def wanted(setting, model) -> bool:
   """Whether an engine with ``prefill_over_stacks=setting`` prefills
   ``model`` (which has layer stacks) over them. "auto": on one CPU device
   with the kernels built, where no stacked weight is a 16-bit float or in
-  a 4-bit format, the weights whose warm prefill the scan slows down
-  (float32 and the 8-bit formats run as fast as per layer)."""
+  a 4-bit format dequantized for the prompt, the weights whose warm
+  prefill the scan slows down (float32 and the 8-bit formats run as fast
+  as per layer, and so do 4-bit layers whose prompts run on int8
+  activations on the AMX tiles, `kernel_ops.int8_gemm_isa`)."""
   if setting != "auto":
     return setting
   if not (kernel_ops.available() and on_one_cpu(model)):
     return False
+  tiles = kernel_ops.int8_gemm_isa() == "amx"
   for stack in (pz.select(model).at_instances_of(pz.nn.LayerStack)
                 .get_sequence()):
     arrays = (pz.select(stack.stacked_sublayers)
@@ -82,7 +85,8 @@ def wanted(setting, model) -> bool:
     if any(jnp.dtype(x.dtype) in _SLOW_DTYPES for x in arrays):
       return False
     if (pz.select(stack).at_instances_of(QuantizedLinear)
-        .where(lambda layer: layer.format in formats.FOUR_BIT).count()):
+        .where(lambda layer: layer.format in formats.FOUR_BIT
+               and not (layer.int8_activations and tiles)).count()):
       return False
   return True
 

@@ -74,10 +74,11 @@ TARGETS = (
     "pzlm_split",
 )
 _DIR = pathlib.Path(__file__).parent
-_SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "attention.cc",
-            _DIR / "rows.cc", _DIR / "sampler.cc")
+_SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "gemm_x8.cc",
+            _DIR / "attention.cc", _DIR / "rows.cc", _DIR / "sampler.cc")
 _HEADERS = (_DIR / "common.h", _DIR / "row_ops.h", _DIR / "int8_dot.h",
-            _DIR / "float_vec.h", _DIR / "weight_formats.h")
+            _DIR / "q8_blocks.h", _DIR / "gemm_x8.h", _DIR / "float_vec.h",
+            _DIR / "weight_formats.h")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 
 # PENZAI_LM_CPU_ISA -> (target flags, CPU flags it needs). x86-64 levels:

@@ -37,21 +37,14 @@
 #include <vector>
 
 #include "common.h"
+#include "gemm_x8.h"
 #include "int8_dot.h"
+#include "q8_blocks.h"
 
 namespace {
 
 using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 using namespace pzlm::x8;  // NOLINT
-
-// v rounded to float16 (to nearest even) and back.
-inline float ToHalfAndBack(float v) {
-#if defined(__F16C__)
-  return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
-#else
-  return float(_Float16(v));
-#endif
-}
 
 // The cache lines of n floats at p (a row's scales or offsets: a stream
 // of their own, short runs the hardware prefetchers miss).
@@ -98,54 +91,10 @@ class QuantizedX {
   float Total(int64_t r) const { return totals_[r]; }
 
  private:
-  // q = rint(x * (1 / d)) for one block of 32, d = max|x| / 127 (NaN if
-  // the block holds a NaN or an infinity); the halves' sums of q.
-  static float Round(const float* x, int8_t* q, int32_t* half) {
-#if defined(__AVX512F__)
-    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
-    // x * 0 is NaN exactly where x is a NaN or an infinity.
-    const __m512 zero = _mm512_setzero_ps();
-    const bool finite = _mm512_cmp_ps_mask(
-        _mm512_add_ps(_mm512_mul_ps(a, zero), _mm512_mul_ps(b, zero)), zero,
-        _CMP_EQ_OQ) == 0xffff;
-    const float amax = _mm512_reduce_max_ps(
-        _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float d = finite ? amax / 127.f : NAN;
-    const __m512 inv = _mm512_set1_ps(finite && amax > 0.f ? 1.f / d : 0.f);
-    // Rounded to nearest even (MXCSR's default), as nearbyint; |x| * (1 /
-    // d) <= 127 up to a rounding, which the saturating narrowing clamps.
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
-    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                     _mm512_cvtsepi32_epi8(qb));
-    half[0] = _mm512_reduce_add_epi32(qa);
-    half[1] = _mm512_reduce_add_epi32(qb);
-    return d;
-#else
-    float amax = 0.f;
-    bool finite = true;
-    for (int j = 0; j < 32; ++j) {
-      finite = finite && std::isfinite(x[j]);
-      amax = std::max(amax, std::fabs(x[j]));
-    }
-    const float d = finite ? amax / 127.f : NAN;
-    const float inv = finite && amax > 0.f ? 1.f / d : 0.f;
-    half[0] = half[1] = 0;
-    for (int j = 0; j < 32; ++j) {
-      float v = std::nearbyint(x[j] * inv);
-      q[j] = int8_t(std::min(127.f, std::max(-127.f, v)));
-      half[j / 16] += q[j];
-    }
-    return d;
-#endif
-  }
-
   void Block(const float* x, int64_t r, int64_t b) {
     int8_t q[32];
     int32_t half[2];
-    const float d32 = Round(x, q, half);
-    const float d = ToHalfAndBack(d32);  // block_q8_0.d is a float16
+    const float d = QuantizeBlock(x, q, half);
     totals_[r] += d * float(half[0] + half[1]);
     // Where the block's values go, and its lanes in the step.
     const int64_t s = 32 * b / step_values_;
@@ -371,6 +320,13 @@ void Product(ffi::ThreadPool& pool, const W& w, const float* xf, float* y,
   });
 }
 
+// Prompt-sized products go to the AMX tiles where this build and process
+// have them (gemm_x8.cc); true if they did.
+bool OnTiles(ffi::ThreadPool& pool, const gemm_x8::Weights& w,
+             const float* x, float* y, int64_t R, int64_t K, int64_t N) {
+  return R >= gemm_x8::kGemmRows && gemm_x8::Product(pool, w, x, y, R, K, N);
+}
+
 ffi::Error Q8X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                 ffi::Buffer<ffi::S8> qs, ffi::Buffer<ffi::F32> scale,
                 ffi::ResultBuffer<ffi::F32> y) {
@@ -381,6 +337,11 @@ ffi::Error Q8X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       sd[0] != qd[0] || (sd[1] != 1 && sd[1] * 32 != K))
     return ffi::Error::InvalidArgument(
         "q8_x8: K % 32 == 0, qs [N, K], scale [N, K / 32] or [N, 1]");
+  const gemm_x8::Layout layout =
+      sd[1] == 1 ? gemm_x8::Layout::kQ8Channel : gemm_x8::Layout::kQ8;
+  if (OnTiles(pool, {layout, qs.typed_data(), scale.typed_data(), nullptr},
+              x.typed_data(), y->typed_data(), R, K, qd[0]))
+    return ffi::Error::Success();
   if (sd[1] == 1) {
     Q8W<true> w{{qs.typed_data(), K}, scale.typed_data()};
     Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
@@ -403,6 +364,10 @@ ffi::Error Q4X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       md[1] != sd[1])
     return ffi::Error::InvalidArgument(
         "q4_x8: K % 32 == 0, qs [N, K / 2], scale and mins [N, K / 32]");
+  if (OnTiles(pool, {gemm_x8::Layout::kQ4, qs.typed_data(),
+                     scale.typed_data(), mins.typed_data()},
+              x.typed_data(), y->typed_data(), R, K, qd[0]))
+    return ffi::Error::Success();
   Q4W w{qs.typed_data(), scale.typed_data(), mins.typed_data(), K};
   Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
   return ffi::Error::Success();
@@ -421,6 +386,10 @@ ffi::Error Q8G16X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       md[1] != sd[1])
     return ffi::Error::InvalidArgument(
         "q8_16_x8: K % 32 == 0, qs [N, K], scale and mins [N, K / 16]");
+  if (OnTiles(pool, {gemm_x8::Layout::kQ8G16, qs.typed_data(),
+                     scale.typed_data(), mins.typed_data()},
+              x.typed_data(), y->typed_data(), R, K, qd[0]))
+    return ffi::Error::Success();
   Q8G16W w{{qs.typed_data(), K}, scale.typed_data(), mins.typed_data()};
   Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
   return ffi::Error::Success();

@@ -148,6 +148,22 @@ def int8_dot_isa() -> str:
   return isa().decode()
 
 
+@functools.cache
+def int8_gemm_isa() -> str:
+  """Where the ``int8_activations`` products of ``GEMM_ROWS`` rows or more
+  run: ``amx`` (Intel AMX tiles, `gemm_x8.cc`: the build has them and
+  Linux let this process use them), else ``none`` (they run as smaller
+  products do, `int8_dot_isa`)."""
+  _require_kernels()
+  isa = ctypes.CFUNCTYPE(ctypes.c_char_p)(("pzlm_int8_gemm_isa", cpu_kernels()))
+  return isa().decode()
+
+
+# Rows from which the int8-activation products run on the AMX tiles
+# (gemm_x8.h's kGemmRows).
+GEMM_ROWS = 17
+
+
 def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
   """``table[ids]`` for a ``[V, E]`` table and int32 ids of any shape
   (negative ids wrap, others clamp), read in place (`rows.cc`)."""

@@ -114,18 +114,20 @@ class QuantizedLinear(pz.nn.Layer):
             f" {size}; its input has axes {dict(x.named_shape)}.")
     row_axes = [a for a in x.named_axes if a not in in_names]
     rows = math.prod(x.named_shape[a] for a in row_axes)
-    # Decoding on the kernels. A prompt's rows stay on XLA's GEMM (below),
-    # in float, int8_activations or not: the int8 products were 25-35%
-    # slower there (docs/cpu-speed.md), where llama.cpp's prefill
-    # quantizes the activations too.
-    if (self.use_cpu_kernel and 0 < rows <= MAX_ROWS
+    # Decoding on the kernels, and with int8_activations a prompt's rows
+    # too where the CPU has AMX tiles (`ops.int8_gemm_isa`). Other prompts
+    # stay on XLA's GEMM (below), in float: there the int8 products were
+    # 25-35% slower (docs/cpu-speed.md).
+    k = math.prod(s for _, s in self.in_axes)
+    groups = (k // 16,) if self.format == "q8_16" else (1, k // 32)
+    x8 = (self.int8_activations and k % 32 == 0
+          and self.scale.value.named_shape["quant_groups"] in groups)
+    prompt_x8 = (self.use_cpu_kernel and x8 and rows >= ops.GEMM_ROWS
+                 and ops.int8_gemm_isa() == "amx")
+    if (self.use_cpu_kernel and (0 < rows <= MAX_ROWS or prompt_x8)
         and not x.positional_shape):
       qs, scale, mins = self._arrays()
-      k = math.prod(s for _, s in self.in_axes)
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
-      groups = (k // 16,) if self.format == "q8_16" else (1, k // 32)
-      x8 = (self.int8_activations and k % 32 == 0
-            and scale.shape[1] in groups)
       if self.format in formats.FOUR_BIT:
         y = ops.q4(flat, qs, scale, mins, int8_activations=x8)
       elif mins is not None:

@@ -19,6 +19,7 @@ from penzai_lm import interp
 from penzai_lm.generation import Engine
 from penzai_lm.generation import Session
 from penzai_lm.kernels import ops
+from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import build_transformer
 from penzai_lm.model import KVCachingTransformerLM
 from penzai_lm.quantization import quantize
@@ -65,6 +66,21 @@ def test_every_family_prefills_over_its_stacks_as_per_layer(name):
                         **GREEDY) is None
   assert _prefill_model(_stacked_engine(), unstack_layers(model), rows,
                         **GREEDY) is None
+
+
+@pytest.mark.skipif(not ops.available(), reason="CPU kernels not built")
+def test_prompts_on_int8_activations_prefill_over_the_stacks_as_per_layer():
+  """Quantized layers with int8 activations: 2 x 16 prompt rows, on the
+  AMX tiles where the CPU has them (`ops.int8_gemm_isa`), scanned or
+  not."""
+  model = conftest.tiny_model("llama_gqa", True)
+  blocks32 = build_transformer(model.config.replace(
+      hidden_size=64, head_dim=16, mlp_hidden_size=64), seed=7)
+  rows = prompts([13, 16], seed=68)
+  for fmt in ("q4_0", "q8_0"):
+    x8 = with_cpu_kernels(quantize(blocks32, fmt), int8_activations=True)
+    _same(_stacked_engine().generate(x8, rows, **GREEDY),
+          _per_layer_engine().generate(x8, rows, **GREEDY))
 
 
 def test_samples_and_per_row_values_prefill_over_the_stacks():
@@ -138,7 +154,8 @@ def test_the_setting_is_checked():
                     " keeps the per-layer prefill without the split kernel")
 def test_auto_prefills_over_stacks_where_it_costs_no_warm_speed():
   """On for float32 and 8-bit weights, off for 16-bit floats and the
-  4-bit formats (docs/cpu-speed.md) and for off-setting engines."""
+  4-bit formats (docs/cpu-speed.md) unless their prompts run on the AMX
+  tiles, and for off-setting engines."""
   model = conftest.tiny_model("llama_gqa", True)
   rows = prompts([4], seed=69)
   assert _prefill_model(Engine(), model, rows, **GREEDY) is not None
@@ -154,6 +171,11 @@ def test_auto_prefills_over_stacks_where_it_costs_no_warm_speed():
                    parameter_dtype=jnp.bfloat16), seed=7)):
     assert _prefill_model(Engine(), slow, rows, **GREEDY) is None
     assert _prefill_model(_stacked_engine(), slow, rows, **GREEDY) is not None
+  # 4-bit layers whose prompts run on int8 activations on the AMX tiles
+  # scan as fast as per layer: on where the CPU has them.
+  x8 = with_cpu_kernels(quantize(blocks32, "q4_0"), int8_activations=True)
+  over = _prefill_model(Engine(), x8, rows, **GREEDY) is not None
+  assert over == (ops.int8_gemm_isa() == "amx")
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma2", "llama_gqa"])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from penzai import pz
 
+from penzai_lm.kernels import build
 from penzai_lm.kernels import ops
 from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import TransformerConfig
@@ -28,6 +29,10 @@ pytestmark = pytest.mark.skipif(not ops.available(),
 # end (96, 544), rows past the 4-row passes, N off the 4-output blocks.
 SHAPES = [(1, 576, 1536), (3, 96, 7), (5, 32, 9), (17, 1536, 13),
           (8, 544, 33), (2, 64, 1)]
+# Prompt-sized: on the AMX tiles where ops.int8_gemm_isa() == "amx" (rows
+# past the 16-row tiles, N past the 16-output strips, an odd number of
+# groups of 32, K = 32: one group).
+SHAPES += [(40, 96, 37), (128, 576, 192), (33, 32, 16), (20, 1536, 17)]
 
 
 def _x(rows, k, seed=0):
@@ -48,11 +53,15 @@ def _q8(n, k, blocks, seed=2):
   return qs, scale, w
 
 
-def _q4(n, k, seed=3):
+def _q4(n, k, seed=3, centered=False):
+  """4-bit blocks with offsets of their own (q4_1), or ``centered`` ones,
+  -8 scales (q4_0)."""
   rng = np.random.default_rng(seed)
   qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
   scale = rng.uniform(1e-3, 1e-1, (n, k // 32)).astype(np.float32)
   mins = rng.uniform(-1, 0, (n, k // 32)).astype(np.float32)
+  if centered:
+    mins = -8 * scale
   blocks = qs.reshape(n, k // 32, 16)  # ggml's nibble order
   nibbles = np.concatenate([blocks & 15, blocks >> 4], -1).astype(np.float64)
   w = (nibbles * scale[..., None] + mins[..., None]).reshape(n, k)
@@ -105,6 +114,17 @@ def _check(got, x, w):
   assert (np.abs(got - exact) <= _rounding_bound(x, w)).all()
 
 
+def test_prompts_run_on_the_amx_tiles_where_the_cpu_has_them():
+  """The native build on a CPU with AMX-INT8 takes prompt-sized products
+  to the tiles (gemm_x8.cc); the SHAPES with 17 rows or more test them."""
+  flags = set(build._cpu_fingerprint().split())  # pylint: disable=protected-access
+  if build.isa() != "native" or not {"amx_int8", "amx_tile"} <= flags:
+    pytest.skip("NO AMX HERE: the prompt-sized shapes ran on the row"
+                f" products ({ops.int8_dot_isa()}), not on the tiles")
+  assert ops.int8_gemm_isa() == "amx"
+  assert ops.GEMM_ROWS == 17 and max(r for r, _, _ in SHAPES) >= 128
+
+
 def test_quantize_rows_follows_q8_0():
   x = _x(3, 96)
   q, d = ops.quantize_rows(x)
@@ -135,10 +155,13 @@ def test_q8_int8_activations(rows, k, n, per_output):
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
-@pytest.mark.parametrize("fmt", ["q4", "q8_16"])
+@pytest.mark.parametrize("fmt", ["q4", "q4_0", "q8_16"])
 def test_grouped_int8_activations(rows, k, n, fmt):
-  """Formats with a scale and an offset per group (q4_1, kept K-quants)."""
-  make, product = {"q4": (_q4, ops.q4), "q8_16": (_q8_16, ops.q8_16)}[fmt]
+  """Formats with a scale and an offset per group (q4_1, kept K-quants;
+  q4_0, whose offsets the tiles fold into the nibbles)."""
+  make, product = {"q4": (_q4, ops.q4), "q8_16": (_q8_16, ops.q8_16),
+                   "q4_0": (lambda n, k: _q4(n, k, centered=True), ops.q4)
+                   }[fmt]
   qs, scale, mins, w = make(n, k)
   x = _x(rows, k)
   got = np.asarray(jax.jit(lambda *a: product(*a, int8_activations=True))(
@@ -212,9 +235,16 @@ def test_with_cpu_kernels_int8_activations(fmt):
   np.testing.assert_allclose(got, want, atol=2e-2 * scale, rtol=0)
   assert not np.array_equal(got, want)
   # A prompt's rows (more than a decode step's) stay on XLA's dot, in
-  # float, with or without int8 activations: the same logits.
+  # float, without int8 activations; with them, on the AMX tiles where the
+  # CPU has them (ops.int8_gemm_isa), else on XLA's dot as well.
   want, hlo = _logits(plain, (2, 24))
   assert "_x8" not in hlo and "pzlm_matvec_q" not in hlo
   got, hlo = _logits(x8, (2, 24))
-  assert "_x8" not in hlo and "pzlm_matvec_q" not in hlo
-  np.testing.assert_array_equal(got, want)
+  if ops.int8_gemm_isa() == "amx":
+    assert "_x8" in hlo
+    # 48 rows of rounded activations through 2 layers: within 5%.
+    np.testing.assert_allclose(got, want, atol=5e-2 * np.abs(want).max(),
+                               rtol=0)
+  else:
+    assert "_x8" not in hlo and "pzlm_matvec_q" not in hlo
+    np.testing.assert_array_equal(got, want)

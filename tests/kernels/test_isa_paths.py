@@ -47,11 +47,13 @@ def test_the_kernels_on_a_forced_path(isa, tmp_path):
   env = _env(isa, cache)
   probe = subprocess.run(
       [sys.executable, "-c", "from penzai_lm.kernels import build, ops;"
-       " print(build.compile_flags()); print(ops.int8_dot_isa())"],
+       " print(build.compile_flags()); print(ops.int8_dot_isa());"
+       " print(ops.int8_gemm_isa())"],
       env=env, capture_output=True, text=True, timeout=900)
   assert probe.returncode == 0, probe.stderr[-3000:]
-  flags, path = probe.stdout.strip().splitlines()[-2:]
+  flags, path, tiles = probe.stdout.strip().splitlines()[-3:]
   assert "-march=native" not in flags and path == EXPECTED[isa]
+  assert tiles == "none"  # no forced target has AMX: prompts run as rows
   assert len(list(cache.glob("kernels-*.so"))) == 1
   done = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
