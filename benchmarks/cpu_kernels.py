@@ -8,13 +8,15 @@ q8_0 and q4_1 blocks (out-major). "xla" runs the same product with
 ``jnp.dot`` on the weights as they lie (quantized ones dequantized in the
 program, as without the kernels). ``bf16-out`` is bfloat16 out-major (the
 loaders' layout). A format with the suffix ``-x8``
-(``int8-x8``, ``q8_0-x8``, ``q4_1-x8``) runs the kernels with
+(``int8-x8``, ``q8_0-x8``, ``q4_0-x8``, ``q4_1-x8``) runs the kernels with
 ``int8_activations=True`` (the rows quantized to int8 blocks, integer dot
-products: `penzai_lm/kernels/matvec_x8.cc`). Reports the median step time
-and weights per second; medians of --repeats.
+products: `penzai_lm/kernels/matvec_x8.cc`; from 17 rows, a prompt's, on
+the AMX tiles where the CPU has them: `gemm_x8.cc`). Reports the median
+step time and weights per second; medians of --repeats.
 
   python benchmarks/cpu_kernels.py [--repeats 20] [--formats bf16,q8_0]
       [--rows 1,8] [--no-xla]
+  python benchmarks/cpu_kernels.py --formats f32,q8_0-x8,q4_0-x8 --rows 128
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Compiles penzai_lm's CPU kernels on first use and registers them with XLA.
 
-The kernels (`matvec.cc`, `matvec_x8.cc`, `attention.cc` and
-`sampler.cc`, sharing `common.h`; `sampler.cc` also `row_ops.h`,
+The kernels (`matvec.cc`, `matvec_x8.cc`, `gemm_x8.cc`, `attention.cc`
+and `sampler.cc`, sharing `common.h`; `sampler.cc` also `row_ops.h`,
 `matvec.cc` also `float_vec.h` and `weight_formats.h`, `matvec_x8.cc`
-also `int8_dot.h`; and `rows.cc`) are C++
+also `int8_dot.h`, and it and `gemm_x8.cc` `q8_blocks.h` and
+`gemm_x8.h`; and `rows.cc`) are C++
 against the XLA FFI headers that ship with jaxlib, built into one library
 once per machine with the system C++ compiler (``-O3 -march=native``:
 the vector width and the F16C instructions matter) and loaded with
@@ -39,7 +40,8 @@ Which instructions: the library is built for the CPU it runs on
 (``-march=native``), and the kernels pick their code paths from what that
 enables when they are compiled (AVX-512 with VNNI and BF16, AVX-512, AVX2
 with or without AVX-VNNI, or portable loops: `ops.int8_dot_isa` names
-the int8 path). ``PENZAI_LM_CPU_ISA`` forces a lower target on x86-64
+the int8 path, `ops.int8_gemm_isa` whether prompts use AMX tiles).
+``PENZAI_LM_CPU_ISA`` forces a lower target on x86-64
 (`ISAS`: ``avx512`` without VNNI, ``avx2``, ``portable``), each its own
 library in the cache: the tests build and run every path this CPU can run,
 and a path the CPU cannot run is refused rather than built.

@@ -179,8 +179,9 @@ def with_cpu_kernels(model, *, int8_activations: bool = False):
     model: A penzai model.
     int8_activations: Also switch on the ``int8_activations`` field of the
       layers that have one (quantized layers: their small products then
-      quantize the activations to int8 blocks, `ops.q8`). Layers already on
-      the kernels keep their setting unless this is set.
+      quantize the activations to int8 blocks, `ops.q8`, and so do their
+      prompts where the CPU has AMX tiles, `ops.int8_gemm_isa`). Layers
+      already on the kernels keep their setting unless this is set.
   """
   if not ops.available():
     return model

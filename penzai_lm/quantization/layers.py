@@ -9,8 +9,9 @@ pairs) and ``quant_groups`` (scale groups along K), plus any stacking axis
 them like any other weight. Formats: `penzai_lm.quantization.formats`.
 
 On CPU the engine sets ``use_cpu_kernel``: products of up to
-`penzai_lm.kernels.layers.MAX_ROWS` rows (decoding) read the quantized
-blocks in the kernels; everything else dequantizes to the activations'
+`penzai_lm.kernels.layers.MAX_ROWS` rows (decoding), and with
+``int8_activations`` prompts on AMX, read the quantized blocks in the
+kernels; everything else dequantizes to the activations'
 dtype and contracts with penzai's `contract` (on GPU, XLA fuses that), or
 on CPU in bfloat16 and float32 as `penzai_lm.kernels.layers.kernel_contract`
 does.
@@ -76,10 +77,11 @@ class QuantizedLinear(pz.nn.Layer):
     int8_activations: In the decode kernels (at most `MAX_ROWS` rows),
       quantize the activations to int8 blocks of 32 and take integer dot
       products (llama.cpp's scheme; `penzai_lm.kernels.ops.q8`): faster,
-      and off by the activations' rounding. Applies to every layout with
-      ``K % 32 == 0``; other shapes ignore it, and prompts run in float.
-      Set by ``penzai_lm.kernels.with_cpu_kernels(model,
-      int8_activations=True)``.
+      and off by the activations' rounding. Prompts (`ops.GEMM_ROWS` rows
+      or more) do the same on the AMX tiles where the CPU has them
+      (`ops.int8_gemm_isa`), else run in float. Applies to every layout
+      with ``K % 32 == 0``; other shapes ignore it. Set by
+      ``penzai_lm.kernels.with_cpu_kernels(model, int8_activations=True)``.
   """
 
   qs: pz.ParameterLike[pz.nx.NamedArray]
