@@ -117,6 +117,28 @@ def q4(x: jax.Array, qs: jax.Array, scale: jax.Array, mins: jax.Array, *,
   return _call(target, qs.shape[0], x, qs, scale, mins)
 
 
+def dequantize(qs: jax.Array, scale: jax.Array,
+               mins: jax.Array | None) -> jax.Array:
+  """A quantized weight as ``f32[N, K]`` (`dequantize.cc`), the values
+  `penzai_lm.quantization.formats.dequantize` gives (``q * scale + min``
+  as one fused multiply-add, which XLA fuses for the 4-bit layouts too),
+  written by the kernels: ``qs: int8[N, K]`` with ``scale: f32[N, K // block]`` (and
+  ``mins: f32[N, K // 16]``: groups of 16 with offsets), or 4-bit
+  ``qs: uint8[N, K // 2]`` with ``scale`` and ``mins: f32[N, K // 32]``."""
+  _require_kernels()
+  n, packed = qs.shape
+  four_bit = jnp.dtype(qs.dtype) == jnp.uint8
+  k = 2 * packed if four_bit else packed
+  if four_bit:
+    target, args = "pzlm_dequantize_q4", (qs, scale, mins)
+  elif mins is not None:
+    target, args = "pzlm_dequantize_q8_16", (qs, scale, mins)
+  else:
+    target, args = "pzlm_dequantize_q8", (qs, scale)
+  out = jax.ShapeDtypeStruct((n, k), jnp.float32)
+  return jax.ffi.ffi_call(target, out)(*args)
+
+
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """The int8 blocks the ``int8_activations`` products use, in numpy.
 

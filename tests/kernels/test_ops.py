@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from penzai_lm.kernels import ops
+from penzai_lm.quantization import formats
 
 pytestmark = pytest.mark.skipif(not ops.available(),
                                 reason="no C++ compiler for the kernels")
@@ -64,6 +65,37 @@ def test_q4_matches_numpy(rows, k, n):
   np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1", "q8_16",
+                                 "q8_block64"])
+@pytest.mark.parametrize("n,k", [(70, 96), (33, 544), (1, 32)])
+def test_dequantize_equals_the_formats_bit_for_bit(fmt, n, k):
+  """The prompts' float weights (`dequantize.cc`) against
+  `formats.dequantize` (bit for bit where XLA fuses the multiply-add as
+  the kernel does), including K off the 16- and 32-value steps."""
+  rng = np.random.default_rng(5)
+  if fmt in ("q8_16", "q8_block64"):
+    group = 16 if fmt == "q8_16" else 64
+    k = k // group * group or group
+    qs = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    scale = rng.uniform(1e-3, 1e-1, (n, k // group)).astype(np.float32)
+    mins = (rng.uniform(-1, 1, (n, k // 16)).astype(np.float32)
+            if fmt == "q8_16" else None)
+    layout = "q8_16" if fmt == "q8_16" else "q8_0"
+  else:
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    q = formats.quantize(w, fmt)
+    qs, scale, mins, layout = q.qs, q.scale, q.mins, fmt
+  want = np.asarray(formats.dequantize(qs, scale, mins, layout))
+  got = np.asarray(jax.jit(ops.dequantize)(qs, scale, mins))
+  assert got.shape == (n, k) and got.dtype == np.float32
+  if mins is None or fmt in formats.FOUR_BIT:
+    np.testing.assert_array_equal(got, want)
+  else:  # q * scale + min: either side may fuse it into one rounding
+    terms = (np.abs(qs.astype(np.float64)).reshape(n, k // 16, 16)
+             * scale[..., None] + np.abs(mins)[..., None]).reshape(n, k)
+    assert (np.abs(got - want) <= 2.0**-23 * terms).all()
+
+
 def test_bad_shapes_are_errors_not_garbage():
   x = _x(2, 64)
   with pytest.raises(Exception, match="w must be"):
@@ -73,6 +105,10 @@ def test_bad_shapes_are_errors_not_garbage():
     jax.jit(ops.q4)(_x(1, 48), np.zeros((4, 24), np.uint8),
                     np.zeros((4, 1), np.float32),
                     np.zeros((4, 1), np.float32)).block_until_ready()
+  with pytest.raises(Exception, match="dequantize q4"):
+    jax.jit(ops.dequantize)(np.zeros((4, 24), np.uint8),
+                            np.zeros((4, 1), np.float32),
+                            np.zeros((4, 1), np.float32)).block_until_ready()
 
 
 def test_bfloat16_product_has_no_float32_weight_copy():
