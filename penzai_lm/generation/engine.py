@@ -103,7 +103,7 @@ class Engine:
       blocks (`stacked_prefill.py`): True, False or "auto" (the default:
       where it costs no warm speed, `stacked_prefill.wanted`). A new
       prefill program compiles and first runs in a third of the time, but
-      on XLA:CPU warm prefills of 16-bit and 4-bit weights are slower;
+      on XLA:CPU warm prefills of 16-bit float weights are slower;
       figures in `docs/cpu-speed.md`.
     prompt_attention: How prompts attend over the KV caches where a layer's
       attention chain is plain (`penzai_lm.model.prompt_attention`):

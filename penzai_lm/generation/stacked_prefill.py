@@ -24,8 +24,6 @@ from penzai_lm.generation.prepare import PreparedModel
 from penzai_lm.generation.state import StateLayout
 from penzai_lm.kernels import on_one_cpu
 from penzai_lm.kernels import ops as kernel_ops
-from penzai_lm.quantization import formats
-from penzai_lm.quantization import QuantizedLinear
 from penzai_lm.runtime.unstack import split_state
 from penzai_lm.runtime.unstack import StateSlice
 
@@ -61,32 +59,26 @@ class StackedPrefill:
 
 # Stacked weights whose scan costs warm prefill speed on XLA:CPU
 # (`docs/cpu-speed.md`, `benchmarks/stacked_prefill.py --engine`): 16-bit
-# floats (widened layer by layer) and the 4-bit formats (dequantized).
+# floats, widened layer by layer. (4-bit blocks cost it too while XLA
+# dequantized them; the kernels do now, `kernel_ops.dequantize`.)
 _SLOW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def wanted(setting, model) -> bool:
   """Whether an engine with ``prefill_over_stacks=setting`` prefills
   ``model`` (which has layer stacks) over them. "auto": on one CPU device
-  with the kernels built, where no stacked weight is a 16-bit float or in
-  a 4-bit format dequantized for the prompt, the weights whose warm
-  prefill the scan slows down (float32 and the 8-bit formats run as fast
-  as per layer, and so do 4-bit layers whose prompts run on int8
-  activations on the AMX tiles, `kernel_ops.int8_gemm_isa`)."""
+  with the kernels built, where no stacked array is a 16-bit float, whose
+  widening the scan slows down (float32 and every quantized layout run as
+  fast as per layer)."""
   if setting != "auto":
     return setting
   if not (kernel_ops.available() and on_one_cpu(model)):
     return False
-  tiles = kernel_ops.int8_gemm_isa() == "amx"
   for stack in (pz.select(model).at_instances_of(pz.nn.LayerStack)
                 .get_sequence()):
     arrays = (pz.select(stack.stacked_sublayers)
               .at_instances_of(pz.nx.NamedArrayBase).get_sequence())
     if any(jnp.dtype(x.dtype) in _SLOW_DTYPES for x in arrays):
-      return False
-    if (pz.select(stack).at_instances_of(QuantizedLinear)
-        .where(lambda layer: layer.format in formats.FOUR_BIT
-               and not (layer.int8_activations and tiles)).count()):
       return False
   return True
 

@@ -153,9 +153,8 @@ def test_the_setting_is_checked():
 @pytest.mark.skipif(not ops.available(), reason="CPU kernels not built: auto"
                     " keeps the per-layer prefill without the split kernel")
 def test_auto_prefills_over_stacks_where_it_costs_no_warm_speed():
-  """On for float32 and 8-bit weights, off for 16-bit floats and the
-  4-bit formats (docs/cpu-speed.md) unless their prompts run on the AMX
-  tiles, and for off-setting engines."""
+  """On for float32 and quantized weights, off for 16-bit floats
+  (docs/cpu-speed.md) and for off-setting engines."""
   model = conftest.tiny_model("llama_gqa", True)
   rows = prompts([4], seed=69)
   assert _prefill_model(Engine(), model, rows, **GREEDY) is not None
@@ -164,18 +163,15 @@ def test_auto_prefills_over_stacks_where_it_costs_no_warm_speed():
   # Every contraction a multiple of the 32-value blocks.
   blocks32 = build_transformer(model.config.replace(
       hidden_size=64, head_dim=16, mlp_hidden_size=64), seed=7)
-  q8 = quantize(blocks32, "q8_0")
-  assert _prefill_model(Engine(), q8, rows, **GREEDY) is not None
-  for slow in (quantize(blocks32, "q4_0"), quantize(blocks32, "q4_1"),
-               build_transformer(model.config.replace(
-                   parameter_dtype=jnp.bfloat16), seed=7)):
-    assert _prefill_model(Engine(), slow, rows, **GREEDY) is None
-    assert _prefill_model(_stacked_engine(), slow, rows, **GREEDY) is not None
-  # 4-bit layers whose prompts run on int8 activations on the AMX tiles
-  # scan as fast as per layer: on where the CPU has them.
-  x8 = with_cpu_kernels(quantize(blocks32, "q4_0"), int8_activations=True)
-  over = _prefill_model(Engine(), x8, rows, **GREEDY) is not None
-  assert over == (ops.int8_gemm_isa() == "amx")
+  for fmt in ("q8_0", "q4_0", "q4_1"):
+    quantized = quantize(blocks32, fmt)
+    assert _prefill_model(Engine(), quantized, rows, **GREEDY) is not None
+    x8 = with_cpu_kernels(quantized, int8_activations=True)
+    assert _prefill_model(Engine(), x8, rows, **GREEDY) is not None
+  bf16 = build_transformer(model.config.replace(
+      parameter_dtype=jnp.bfloat16), seed=7)
+  assert _prefill_model(Engine(), bf16, rows, **GREEDY) is None
+  assert _prefill_model(_stacked_engine(), bf16, rows, **GREEDY) is not None
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma2", "llama_gqa"])
