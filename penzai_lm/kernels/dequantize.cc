@@ -1,9 +1,7 @@
 // Quantized weights written out as float32 [N, K], for prompts on XLA's
-// GEMM (penzai_lm.quantization.QuantizedLinear on CPU). XLA:CPU's own
-// dequantization of 4-bit blocks (nibble masks, a concatenate, a multiply-
-// add) ran at 1.2 G weights/s on the development machine, 0.7 ms per
-// 576 x 1536 weight against 1.7 ms for the GEMM of a 128-row prompt
-// itself; here each value is decoded as the float products decode it
+// GEMM (penzai_lm.quantization.QuantizedLinear on CPU, 4-bit layouts:
+// XLA:CPU's own dequantization of them is several times slower, figures in
+// docs/design.md). Each value is decoded as the float products decode it
 // (weight_formats.h) and stored, 16 outputs per tile of work.
 //
 // Layouts (out-major, as matvec.cc's products read them):

@@ -138,9 +138,8 @@ struct Strip {
     b.resize(16 * K);
     scale.assign(16 * groups, 0.f);
     mins.assign(16 * groups, 0.f);
-    // Output o's K values, row-major with stride `stride`.
+    // The outputs' K values, row-major [16][K].
     const int8_t* values;
-    int64_t stride = K;
     // Q4_0's offsets are -8 scales: then its nibbles go in as q - 8 and
     // the strip has no offsets to add.
     offsets = w.mins != nullptr;
@@ -184,7 +183,7 @@ struct Strip {
       const __mmask16 mask = __mmask16((1u << dwords) - 1);
       __m512i r[16];
       for (int o = 0; o < 16; ++o)
-        r[o] = o < outs ? _mm512_maskz_loadu_epi32(mask, values + o * stride + k)
+        r[o] = o < outs ? _mm512_maskz_loadu_epi32(mask, values + o * K + k)
                         : _mm512_setzero_si512();
       Transpose16(r);
       for (int j = 0; j < dwords; ++j)

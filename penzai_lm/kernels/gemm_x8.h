@@ -1,5 +1,5 @@
 // The prompt-sized products with int8 activations on AMX (gemm_x8.cc),
-// called by matvec_x8.cc's handlers for more than kGemmRows rows.
+// called by matvec_x8.cc's handlers for kGemmRows rows or more.
 
 #ifndef PENZAI_LM_KERNELS_GEMM_X8_H_
 #define PENZAI_LM_KERNELS_GEMM_X8_H_
@@ -11,7 +11,8 @@
 namespace pzlm {
 namespace gemm_x8 {
 
-// Rows from which a product goes to the tiles (a tile holds 16 rows).
+// Rows from which a product goes to the tiles (a tile holds 16 rows; ops.py's
+// GEMM_ROWS mirrors it).
 constexpr int64_t kGemmRows = 17;
 
 // The weight layouts (matvec_x8.cc's), out-major [N, K], K % 32 == 0:

@@ -122,12 +122,20 @@ def dequantize(qs: jax.Array, scale: jax.Array,
   """A quantized weight as ``f32[N, K]`` (`dequantize.cc`), the values
   `penzai_lm.quantization.formats.dequantize` gives (``q * scale + min``
   as one fused multiply-add, which XLA fuses for the 4-bit layouts too),
-  written by the kernels: ``qs: int8[N, K]`` with ``scale: f32[N, K // block]`` (and
-  ``mins: f32[N, K // 16]``: groups of 16 with offsets), or 4-bit
-  ``qs: uint8[N, K // 2]`` with ``scale`` and ``mins: f32[N, K // 32]``."""
+  written by the kernels: ``qs: int8[N, K]`` with
+  ``scale: f32[N, K // block]`` (and ``mins: f32[N, K // 16]``: groups of
+  16 with offsets), or 4-bit ``qs: uint8[N, K // 2]`` with ``scale`` and
+  ``mins: f32[N, K // 32]``.
+
+  Raises:
+    ValueError: For 4-bit ``qs`` without ``mins``.
+  """
   _require_kernels()
   n, packed = qs.shape
   four_bit = jnp.dtype(qs.dtype) == jnp.uint8
+  if four_bit and mins is None:
+    raise ValueError("dequantize: 4-bit qs (uint8) need their mins"
+                     " (f32[N, K // 32]); pass the layer's mins array.")
   k = 2 * packed if four_bit else packed
   if four_bit:
     target, args = "pzlm_dequantize_q4", (qs, scale, mins)

@@ -105,6 +105,9 @@ def test_bad_shapes_are_errors_not_garbage():
     jax.jit(ops.q4)(_x(1, 48), np.zeros((4, 24), np.uint8),
                     np.zeros((4, 1), np.float32),
                     np.zeros((4, 1), np.float32)).block_until_ready()
+  with pytest.raises(ValueError, match="need their mins"):
+    ops.dequantize(np.zeros((4, 16), np.uint8), np.zeros((4, 1), np.float32),
+                   None)
   with pytest.raises(Exception, match="dequantize q4"):
     jax.jit(ops.dequantize)(np.zeros((4, 24), np.uint8),
                             np.zeros((4, 1), np.float32),
