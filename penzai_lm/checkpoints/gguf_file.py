@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+import struct
 
 import numpy as np
 
@@ -21,8 +22,13 @@ from penzai_lm.checkpoints.file_checks import check_gguf_tensor_infos
 GGUF_MAGIC = b"GGUF"
 
 
+_U64 = struct.Struct("<Q")
+
+
 def _fast_reader_class():
   import gguf  # pylint: disable=g-import-not-at-top
+
+  array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
 
   class FastGGUFReader(gguf.GGUFReader):
     """A ``gguf.GGUFReader`` that slices a plain ndarray view of its memmap.
@@ -33,6 +39,10 @@ def _fast_reader_class():
     and tensors are identical; tensor ``data`` are plain ndarray views of the
     same read-only mapping.
 
+    Arrays of strings and of scalars (a vocabulary and its token types and
+    merges) are split into the same parts in one pass, instead of one
+    recursive call per element.
+
     It also checks the tensor infos against the file before building tensor
     views, and remembers its ``path`` for error messages.
     """
@@ -40,6 +50,38 @@ def _fast_reader_class():
     def __init__(self, path, mode="r"):
       self.path = str(path)
       super().__init__(path, mode)
+
+    def _get_field_parts(self, orig_offs, raw_type):
+      if raw_type != array or self.byte_order != "I":
+        return super()._get_field_parts(orig_offs, raw_type)
+      data = self._plain_data
+      raw_itype = self._get(orig_offs, np.uint32)
+      alen = self._get(orig_offs + 4, np.uint64)
+      itype, n = int(raw_itype[0]), int(alen[0])
+      scalar = self.gguf_scalar_to_np.get(itype) if itype != string else None
+      if n == 0 or (itype != string and scalar is None):
+        return super()._get_field_parts(orig_offs, raw_type)
+      parts, offs = [raw_itype, alen], orig_offs + 12
+      if itype == string:
+        buf, u64, size = memoryview(data), np.dtype(np.uint64), len(data)
+        for _ in range(n):
+          if offs + 8 > size:
+            raise ValueError(f"a string array runs past the end, at {offs}")
+          (length,) = _U64.unpack_from(buf, offs)
+          if offs + 8 + length > size:
+            raise ValueError(f"a string runs past the end, at {offs}")
+          parts.append(data[offs:offs + 8].view(u64))
+          parts.append(data[offs + 8:offs + 8 + length])
+          offs += 8 + length
+        return (offs - orig_offs, parts, list(range(3, 3 + 2 * n, 2)),
+                [array, string])
+      itemsize = np.dtype(scalar).itemsize
+      if offs + itemsize * n > len(data):
+        raise ValueError(f"an array runs past the end, at {offs}")
+      values = data[offs:offs + itemsize * n].view(scalar)
+      parts += [values[i:i + 1] for i in range(n)]
+      return (12 + itemsize * n, parts, list(range(2, 2 + n)),
+              [array, gguf.GGUFValueType(itype)])
 
     def _build_tensors(self, start_offs, fields):
       infos = []

@@ -17,6 +17,7 @@ from penzai_lm.checkpoints import GUARANTEED_CONFIG_KEYS
 from penzai_lm.checkpoints import read_checkpoint
 from penzai_lm.checkpoints import read_gguf
 from penzai_lm.checkpoints import gguf_reader as gguf_reader_lib
+from penzai_lm.checkpoints import gguf_tensors
 
 LLAMA_CFG = dict(
     vocab_size=100,
@@ -215,15 +216,37 @@ def test_reader_kept_for_tokenizer(llama_f32_tied):
 
 def test_dequantizes_each_tensor_once(llama_mixed, monkeypatch):
   calls = []
-  real = gguf.quants.dequantize
+  real = gguf_tensors._dequantize_data
 
-  def counting(data, qtype):
-    calls.append(qtype)
-    return real(data, qtype)
+  def counting(data, qtype, name, path):
+    calls.append(name)
+    return real(data, qtype, name, path)
 
-  monkeypatch.setattr(gguf.quants, "dequantize", counting)
+  monkeypatch.setattr(gguf_tensors, "_dequantize_data", counting)
   ckpt = read_gguf(llama_mixed[0])
+  # The test tensors are smaller than a chunk: one call each.
+  assert sorted(calls) == sorted(set(calls))
   assert len(calls) == len(ckpt.tensors)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.F16])
+def test_chunked_dequantization_is_gguf_py_bit_for_bit(qtype, tmp_path):
+  # Rows split across chunks, through the block class's dequantize_rows:
+  # the same bits as one gguf.quants.dequantize call on the whole tensor.
+  rng = np.random.default_rng(3)
+  w = rng.normal(size=(3 * 1000 + 7, 64)).astype(np.float32)
+  path = tmp_path / "one.gguf"
+  writer = gguf.GGUFWriter(path, "llama")
+  writer.add_tensor("t", gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  t = gguf.GGUFReader(path).tensors[0]
+  want = gguf.quants.dequantize(t.data, qtype).reshape(w.shape)
+  got = gguf_tensors.read_gguf_tensor(path, t, np.float32)
+  assert got.shape == w.shape
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_gemma3_norms_and_defaults(gemma3_file):
@@ -474,8 +497,14 @@ def test_fast_reader_matches_gguf_reader(tmp_path):
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"tok{i}" for i in range(LLAMA_CFG["vocab_size"])])
     w.add_token_types([1] * LLAMA_CFG["vocab_size"])
-    w.add_token_merges(["t o", "to k"])
+    w.add_token_merges(["t o", "to k", "", "é ü"])
     w.add_chat_template("{{ messages }}")
+    # Every array kind the reader splits in one pass, and those it leaves
+    # to gguf-py (empty, nested).
+    w.add_array("test.floats", [1.5, -2.25, 3.0])
+    w.add_array("test.bools", [True, False])
+    w.add_array("test.empty", [])
+    w.add_array("test.nested", [[1, 2], [3]])
 
   path = write_gguf(tmp_path / "tok.gguf", "llama", sd, LLAMA_CFG,
                     mixed_qtype, extra_kv=tokenizer_kv)
@@ -485,7 +514,12 @@ def test_fast_reader_matches_gguf_reader(tmp_path):
   assert list(ours.fields) == list(ref.fields)
   for key, field in ref.fields.items():
     mine = ours.fields[key]
+    assert mine.offset == field.offset
     assert mine.types == field.types and mine.data == field.data
+    assert len(mine.parts) == len(field.parts), key
+    for p, q in zip(mine.parts, field.parts):
+      assert p.dtype == q.dtype, key
+      np.testing.assert_array_equal(p, q, err_msg=key)
     a, b = mine.contents(), field.contents()
     if isinstance(a, np.ndarray):
       np.testing.assert_array_equal(a, b)
