@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import jax
 
+from penzai_lm.runtime.freed_memory import TRIM_AFTER_COMPILE_S
+from penzai_lm.runtime.freed_memory import release_freed_memory
 from penzai_lm.runtime.program_keys import aval_key
 from penzai_lm.runtime.program_store import ProgramStore
 
@@ -228,6 +230,7 @@ class Pending:
     if self.done:
       seconds = time.perf_counter() - self.start if self._waited else 0.0
       return self._program, seconds
+    compile_start = time.perf_counter()
     try:
       program = (self._lowered.compile(self._options) if self._options
                  else self._lowered.compile())
@@ -235,6 +238,10 @@ class Pending:
     finally:
       self._cache._release(self._key)  # pylint: disable=protected-access
     self._program, self.done = program, True
+    if time.perf_counter() - compile_start >= TRIM_AFTER_COMPILE_S:
+      # XLA's scratch memory, freed into malloc's arenas, goes back to the
+      # system instead of staying in the process's resident size.
+      release_freed_memory()
     return program, time.perf_counter() - self.start
 
   def compile_quietly(self) -> None:
