@@ -6,8 +6,8 @@ format: float32/bfloat16/float16 in-major (penzai's own layout; loaded
 projections are out-major, as the unembedding), and int8,
 q8_0 and q4_1 blocks (out-major). "xla" runs the same product with
 ``jnp.dot`` on the weights as they lie (quantized ones dequantized in the
-program, as without the kernels). ``bf16-out`` is bfloat16 out-major (the
-loaders' layout). A format with the suffix ``-x8``
+program, as without the kernels). ``bf16-out`` and ``f32-out`` are
+bfloat16 and float32 out-major (the loaders' layout). A format with the suffix ``-x8``
 (``int8-x8``, ``q8_0-x8``, ``q4_0-x8``, ``q4_1-x8``) runs the kernels with
 ``int8_activations=True`` (the rows quantized to int8 blocks, integer dot
 products: `penzai_lm/kernels/matvec_x8.cc`; from 17 rows, a prompt's, on
@@ -47,8 +47,9 @@ def _weights(fmt: str, rng):
     if fmt in ("f32", "bf16", "f16"):
       dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}[fmt]
       out.append((jnp.asarray(w.T.copy()).astype(dtype),))
-    elif fmt == "bf16-out":
-      out.append((jnp.asarray(w).astype(jnp.bfloat16),))
+    elif fmt in ("bf16-out", "f32-out"):
+      out.append((jnp.asarray(w).astype(
+          jnp.bfloat16 if fmt == "bf16-out" else jnp.float32),))
     else:
       q = qformats.quantize(w, fmt.removesuffix("-x8"))
       out.append(q)
@@ -56,13 +57,13 @@ def _weights(fmt: str, rng):
 
 
 def _k(fmt, arrays) -> int:
-  if fmt == "bf16-out":
+  if fmt in ("bf16-out", "f32-out"):
     return arrays[0].shape[1]
   return arrays[0].shape[0] if isinstance(arrays, tuple) else arrays.shape[1]
 
 
 def _product(fmt, x, arrays, kernels: bool):
-  if fmt == "bf16-out":
+  if fmt in ("bf16-out", "f32-out"):
     if kernels:
       return ops.dense(x, arrays[0], out_major=True)
     return jnp.dot(x, arrays[0].T, preferred_element_type=jnp.float32)

@@ -1,13 +1,16 @@
-"""`KernelCachedAttention`: cached attention whose decode steps run on the
-CPU decode-attention kernel (`attention.cc`).
+"""`KernelCachedAttention`: cached attention whose decode steps and prompts
+run on the CPU attention kernels (`attention.cc`, `prompt_attention.cc`).
 
 The engine swaps attention layers whose chain `plain_chain` recognizes
 (`penzai_lm.model.attention_chain`) for this subclass
-(`penzai_lm.kernels.with_cpu_kernels`), which runs the cache write and the
-chain up to the value sum as one kernel call when one token per row is
-decoded. Anything else runs the layer's own sublayers: a prompt (several
-tokens), a captured or patched ``attn.pattern`` (the chain no longer
-matches), other masks, a cache that keeps a layer stack's axis.
+(`penzai_lm.kernels.with_cpu_kernels`), which runs the chain up to the
+value sum as one kernel call: with one token per row (a decode step) the
+decode kernel, which also writes the token's key and value into the
+caches; with several (a prompt) the prompt's keys and values are written
+as the chain writes them and the prompt kernel attends every token.
+Anything else runs the layer's own sublayers: a captured or patched
+``attn.pattern`` (the chain no longer matches), other masks, a cache that
+keeps a layer stack's axis.
 
 Axis conventions (`penzai_lm.model.transformer`): queries have the batch
 axes, ``seq``, the key/value head axes (``heads`` or ``head_groups``), the
@@ -34,12 +37,13 @@ from penzai_lm.model.attention_chain import chain_window
 from penzai_lm.model.attention_chain import plain_chain
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
 from penzai_lm.model.cache_layout import CacheLayout
+from penzai_lm.model.cache_layout import write_at
 
 
 @pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # pytype: disable=wrong-keyword-args
 class KernelCachedAttention(InPlaceKVCachingAttention):
-  """An `InPlaceKVCachingAttention` whose one-token steps run on the CPU
-  decode-attention kernel.
+  """An `InPlaceKVCachingAttention` whose one-token steps and prompts run on
+  the CPU attention kernels.
 
   Attributes:
     chain: What `plain_chain` found in the sublayers.
@@ -89,7 +93,8 @@ class KernelCachedAttention(InPlaceKVCachingAttention):
     batch = [a for a in query.named_axes
              if a not in ("seq", "projection", *kv, *qh)]
     cache_axes = {*batch, *kv, "seq", "projection"}
-    if (query.named_shape.get("seq") != 1
+    tokens = query.named_shape.get("seq")
+    if (tokens is None
         or dict(key.named_shape) != dict(value.named_shape)
         or set(key.named_shape) != cache_axes
         or set(key_cache.named_shape) != cache_axes
@@ -117,16 +122,27 @@ class KernelCachedAttention(InPlaceKVCachingAttention):
     if (tuple(key_cache.named_axes) != k_order
         or tuple(value_cache.named_axes) != v_order):
       return None
-    heads, k_data, v_data = ops.decode_attention(
-        query.order_as(*batch, "seq", *kv, *qh, "projection")
-        .data_array.reshape(r, g, per_group, d),
-        key_cache.data_array, value_cache.data_array,
-        key.order_as(*k_order).data_array,
-        value.order_as(*v_order).data_array,
-        end,
-        q_pos.order_as(*batch, "seq").data_array.reshape(r),
-        kv_pos.order_as(*batch, "seq").data_array.reshape(r, slots),
-        window, self.chain.softcap)
+    q = query.order_as(*batch, "seq", *kv, *qh, "projection").data_array
+    positions = q_pos.order_as(*batch, "seq").data_array
+    slot_positions = kv_pos.order_as(*batch, "seq").data_array.reshape(
+        r, slots)
+    if tokens == 1:
+      heads, k_data, v_data = ops.decode_attention(
+          q.reshape(r, g, per_group, d),
+          key_cache.data_array, value_cache.data_array,
+          key.order_as(*k_order).data_array,
+          value.order_as(*v_order).data_array,
+          end, positions.reshape(r), slot_positions,
+          window, self.chain.softcap)
+    else:
+      k_data = write_at(key_cache, key, "seq", end).order_as(
+          *k_order).data_array
+      v_data = write_at(value_cache, value, "seq", end).order_as(
+          *v_order).data_array
+      heads = ops.prompt_attention(
+          q.reshape(r, tokens, g, per_group, d), k_data, v_data,
+          positions.reshape(r, tokens), slot_positions, window,
+          self.chain.softcap)
     axes = [*batch, "seq", *kv, *qh, "projection"]
     shape = [sizes[a] for a in axes]
     dtype = jnp.result_type(query.dtype, value_cache.dtype)

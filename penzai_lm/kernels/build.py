@@ -1,7 +1,8 @@
 """Compiles penzai_lm's CPU kernels on first use and registers them with XLA.
 
 The kernels (`matvec.cc`, `matvec_x8.cc`, `gemm_x8.cc`, `dequantize.cc`,
-`attention.cc` and `sampler.cc`, sharing `common.h`; `sampler.cc` also
+`attention.cc`, `prompt_attention.cc` and `sampler.cc`, sharing `common.h`;
+the two attention kernels also `attend.h`; `sampler.cc` also
 `row_ops.h`, `matvec.cc` and `dequantize.cc` also `float_vec.h` and
 `weight_formats.h`, `matvec_x8.cc`
 also `int8_dot.h`, and it and `gemm_x8.cc` `q8_blocks.h` and
@@ -73,16 +74,18 @@ TARGETS = (
     "pzlm_matvec_q8", "pzlm_matvec_q8_16", "pzlm_matvec_q4",
     "pzlm_matvec_q8_x8", "pzlm_matvec_q4_x8", "pzlm_matvec_q8_16_x8",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
-    "pzlm_decode_attention_f16", "pzlm_rows", "pzlm_after", "pzlm_sample",
-    "pzlm_split", "pzlm_dequantize_q8", "pzlm_dequantize_q8_16",
+    "pzlm_decode_attention_f16", "pzlm_prompt_attention_f32",
+    "pzlm_prompt_attention_bf16", "pzlm_prompt_attention_f16", "pzlm_rows",
+    "pzlm_after", "pzlm_sample", "pzlm_split", "pzlm_dequantize_q8", "pzlm_dequantize_q8_16",
     "pzlm_dequantize_q4",
 )
 _DIR = pathlib.Path(__file__).parent
 _SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "gemm_x8.cc",
-            _DIR / "dequantize.cc", _DIR / "attention.cc", _DIR / "rows.cc",
+            _DIR / "dequantize.cc", _DIR / "attention.cc",
+            _DIR / "prompt_attention.cc", _DIR / "rows.cc",
             _DIR / "sampler.cc")
-_HEADERS = (_DIR / "common.h", _DIR / "row_ops.h", _DIR / "int8_dot.h",
-            _DIR / "q8_blocks.h", _DIR / "gemm_x8.h", _DIR / "float_vec.h",
+_HEADERS = (_DIR / "common.h", _DIR / "attend.h", _DIR / "row_ops.h",
+            _DIR / "int8_dot.h", _DIR / "q8_blocks.h", _DIR / "gemm_x8.h", _DIR / "float_vec.h",
             _DIR / "weight_formats.h")
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w")
 

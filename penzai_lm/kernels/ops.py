@@ -1,8 +1,8 @@
-"""JAX entry points of the CPU kernels (`matvec.cc`, `attention.cc`).
+"""JAX entry points of the CPU kernels (`matvec.cc`, `attention.cc`, ...).
 
 The products take activations ``x: f32[R, K]`` and return ``f32[R, N]``;
 R is small (decoding: one row per sequence). `decode_attention` attends one
-query per row over a KV cache. They are XLA custom calls on CPU only:
+query per row over a KV cache, `prompt_attention` every token of a prompt. They are XLA custom calls on CPU only:
 callers check `available()` and fall back to XLA's own ops.
 """
 
@@ -275,6 +275,39 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array,
           jnp.reshape(window, (1,)).astype(jnp.int32),
           softcap=np.float32(softcap or 0.0))
   return heads, kc.reshape(k.shape), vc.reshape(v.shape)
+
+
+def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     q_pos: jax.Array, kv_pos: jax.Array, window: jax.Array,
+                     softcap: float | None) -> jax.Array:
+  """Attends every prompt token's queries over its row's cache
+  (`prompt_attention.cc`); the prompt's keys and values are already in it.
+
+  Args:
+    q: ``f32[R, T, G, Q, D]``: R rows of T tokens, G key/value heads, Q
+      query heads each.
+    k: ``[R, G, L, D]`` key cache (float32, bfloat16 or float16), or any
+      reshape of it.
+    v: ``[R, G, D, L]`` value cache, the dtype of ``k``, or any reshape.
+    q_pos: ``int32[R, T]``, each query's position (-1: padding).
+    kv_pos: ``int32[R, L]``, each slot's position (-1: empty or padding).
+    window: ``int32`` scalar: slots at distance >= window are not attended.
+    softcap: Scores become ``cap * tanh(score / cap)``; None for none.
+
+  Returns:
+    ``f32[R, T, G, Q, D]``; zeros for a token with no slot to attend.
+  """
+  if cpu_kernels() is None:
+    raise RuntimeError("penzai_lm's CPU kernels are not available here;"
+                       " check ops.available() before calling them.")
+  kind = _DENSE[jnp.dtype(k.dtype)]
+  return jax.ffi.ffi_call(
+      f"pzlm_prompt_attention_{kind}",
+      jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+          q.astype(jnp.float32), k, v.astype(k.dtype),
+          q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32),
+          jnp.reshape(window, (1,)).astype(jnp.int32),
+          softcap=np.float32(softcap or 0.0))
 
 
 @functools.cache

@@ -1,6 +1,6 @@
-"""The decode-attention kernel against a float64 reference, and
-`KernelCachedAttention` against penzai's own attention layers on every
-family, inside the engine's compiled decode loop."""
+"""The decode- and prompt-attention kernels against a float64 reference,
+and `KernelCachedAttention` against penzai's own attention layers on every
+family, for prompts and inside the engine's compiled decode loop."""
 
 import dataclasses
 
@@ -93,6 +93,48 @@ def test_kernel_matches_reference(dtype, shape, window, softcap):
     assert not np.asarray(heads)[2].any()  # nothing to attend: zeros
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [
+    (2, 3, 3, 64, 300),   # several chunks of slots, tails of 16
+    (3, 1, 4, 12, 37),    # one key/value head, a head size below 16
+    (1, 2, 1, 80, 129),   # one query head per group, 80 = 5 x 16
+])
+@pytest.mark.parametrize("window,softcap", [(2**31 - 1, None), (7, None),
+                                            (2**31 - 1, 0.7)])
+def test_prompt_kernel_matches_reference(dtype, shape, window, softcap):
+  rows, groups, per_group, dim, slots = shape
+  tokens = 9
+  rng = np.random.default_rng(2)
+  q = rng.standard_normal(
+      (rows, tokens, groups, per_group, dim)).astype(np.float32)
+  _, k, v, _, _ = _inputs(rows, groups, per_group, dim, slots, dtype)
+  # Row 0: the prompt follows 250 earlier slots (or fills the cache from
+  # 0); row 1: left padding (its first 3 tokens attend nothing), then
+  # positions from 0 after a gap of unwritten slots; row 2: a prompt of
+  # padding only.
+  start = min(slots - tokens, 250)
+  kv_pos = np.full((rows, slots), -1, np.int32)
+  q_pos = np.full((rows, tokens), -1, np.int32)
+  kv_pos[0, :start + tokens] = np.arange(start + tokens)
+  q_pos[0] = np.arange(start, start + tokens)
+  if rows > 1:
+    kv_pos[1, 4:10] = np.arange(6)  # 6 earlier tokens
+    kv_pos[1, 20:20 + tokens - 3] = np.arange(6, 6 + tokens - 3)
+    q_pos[1, 3:] = np.arange(6, 6 + tokens - 3)
+  heads = np.asarray(ops.prompt_attention(
+      jnp.asarray(q), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+      jnp.asarray(q_pos), jnp.asarray(kv_pos), jnp.int32(window), softcap))
+  assert heads.shape == q.shape
+  for t in range(tokens):
+    want = _reference(q[:, t], k, v, q_pos[:, t], kv_pos, window, softcap)
+    np.testing.assert_allclose(heads[:, t], want, atol=2e-5, rtol=2e-5,
+                               err_msg=f"token {t}")
+  if rows > 1:
+    assert not heads[1, :3].any()  # padding tokens: zeros
+  if rows > 2:
+    assert not heads[2].any()
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_cached_attention_matches_penzai_on_every_family(name):
   config = CONFIGS[name].replace(use_layer_stack=False)
@@ -109,7 +151,16 @@ def test_cached_attention_matches_penzai_on_every_family(name):
   want, _ = cached_calls(cached, tokens)
   got, hlo = cached_calls(fast, tokens, hlo=True)
   assert hlo.count("pzlm_decode_attention") == config.num_layers
-  for w, g in zip(want, got):
+  _, prompt_hlo = cached_calls(fast, tokens[:1], hlo=True)
+  assert prompt_hlo.count("pzlm_prompt_attention") == config.num_layers
+  assert "pzlm_decode_attention" not in prompt_hlo
+  # The prompt: at its padding tokens (which attend to nothing) the kernel
+  # gives zeros where penzai's chain averages the whole cache; neither is
+  # read by anything after.
+  real = prompt != 0
+  assert np.isfinite(got[0]).all()
+  np.testing.assert_allclose(got[0][real], want[0][real], atol=2e-5, rtol=0)
+  for w, g in zip(want[1:], got[1:]):
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=0)
 
 
