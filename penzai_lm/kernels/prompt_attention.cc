@@ -55,18 +55,40 @@ inline int64_t ScratchFloats(const Shape& sh) {
   return sh.D * kChunk + kChunk * Dp + nq * (kChunk + 2 + Dp);
 }
 
-// A query's scores against NV vectors of 16 transposed keys (kt: [D,
-// kChunk]), the accumulators in registers.
+// Two queries' scores against NV vectors of 16 transposed keys (kt: [D,
+// kChunk]): each key vector is loaded once for both, and the 2 x NV
+// accumulators (independent FMA chains) stay in registers.
 template <int NV>
-inline void Scores(const float* qi, const float* kt, int64_t D, float* si) {
-  V16 sc[NV];
-  for (int c = 0; c < NV; ++c) sc[c] = V16{};
+inline void Scores(const float* q0, const float* q1, const float* kt,
+                   int64_t D, float* s0, float* s1) {
+  V16 a[NV], b[NV];
+  for (int c = 0; c < NV; ++c) a[c] = V16{}, b[c] = V16{};
   for (int64_t d = 0; d < D; ++d) {
-    const V16 x = V16{} + qi[d];
+    const V16 x = V16{} + q0[d], y = V16{} + q1[d];
     const float* row = kt + d * kChunk;
-    for (int c = 0; c < NV; ++c) sc[c] += x * Load(row + 16 * c);
+    for (int c = 0; c < NV; ++c) {
+      const V16 w = Load(row + 16 * c);
+      a[c] += x * w;
+      b[c] += y * w;
+    }
   }
-  for (int c = 0; c < NV; ++c) Store(si + 16 * c, sc[c]);
+  for (int c = 0; c < NV; ++c) {
+    Store(s0 + 16 * c, a[c]);
+    Store(s1 + 16 * c, b[c]);
+  }
+}
+
+template <int NV>
+inline void ScoresOf(const float* q, int64_t nq, int64_t Q, int64_t G,
+                     int64_t D, const float* kt, float* s) {
+  for (int64_t i = 0; i < nq; i += 2) {
+    // Query i is token i / Q's head i % Q (at (t * G * Q + h) * D); an odd
+    // last query is paired with itself.
+    const int64_t j = std::min(i + 1, nq - 1);
+    Scores<NV>(q + ((i / Q) * G * Q + i % Q) * D,
+               q + ((j / Q) * G * Q + j % Q) * D, kt, D, s + i * kChunk,
+               s + j * kChunk);
+  }
 }
 
 // o[0, 16 * ND) = o * old + sum over j < n of p[j] * vt[j, 0, 16 * ND)
@@ -135,21 +157,23 @@ void AttendTokens(const Shape& sh, int64_t Tn, const float* q, const T* k,
     }
     alignas(64) int32_t pos[kChunk];  // -1 (not attended) past the chunk
     for (int64_t j = 0; j < kChunk; ++j) pos[j] = j < n ? kv_pos[a + j] : -1;
+    // Every query's scores first (in pairs), then each one's softmax and
+    // values.
+    const float* qt = q + t0 * G * Q * D;
+    static_assert(kChunk == 128, "ScoresOf<1..8> cover a chunk");
+    switch (nv) {
+      case 1: ScoresOf<1>(qt, nq, Q, G, D, kt, s); break;
+      case 2: ScoresOf<2>(qt, nq, Q, G, D, kt, s); break;
+      case 3: ScoresOf<3>(qt, nq, Q, G, D, kt, s); break;
+      case 4: ScoresOf<4>(qt, nq, Q, G, D, kt, s); break;
+      case 5: ScoresOf<5>(qt, nq, Q, G, D, kt, s); break;
+      case 6: ScoresOf<6>(qt, nq, Q, G, D, kt, s); break;
+      case 7: ScoresOf<7>(qt, nq, Q, G, D, kt, s); break;
+      default: ScoresOf<8>(qt, nq, Q, G, D, kt, s); break;
+    }
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t t = t0 + i / Q, h = i % Q;
-      const float* qi = q + (t * G * Q + h) * D;
+      const int64_t t = t0 + i / Q;
       float* si = s + i * kChunk;
-      static_assert(kChunk == 128, "Scores<1..8> cover a chunk");
-      switch (nv) {
-        case 1: Scores<1>(qi, kt, D, si); break;
-        case 2: Scores<2>(qi, kt, D, si); break;
-        case 3: Scores<3>(qi, kt, D, si); break;
-        case 4: Scores<4>(qi, kt, D, si); break;
-        case 5: Scores<5>(qi, kt, D, si); break;
-        case 6: Scores<6>(qi, kt, D, si); break;
-        case 7: Scores<7>(qi, kt, D, si); break;
-        default: Scores<8>(qi, kt, D, si); break;
-      }
       if (softcap > 0.f) {
         for (int64_t c = 0; c < nv; ++c)
           Store(si + 16 * c, SoftCap(Load(si + 16 * c), softcap));
