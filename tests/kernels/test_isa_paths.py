@@ -6,7 +6,7 @@ path: AVX-512 with VNNI here). Each test here forces a lower target with
 into a folder of its own, and runs the kernels' parity tests against numpy
 and penzai on it in a fresh process: the products (float, bfloat16,
 float16, int8, 4-bit, int8 groups of 16), the int8-activation products and
-decode attention. A target this CPU lacks is skipped, saying which
+decode and prompt attention. A target this CPU lacks is skipped, saying which
 instructions are missing.
 """
 
@@ -28,7 +28,8 @@ HERE = pathlib.Path(__file__).parent
 # The int8 path each forced target compiles to (int8_dot.h's Isa()).
 EXPECTED = {"avx512": "avx512bw", "avx2": "avx2", "portable": "portable"}
 TESTS = ["test_ops.py", "test_int8_activations.py",
-         "test_attention.py::test_kernel_matches_reference"]
+         "test_attention.py::test_kernel_matches_reference",
+         "test_attention.py::test_prompt_kernel_matches_reference"]
 
 
 def _env(isa: str, cache: pathlib.Path) -> dict:
