@@ -63,14 +63,19 @@ def _inputs(rows, groups, per_group, dim, slots, dtype, seed=0):
   return q, k, v, q_pos, kv_pos
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("shape", [
+# (rows, groups, query heads per group, head size, slots).
+SHAPES = [
     (3, 2, 3, 64, 300),   # several chunks of slots, tails of 16
     (3, 1, 4, 12, 37),    # one key/value head, a head size below 16
     (2, 4, 1, 80, 129),   # one query head per group, 80 = 5 x 16
-])
-@pytest.mark.parametrize("window,softcap", [(2**31 - 1, None), (7, None),
-                                            (2**31 - 1, 0.7)])
+]
+WINDOW_SOFTCAP = [(2**31 - 1, None), (7, None), (2**31 - 1, 0.7)]
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window,softcap", WINDOW_SOFTCAP)
 def test_kernel_matches_reference(dtype, shape, window, softcap):
   q, k, v, q_pos, kv_pos = _inputs(*shape, dtype)
   rows, groups, _, dim, slots = shape
@@ -93,14 +98,9 @@ def test_kernel_matches_reference(dtype, shape, window, softcap):
     assert not np.asarray(heads)[2].any()  # nothing to attend: zeros
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("shape", [
-    (2, 3, 3, 64, 300),   # several chunks of slots, tails of 16
-    (3, 1, 4, 12, 37),    # one key/value head, a head size below 16
-    (1, 2, 1, 80, 129),   # one query head per group, 80 = 5 x 16
-])
-@pytest.mark.parametrize("window,softcap", [(2**31 - 1, None), (7, None),
-                                            (2**31 - 1, 0.7)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window,softcap", WINDOW_SOFTCAP)
 def test_prompt_kernel_matches_reference(dtype, shape, window, softcap):
   rows, groups, per_group, dim, slots = shape
   tokens = 9
