@@ -44,6 +44,24 @@ class InPlaceKVCachingAttention(pz.nn.KVCachingAttention):
     return self.attn_value_to_output((attn, value_cache), **side_inputs)
 
   @classmethod
+  def empty(cls, attention: pz.nn.Attention, kv_cache: pz.StateVariable
+            ) -> InPlaceKVCachingAttention:
+    """``attention``'s sublayers caching into ``kv_cache`` (its value the
+    empty ``(keys, values)``), on the sequence axis ``seq`` with the end
+    index side input ``cache_end_index``: `pz.nn.KVCachingAttention.
+    from_uncached`'s layer, without its own (discarded) empty caches."""
+    return cls(
+        input_to_query=attention.input_to_query,
+        input_to_key=attention.input_to_key,
+        input_to_value=attention.input_to_value,
+        query_key_to_attn=attention.query_key_to_attn,
+        attn_value_to_output=attention.attn_value_to_output,
+        sequence_axis="seq",
+        kv_cache_end_index_key="cache_end_index",
+        kv_cache=kv_cache,
+    )
+
+  @classmethod
   def from_penzai(cls, layer: pz.nn.KVCachingAttention
                   ) -> InPlaceKVCachingAttention:
     """The same layer (sublayers, cache variable) with in-place writes."""

@@ -305,24 +305,15 @@ class KVCachingTransformerLM(pz.nn.Layer):
           .apply(_read_cache_positions)
       )
       stack_axes = pz.nn.layerstack_axes_from_keypath(keypath)
-      caching = pz.nn.KVCachingAttention.from_uncached(
-          attention,
-          sequence_axis="seq",
-          cache_len=cache_len,
-          cached_axes={
-              **batch_axes, **common_head_axes, "projection": config.head_dim
-          },
-          cache_end_index_key="cache_end_index",
-          cache_dtype=config.activation_dtype,
-          cache_label=layout.cache_label(index),
-          layerstack_axes=stack_axes,
-      )
-      # A layer stack returns per-layer state with the stack axes first; start
-      # in that layout so the state's pytree never changes between calls.
-      caching.kv_cache.value = layout.empty_kv(
-          stack_axes, common_head_axes, config.head_dim,
-          config.activation_dtype)
-      cached[keypath] = InPlaceKVCachingAttention.from_penzai(caching)
+      cached[keypath] = InPlaceKVCachingAttention.empty(
+          attention, pz.StateVariable(
+              # A layer stack returns per-layer state with the stack axes
+              # first; start in that layout so the state's pytree never
+              # changes between calls.
+              value=layout.empty_kv(stack_axes, common_head_axes,
+                                    config.head_dim, config.activation_dtype),
+              label=layout.cache_label(index),
+              metadata=_stack_metadata(stack_axes)))
     labels = layout.labels
     return cls(
         body=selection.set_by_path(cached),
@@ -338,6 +329,15 @@ class KVCachingTransformerLM(pz.nn.Layer):
         pad_id=pad_id,
         per_row_end=per_row_end,
     )
+
+
+def _stack_metadata(stack_axes) -> dict:
+  """A cache variable's metadata: per layer along ``stack_axes`` (as
+  `pz.nn.KVCachingAttention.from_uncached` marks it)."""
+  if not stack_axes:
+    return {}
+  return {"layerstack_axes": {
+      axis: pz.nn.LayerStackVarBehavior.PER_LAYER for axis in stack_axes}}
 
 
 def _check_padding_mask(is_padding, tokens) -> None:

@@ -337,9 +337,11 @@ class SamplingSettings:
         arrays["logit_bias"] = np.zeros((batch_size, vocab_size), np.float32)
       if arrays["banned_tokens"] is None:
         arrays["banned_tokens"] = np.zeros((batch_size, vocab_size), bool)
-    arrays = {k: None if v is None else jnp.asarray(v)
+    # device_put, not jnp.asarray: in JAX 0.10 that compiles a copy program
+    # per shape and dtype (five in a process's first request).
+    arrays = {k: None if v is None else jax.device_put(v)
               for k, v in arrays.items()}
-    return cls(seed=jnp.asarray(np.asarray(seeds, np.uint32)),
+    return cls(seed=jax.device_put(np.asarray(seeds, np.uint32)),
                top_k_cap=top_k_cap, **arrays)
 
   def pad_rows(self, batch_size: int) -> SamplingSettings:
