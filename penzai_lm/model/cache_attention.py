@@ -60,18 +60,3 @@ class InPlaceKVCachingAttention(pz.nn.KVCachingAttention):
         kv_cache_end_index_key="cache_end_index",
         kv_cache=kv_cache,
     )
-
-  @classmethod
-  def from_penzai(cls, layer: pz.nn.KVCachingAttention
-                  ) -> InPlaceKVCachingAttention:
-    """The same layer (sublayers, cache variable) with in-place writes."""
-    return cls(
-        input_to_query=layer.input_to_query,
-        input_to_key=layer.input_to_key,
-        input_to_value=layer.input_to_value,
-        query_key_to_attn=layer.query_key_to_attn,
-        attn_value_to_output=layer.attn_value_to_output,
-        sequence_axis=layer.sequence_axis,
-        kv_cache_end_index_key=layer.kv_cache_end_index_key,
-        kv_cache=layer.kv_cache,
-    )
