@@ -220,14 +220,15 @@ def _example_call(stateless, cached: bool, batch_axis: str, batch: int,
                   cache_len: int):
   """``fn(state)``: the shapes of the state after one decode step."""
   seq = 1 if cached else cache_len
-  tokens = pz.nx.wrap(jnp.zeros((batch, seq), jnp.int32)).tag(
+  # Host zeros: eager jnp.zeros would compile a program per shape.
+  tokens = pz.nx.wrap(jax.device_put(np.zeros((batch, seq), np.int32))).tag(
       batch_axis, "seq")
   if cached:
-    side = dict(is_padding=pz.nx.wrap(jnp.zeros((batch, 1), bool)).tag(
-        batch_axis, "seq"))
+    side = dict(is_padding=pz.nx.wrap(jax.device_put(
+        np.zeros((batch, 1), bool))).tag(batch_axis, "seq"))
   else:
-    side = dict(token_positions=pz.nx.wrap(jnp.zeros(
-        (batch, cache_len), jnp.int32)).tag(batch_axis, "seq"))
+    side = dict(token_positions=pz.nx.wrap(jax.device_put(np.zeros(
+        (batch, cache_len), np.int32))).tag(batch_axis, "seq"))
   call = lambda state, tokens, side: list(  # noqa: E731
       stateless_call(stateless, state, tokens, **side)[1])
   # Inputs as arguments: traced, so the model's eager id checks stay off.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from penzai import pz
 
 from penzai_lm.model import transformer
@@ -53,16 +54,24 @@ def _linear(name, rng, config, input_axes, output_axes, bias=False):
   return layers
 
 
+def _scalar(value, dtype) -> jax.Array:
+  """``jnp.array(value, dtype)`` made on the host: eagerly, ``jnp`` compiles
+  a conversion program per dtype."""
+  return jax.device_put(np.asarray(value, np.dtype(dtype)))
+
+
 def _norm(name, rng, config, axes, kind=None):
   """A norm of ``config.norm_kind`` (or ``kind``) over ``axes``."""
+  # Epsilon already an array of the parameters' dtype (see `_scalar`).
+  epsilon = _scalar(config.norm_eps, config.parameter_dtype)
   if (kind or config.norm_kind) == "layer":
     return pz.nn.LayerNorm.from_config(
         name=name, init_base_rng=rng, across_axes=axes,
-        epsilon=config.norm_eps, dtype=config.parameter_dtype,
+        epsilon=epsilon, dtype=config.parameter_dtype,
     )
   return pz.nn.RMSLayerNorm.from_config(
       name=name, init_base_rng=rng, across_axes=axes,
-      epsilon=config.norm_eps, dtype=config.parameter_dtype,
+      epsilon=epsilon, dtype=config.parameter_dtype,
   )
 
 
@@ -119,11 +128,11 @@ def _attention_mask(config, layer_type, mixed):
   if layer_type == "local" or mixed:
     window = config.sliding_window if layer_type == "local" else GLOBAL_WINDOW
     return pz.nn.ApplyCausalSlidingWindowAttentionMask(
-        masked_out_value=jnp.array(MASKED_OUT, config.activation_dtype),
-        sliding_window_size=pz.nx.wrap(jnp.array(window, jnp.int32)),
+        masked_out_value=_scalar(MASKED_OUT, config.activation_dtype),
+        sliding_window_size=pz.nx.wrap(_scalar(window, jnp.int32)),
     )
   return pz.nn.ApplyCausalAttentionMask(
-      masked_out_value=jnp.array(MASKED_OUT, config.activation_dtype)
+      masked_out_value=_scalar(MASKED_OUT, config.activation_dtype)
   )
 
 
@@ -179,7 +188,7 @@ def build_attention(name, rng, config, layer_type, mixed, layer=None
           *_qk_norm(f"{name}/query_norm", rng, config, projection, qk_norm),
           *_rope(config, layer_type),
           pz.nn.ConstantRescale(
-              by=jnp.array(config.query_scale, config.activation_dtype)
+              by=_scalar(config.query_scale, config.activation_dtype)
           ),
       ]),
       input_to_key=pz.nn.Sequential([
@@ -290,7 +299,7 @@ def _build(config, rng, name) -> transformer.TransformerLM:
     layers.append(pz.nn.CastToDType(config.activation_dtype))
   if config.embedding_scale is not None and config.embedding_scale != 1:
     layers.append(pz.nn.ConstantRescale(
-        by=jnp.array(config.embedding_scale, config.activation_dtype)
+        by=_scalar(config.embedding_scale, config.activation_dtype)
     ))
   if config.position_embedding == "learned":
     layers.append(AddLearnedPositionEmbeddings.from_config(

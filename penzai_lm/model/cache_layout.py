@@ -35,7 +35,10 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from penzai import pz
+
+from penzai_lm.model.tracing import top_level
 
 _AS_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16,
             jnp.dtype(jnp.float16): jnp.uint16}
@@ -91,15 +94,14 @@ class CacheLayout:
   def empty_end(self):
     """The end index of an empty cache: 0, per row with ``per_row_end``."""
     if self.per_row_end:
-      return pz.nx.zeros(self.batch, jnp.int32)
-    return jnp.array(0, jnp.int32)
+      return filled(self.batch, 0, jnp.int32)
+    return full((), 0, jnp.int32)
 
   def empty_positions(self) -> pz.nx.NamedArray:
-    return pz.nx.full({**self.batch, "seq": self.cache_len}, -1, jnp.int32)
+    return filled({**self.batch, "seq": self.cache_len}, -1, jnp.int32)
 
   def empty_tokens(self, pad_id: int) -> pz.nx.NamedArray:
-    return pz.nx.full({**self.batch, "seq": self.cache_len}, pad_id,
-                      jnp.int32)
+    return filled({**self.batch, "seq": self.cache_len}, pad_id, jnp.int32)
 
   @staticmethod
   def key_order(lead) -> tuple[str, ...]:
@@ -121,8 +123,7 @@ class CacheLayout:
     sizes = {**lead, **self.batch, **heads, "seq": self.cache_len,
              "projection": projection}
     leading = [*lead, *self.batch, *heads]
-    return tuple(pz.nx.zeros({a: sizes[a] for a in order(leading)},
-                             dtype=dtype)
+    return tuple(filled({a: sizes[a] for a in order(leading)}, 0, dtype)
                  for order in (self.key_order, self.value_order))
 
   # A call.
@@ -183,6 +184,26 @@ class CacheLayout:
       return leaf
     return jnp.pad(leaf, [(0, n - o) for o, n in zip(leaf.shape, shape)],
                    constant_values=fill)
+
+
+def full(shape: tuple[int, ...], fill, dtype) -> jax.Array:
+  """An array of ``fill``, on the default device.
+
+  Outside a trace it is made by numpy and transferred: eager ``jnp.full``
+  compiles a program per shape and dtype (a model's empty caches took
+  eight, ~0.25 s of a first request). Inside one it is ``jnp.full``, an
+  op of the traced program rather than a constant.
+  """
+  if not top_level():
+    return jnp.full(shape, fill, dtype)
+  return jax.device_put(np.zeros(shape, dtype) if fill == 0
+                        else np.full(shape, fill, dtype))
+
+
+def filled(named_shape: Mapping[str, int], fill, dtype) -> pz.nx.NamedArray:
+  """`full` over named axes (``named_shape``, in its order)."""
+  return pz.nx.wrap(full(tuple(named_shape.values()), fill, dtype),
+                    *named_shape)
 
 
 def write_at(cache: pz.nx.NamedArray, new: pz.nx.NamedArray, axis: str,

@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from penzai import pz
 
 from penzai_lm.model.config import TransformerConfig
@@ -76,7 +78,8 @@ class HookPoint(pz.nn.Layer):
 def hook(point: str, layer: int | None = None) -> HookPoint:
   """A `HookPoint` for ``point`` in block ``layer`` (None: outside
   blocks)."""
-  index = None if layer is None else pz.nx.wrap(jnp.asarray(layer, jnp.int32))
+  index = None if layer is None else pz.nx.wrap(
+      jax.device_put(np.int32(layer)))
   return HookPoint(point=point, layer=index)
 
 

@@ -97,9 +97,8 @@ class ApplyRotaryEmbedding(pz.nn.Layer):
   ) -> ApplyRotaryEmbedding:
     """Builds a RoPE layer for vectors of width ``head_dim``."""
     return cls(
-        inverse_frequencies=pz.nx.wrap(
-            jnp.asarray(rope_inverse_frequencies(head_dim, base, scaling))
-        )
+        inverse_frequencies=pz.nx.wrap(jax.device_put(
+            rope_inverse_frequencies(head_dim, base, scaling)))
     )
 
 

@@ -33,7 +33,7 @@ def _stack(arrays, axis: str) -> pz.nx.NamedArrayBase:
   )
   return pz.nx.NamedArray(
       named_axes=collections.OrderedDict({axis: len(arrays), **named}),
-      data_array=jnp.asarray(data),
+      data_array=jax.device_put(data),
   )
 
 

@@ -35,6 +35,7 @@ from penzai import pz
 
 from penzai_lm.model import dispatch
 from penzai_lm.model.config import TransformerConfig
+from penzai_lm.model.tracing import top_level
 
 
 @pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # pytype: disable=wrong-keyword-args
@@ -158,15 +159,6 @@ class TransformerLM(pz.nn.Layer):
 
 _EAGER = contextvars.ContextVar("penzai_lm_eager", default=False)
 
-try:
-  # Whether no JAX transformation is tracing (a model call inside
-  # ``jax.jit`` may have only concrete inputs, e.g. closed-over ones).
-  from jax._src.core import trace_state_clean as _trace_state_clean  # pylint: disable=g-import-not-at-top
-except ImportError:  # A JAX without it: only the inputs are looked at.
-  def _trace_state_clean() -> bool:
-    return True
-
-
 @contextlib.contextmanager
 def eager(enabled: bool = True):
   """Runs `TransformerLM` calls op by op (no compiled program) inside.
@@ -192,7 +184,7 @@ def compiles(tokens, token_positions, side_inputs) -> bool:
   """Whether a model call with these inputs runs as a compiled program: at
   the top level (no JAX trace is active, jit is enabled, no input is a
   tracer) and outside `eager`."""
-  if _EAGER.get() or jax.config.jax_disable_jit or not _trace_state_clean():
+  if _EAGER.get() or jax.config.jax_disable_jit or not top_level():
     return False
   return not any(isinstance(x, jax.core.Tracer) for x in
                  jax.tree_util.tree_leaves((tokens, token_positions,

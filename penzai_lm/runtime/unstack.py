@@ -56,13 +56,18 @@ def _take(x: pz.nx.NamedArrayBase, axis: str, index: int,
     out = _take(x, axis, index)
     lineage.record_named(out, x, lambda y: _take(y, axis, index))
     return out
-  if (isinstance(x, pz.nx.NamedArray) and not x.positional_shape
-      and next(iter(x.named_axes)) == axis):
+  if isinstance(x, pz.nx.NamedArray):
     view = host_view(x.data_array)
     if view is not None:
-      rest = collections.OrderedDict(list(x.named_axes.items())[1:])
-      return pz.nx.NamedArray(named_axes=rest,
-                              data_array=jax.device_put(view[index]))
+      # Where another axis is major (a NamedArray's data lists positional
+      # axes first), the block is strided and device_put copies it: still
+      # by numpy, as an eager slice compiles a program per shape.
+      at = len(x.positional_shape) + list(x.named_axes).index(axis)
+      rest = collections.OrderedDict(
+          (a, n) for a, n in x.named_axes.items() if a != axis)
+      return pz.nx.NamedArray(
+          named_axes=rest,
+          data_array=jax.device_put(view[(slice(None),) * at + (index,)]))
   return x[{axis: index}]
 
 

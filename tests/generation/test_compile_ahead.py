@@ -1,6 +1,11 @@
 """A first request compiles its decode program on another thread while the
-prefill compiles and runs (ProgramCache.compile_ahead)."""
+prefill compiles and runs (ProgramCache.compile_ahead), and a new process
+compiles nothing else for it."""
 
+import json
+import pathlib
+import subprocess
+import sys
 import threading
 
 import jax
@@ -9,6 +14,8 @@ import pytest
 
 from penzai_lm.generation import Engine
 from tests.generation.conftest import prompts
+from tests.loading.hf_models import save_perturbed
+from tests.loading.synthetic_checkpoints import write_random_llama
 
 GREEDY = dict(max_new_tokens=3, temperature=0.0, stop_tokens=[])
 
@@ -74,3 +81,53 @@ def test_a_failed_background_compile_is_raised_by_the_decode_call(model):
   with pytest.raises(Exception, match="xla_no_such_option_pzlm"):
     engine.generate(model, prompts([4], seed=43), **GREEDY)
   assert engine.compilations == 1  # The prefill.
+
+
+_FIRST_REQUEST = r"""
+import json, sys
+from jax import monitoring
+names = []
+monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: names.append(kw.get("fun_name", ""))
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+import penzai_lm
+from penzai_lm.generation import Engine
+model = penzai_lm.load_model(sys.argv[1])
+Engine(program_store=None).generate(
+    model, [[5, 6, 7, 8, 9], [10, 11]], max_new_tokens=3, temperature=0.7,
+    top_p=0.9, seed=3, stop_tokens=[])
+print(json.dumps(names))
+"""
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_new_process_compiles_only_the_two_programs(family, tmp_path):
+  # Eager jnp ops compile a program per shape and dtype on first use (empty
+  # caches, norm epsilons, slices of the stacks: ~0.3 s of a SmolLM2 first
+  # request); loading and preparing a model makes its arrays on the host.
+  if jax.default_backend() != "cpu":
+    pytest.skip("counts a CPU process's compilations")
+  if family == "llama":
+    path = write_random_llama(tmp_path / "m", dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+  else:
+    t = pytest.importorskip("transformers")
+    path = tmp_path / "m"
+    save_perturbed(t.Gemma3ForCausalLM, t.Gemma3TextConfig(
+        vocab_size=101, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, sliding_window=5, max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16, rope_local_base_freq=1e4), path)
+  out = subprocess.run(
+      [sys.executable, "-c", _FIRST_REQUEST, str(path)], capture_output=True,
+      text=True, timeout=600, check=False,
+      cwd=pathlib.Path(__file__).resolve().parents[2])
+  assert out.returncode == 0, out.stderr[-3000:]
+  names = json.loads(out.stdout.strip().splitlines()[-1])
+  # A model this small also has XLA asked which compile options it knows
+  # (`runtime.compiler_options._cpu_accepts`, once a process).
+  names = [n for n in names if n != "jit(_probe)"]
+  assert sorted(names) == ["jit(decode_program)", "jit(prefill_program)"], (
+      names)
