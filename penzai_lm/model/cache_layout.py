@@ -189,12 +189,13 @@ class CacheLayout:
 def full(shape: tuple[int, ...], fill, dtype) -> jax.Array:
   """An array of ``fill``, on the default device.
 
-  Outside a trace it is made by numpy and transferred: eager ``jnp.full``
-  compiles a program per shape and dtype (a model's empty caches took
-  eight, ~0.25 s of a first request). Inside one it is ``jnp.full``, an
-  op of the traced program rather than a constant.
+  On CPU, outside a trace, it is made by numpy and placed with device_put:
+  eager ``jnp.full`` compiles a program per shape and dtype (a model's
+  empty caches took eight, ~0.25 s of a first request). Elsewhere it is
+  ``jnp.full``: inside a trace an op of the program rather than a
+  constant, and on an accelerator filled there rather than transferred.
   """
-  if not top_level():
+  if not top_level() or jax.default_backend() != "cpu":
     return jnp.full(shape, fill, dtype)
   return jax.device_put(np.zeros(shape, dtype) if fill == 0
                         else np.full(shape, fill, dtype))
