@@ -17,9 +17,11 @@ layer stack and per layer (``Engine(prefill_over_stacks=True / False)``),
 and ``--baseline DIR`` (a checkout of another commit, e.g. from
 ``git worktree add``) alternates them with processes that import
 penzai_lm from DIR, for a side-by-side comparison on a shared machine; the
-medians close the table. Time to the first token there is
-``compile+trace + prefill``: the prefill's first run pays costs of its own
-(XLA:CPU builds the YNNPACK dots' packed weights on their first call).
+medians close the table, and then each round's pair compared (the median
+of the differences, and how often the second side was lower). Time to
+the first token there is ``compile+trace + prefill``: the prefill's first
+run pays costs of its own (XLA:CPU builds the YNNPACK dots' packed
+weights on their first call).
 
 Run: python benchmarks/new_process.py [--dtype bfloat16] [--quantize int8]
      [--cold 5 [--baseline /tmp/before] [--stacked-prefill]]
@@ -115,6 +117,22 @@ def cold_rounds(args) -> None:
           f" {med['prefill_s']:13.2f} {med['xla_s']:6.2f}"
           f" {med['cpu_s']:6.2f} {med['first_token_s']:11.2f};"
           f" compile+trace+prefill {first:.2f}")
+  if len(sides) == 2:
+    print_pairs(*(figures[label] for label, _, _ in sides),
+                [label for label, _, _ in sides])
+
+
+def print_pairs(a: list[dict], b: list[dict], labels: list[str]) -> None:
+  """Each round's second process against its first: on a shared machine the
+  load drifts between rounds, and a pair shares a round's load."""
+  print(f"pairs ({labels[1]} - {labels[0]}), median of the rounds'"
+        " differences, and in how many rounds the second was lower:")
+  for column in ("compile_s", "prefill_s", "xla_s", "cpu_s",
+                 "first_token_s"):
+    diffs = [y[column] - x[column] for x, y in zip(a, b)]
+    lower = sum(d < 0 for d in diffs)
+    print(f"  {column:14} {statistics.median(diffs):+6.2f} s,"
+          f" lower in {lower} of {len(diffs)}")
 
 
 def main():
