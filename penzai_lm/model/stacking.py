@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
