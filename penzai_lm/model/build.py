@@ -25,6 +25,7 @@ from penzai_lm.model.layers import ApplyRotaryEmbedding
 from penzai_lm.model.layers import SoftCap
 from penzai_lm.model.random_init import random_parameters
 from penzai_lm.model.stacking import stack_blocks
+from penzai_lm.model.tracing import full
 
 # Mask fill value used by Gemma (any large finite negative value works).
 MASKED_OUT = -2.3819763e38
@@ -54,16 +55,10 @@ def _linear(name, rng, config, input_axes, output_axes, bias=False):
   return layers
 
 
-def _scalar(value, dtype) -> jax.Array:
-  """``jnp.array(value, dtype)`` made on the host: eagerly, ``jnp`` compiles
-  a conversion program per dtype."""
-  return jax.device_put(np.asarray(value, np.dtype(dtype)))
-
-
 def _norm(name, rng, config, axes, kind=None):
   """A norm of ``config.norm_kind`` (or ``kind``) over ``axes``."""
-  # Epsilon already an array of the parameters' dtype (see `_scalar`).
-  epsilon = _scalar(config.norm_eps, config.parameter_dtype)
+  # Epsilon an array of the parameters' dtype, made on the host (`full`).
+  epsilon = full((), config.norm_eps, config.parameter_dtype)
   if (kind or config.norm_kind) == "layer":
     return pz.nn.LayerNorm.from_config(
         name=name, init_base_rng=rng, across_axes=axes,
@@ -128,11 +123,11 @@ def _attention_mask(config, layer_type, mixed):
   if layer_type == "local" or mixed:
     window = config.sliding_window if layer_type == "local" else GLOBAL_WINDOW
     return pz.nn.ApplyCausalSlidingWindowAttentionMask(
-        masked_out_value=_scalar(MASKED_OUT, config.activation_dtype),
-        sliding_window_size=pz.nx.wrap(_scalar(window, jnp.int32)),
+        masked_out_value=full((), MASKED_OUT, config.activation_dtype),
+        sliding_window_size=pz.nx.wrap(full((), window, jnp.int32)),
     )
   return pz.nn.ApplyCausalAttentionMask(
-      masked_out_value=_scalar(MASKED_OUT, config.activation_dtype)
+      masked_out_value=full((), MASKED_OUT, config.activation_dtype)
   )
 
 
@@ -188,7 +183,7 @@ def build_attention(name, rng, config, layer_type, mixed, layer=None
           *_qk_norm(f"{name}/query_norm", rng, config, projection, qk_norm),
           *_rope(config, layer_type),
           pz.nn.ConstantRescale(
-              by=_scalar(config.query_scale, config.activation_dtype)
+              by=full((), config.query_scale, config.activation_dtype)
           ),
       ]),
       input_to_key=pz.nn.Sequential([
@@ -299,7 +294,7 @@ def _build(config, rng, name) -> transformer.TransformerLM:
     layers.append(pz.nn.CastToDType(config.activation_dtype))
   if config.embedding_scale is not None and config.embedding_scale != 1:
     layers.append(pz.nn.ConstantRescale(
-        by=_scalar(config.embedding_scale, config.activation_dtype)
+        by=full((), config.embedding_scale, config.activation_dtype)
     ))
   if config.position_embedding == "learned":
     layers.append(AddLearnedPositionEmbeddings.from_config(

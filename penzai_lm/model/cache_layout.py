@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from penzai_lm.model.tracing import top_level
+from penzai_lm.model.tracing import full
 
 _AS_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16,
             jnp.dtype(jnp.float16): jnp.uint16}
@@ -184,21 +184,6 @@ class CacheLayout:
       return leaf
     return jnp.pad(leaf, [(0, n - o) for o, n in zip(leaf.shape, shape)],
                    constant_values=fill)
-
-
-def full(shape: tuple[int, ...], fill, dtype) -> jax.Array:
-  """An array of ``fill``, on the default device.
-
-  On CPU, outside a trace, it is made by numpy and placed with device_put:
-  eager ``jnp.full`` compiles a program per shape and dtype (a model's
-  empty caches took eight, ~0.25 s of a first request). Elsewhere it is
-  ``jnp.full``: inside a trace an op of the program rather than a
-  constant, and on an accelerator filled there rather than transferred.
-  """
-  if not top_level() or jax.default_backend() != "cpu":
-    return jnp.full(shape, fill, dtype)
-  return jax.device_put(np.zeros(shape, dtype) if fill == 0
-                        else np.full(shape, fill, dtype))
 
 
 def filled(named_shape: Mapping[str, int], fill, dtype) -> pz.nx.NamedArray:

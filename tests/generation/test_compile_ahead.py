@@ -11,6 +11,7 @@ import threading
 import jax
 from jax import monitoring
 import pytest
+import transformers
 
 from penzai_lm.generation import Engine
 from tests.generation.conftest import prompts
@@ -112,9 +113,8 @@ def test_a_new_process_compiles_only_the_two_programs(family, tmp_path):
         vocab_size=128, hidden_size=64, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
   else:
-    t = pytest.importorskip("transformers")
     path = tmp_path / "m"
-    save_perturbed(t.Gemma3ForCausalLM, t.Gemma3TextConfig(
+    save_perturbed(transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
         vocab_size=101, hidden_size=32, intermediate_size=48,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
         head_dim=16, sliding_window=5, max_position_embeddings=64,
