@@ -8,7 +8,8 @@ the engine's host preparation and compile+trace seconds
 (``timings.prepare_s``, ``timings.compile_s``), JAX's own trace and XLA
 compile totals, the process's CPU seconds for the request (all threads: on a
 shared machine wall times grow with the load, CPU time much less) and the
-wall time from start to the first token. Target (issue 28): compile+trace
+wall time from start to the first token (the first event of
+``Engine.stream``, chunks of 8 tokens). Target (issue 28): compile+trace
 <= 3 s without a persistent cache.
 
 ``--cold N`` runs N rounds of processes without a persistent cache
@@ -18,10 +19,9 @@ and ``--baseline DIR`` (a checkout of another commit, e.g. from
 ``git worktree add``) alternates them with processes that import
 penzai_lm from DIR, for a side-by-side comparison on a shared machine; the
 medians close the table, and then each round's pair compared (the median
-of the differences, and how often the second side was lower). Time to
-the first token there is ``compile+trace + prefill``: the prefill's first
-run pays costs of its own (XLA:CPU builds the YNNPACK dots' packed
-weights on their first call).
+of the differences, and how often the second side was lower). The
+prefill's first run pays costs of its own (XLA:CPU builds the YNNPACK
+dots' packed weights on their first call).
 
 Run: python benchmarks/new_process.py [--dtype bfloat16] [--quantize int8]
      [--cold 5 [--baseline /tmp/before] [--stacked-prefill]]
@@ -51,20 +51,22 @@ model = penzai_lm.load_model("smollm2-135m-instruct", dtype=sys.argv[2],
                              quantize=sys.argv[3] or None)
 loaded = time.perf_counter()
 cpu = time.process_time()
-engine = None
-if sys.argv[4] != "default":
-  from penzai_lm.generation import Engine
-  engine = Engine(prefill_over_stacks=sys.argv[4] == "1")
-r = penzai_lm.generate(model, list(range(100, 228)), max_new_tokens=16,
-                       temperature=0.0, engine=engine)
-t = r.timings
+from penzai_lm.generation import Engine, default_engine
+engine = default_engine() if sys.argv[4] == "default" else Engine(
+    prefill_over_stacks=sys.argv[4] == "1")
+stream = engine.stream(model, list(range(100, 228)), max_new_tokens=16,
+                       temperature=0.0)
+first = None
+for _ in stream:
+  first = first or time.perf_counter()
+t = stream.result.timings
 print(json.dumps(dict(
     load_s=loaded - start, prepare_s=t.prepare_s, compile_s=t.compile_s,
     cpu_s=time.process_time() - cpu,
     trace_s=events["/jax/core/compile/jaxpr_trace_duration"],
     xla_s=events["/jax/core/compile/backend_compile_duration"],
     prefill_s=t.prefill_s, package=penzai_lm.__file__,
-    first_token_s=loaded - start + (t.total_s - t.decode_s),
+    first_token_s=first - start,
     decode_tok_s=t.decode_tokens_per_s)))
 """
 

@@ -1,9 +1,15 @@
 """The engine's two compiled programs: prefill and the decode loop.
 
-1. **Prefill** (`prefill_program`): writes the first ``P - 1`` prompt
-   columns to the cache with ``stateless_call`` and an explicit
-   ``is_padding`` mask (the logits are unused, so XLA drops the output
-   projection), and returns the decode loop's `LoopState`. With
+1. **Prefill** (`prefill_program`): writes the prompt columns to the cache
+   with ``stateless_call`` and an explicit ``is_padding`` mask, and returns
+   the decode loop's `LoopState`. Where ``PrefillShape.emits_first``
+   (cached decoding without captures) it writes all ``P`` columns and
+   picks every row's first token as a loop iteration would (`_pick`), from
+   the last column's logits: the model's value is cut to that column right
+   after its ``final_norm`` hook point, so only one column is projected to
+   the vocabulary. Otherwise it writes the first ``P - 1`` columns (the
+   logits are unused, so XLA drops the output projection) and the loop's
+   first iteration feeds the last one. With
    ``num_samples > 1`` the prefill runs once per prompt at the prompt batch
    and the resulting state (caches, positions and any patch state with the
    batch axis) is gathered to the decode rows. Where the engine prefills
@@ -58,6 +64,7 @@ from penzai_lm.generation.state import RUNNING
 from penzai_lm.generation.state import StateLayout
 from penzai_lm.generation.state import STOP
 from penzai_lm.model.cache_layout import CacheLayout
+from penzai_lm.model.hooks import HookPoint
 from penzai_lm.model.stateless import stateless_call
 from penzai_lm.runtime.placement import constrain
 
@@ -118,16 +125,38 @@ def _history(state, labels, axis):
                              values[labels.positions], axis)
 
 
+@pz.pytree_dataclass
+class _LastColumn(pz.nn.Layer):
+  """Keeps the last column of ``seq`` (left-padded prompts end there)."""
+
+  def __call__(self, x, /, **_side_inputs):
+    return x[{"seq": pz.slice[-1:]}]
+
+
+def _logits_of_last_column(model):
+  """``model`` projecting only the last column to the vocabulary: cut
+  right after its ``final_norm`` hook point (after every intervention at
+  that point). A model without one projects every column."""
+  final = (pz.select(model).at_instances_of(HookPoint)
+           .where(lambda h: type(h) is HookPoint and h.point == "final_norm"))
+  if final.count() != 1:
+    return model
+  return final.apply(lambda h: pz.nn.Sequential([h, _LastColumn()]))
+
+
 def _prefill_cache(shape: PrefillShape, model, state0, tokens, padding, src,
                    gen_start):
-  """Writes the prompts but their last token to the cache; returns the
-  state of every decode row.
+  """Writes the prompts to the cache (all ``P`` columns where
+  ``shape.emits_first``, else all but the last); returns ``(logits, state)``:
+  each decode row's (B, V) float32 logits of the last column (None without
+  ``emits_first``) and its state.
 
   With ``gather`` the prefill runs one row per prompt: the model's per-row
   values (`penzai_lm.generation.prepare.rows_to_batch`, laid out per decode
   row) are taken from a decode row of each prompt.
   """
-  axis, P = shape.decode.batch_axis, shape.prompt_len
+  axis = shape.decode.batch_axis
+  columns = shape.prompt_len if shape.emits_first else shape.prompt_len - 1
   if shape.gather:
     first = _first_row_of(src, shape.batch)
     model = _map_batch_arrays(
@@ -136,15 +165,22 @@ def _prefill_cache(shape: PrefillShape, model, state0, tokens, padding, src,
     state = _map_batch_arrays(state0, axis, lambda a: a[:shape.batch])
   else:
     state = state0
-  if P > 1:
-    _, state = stateless_call(
-        model, state, _named(tokens[:, :P - 1], axis),
-        is_padding=_named(padding[:, :P - 1], axis),
+  if shape.emits_first:
+    model = _logits_of_last_column(model)
+  logits = None
+  if columns:
+    out, state = stateless_call(
+        model, state, _named(tokens[:, :columns], axis),
+        is_padding=_named(padding[:, :columns], axis),
         **_side(gen_start, axis))
     state = list(state)
+    if shape.emits_first:
+      logits = out.unwrap(axis, "seq", "vocabulary")[:, -1].astype(
+          jnp.float32)
   if shape.gather:
     state = _map_batch_arrays(state, axis, lambda a: a[src])
-  return state
+    logits = None if logits is None else logits[src]
+  return logits, state
 
 
 def _recompute_state(shape: PrefillShape, state0, tokens, padding):
@@ -159,8 +195,9 @@ def _recompute_state(shape: PrefillShape, state0, tokens, padding):
 
 
 def prefill_program(static, model_leaves, state_args, tokens, padding, src,
-                    real, start) -> LoopState:
-  """Prefill program: returns the initial decode-loop state.
+                    real, start, inputs: DecodeInputs) -> LoopState:
+  """Prefill program: returns the initial decode-loop state (after the
+  first iteration where ``shape.emits_first``).
 
   Args:
     static: ``(PrefillShape, treedef, StateLayout, stacked)``: the decode
@@ -176,6 +213,8 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
     real: (B,) whether each decode row belongs to the request.
     start: The first cache slot of this prompt: 0, or where a continuation
       appends to the previous state.
+    inputs: The first decode call's host inputs (``stop_at`` 1), which
+      the first token is picked with where ``shape.emits_first``.
   """
   shape, treedef, layout, stacked = static
   decode = shape.decode
@@ -199,9 +238,10 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
                                      decode.batch_axis)
     del history
     gen_start += jnp.sum(history_mask, axis=1, dtype=jnp.int32)
+  logits = None
   if decode.use_cache:
-    state = _prefill_cache(shape, model, state0, tokens, padding, src,
-                           gen_start)
+    logits, state = _prefill_cache(shape, model, state0, tokens, padding, src,
+                                   gen_start)
     if stacked is not None:
       state = stacked.unstacked(state, layout)
     state = layout.conform(state)
@@ -217,7 +257,7 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
     seen, seen_mask = dtokens, ~dpadding
   B = decode.batch
   zeros = jnp.zeros((B,), jnp.int32)
-  return constrain(layout.placement, LoopState(
+  c = LoopState(
       model_state=model_state,
       slots=jnp.asarray(start + P - 1, jnp.int32),
       next_token=dtokens[:, P - 1],
@@ -232,7 +272,12 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
       sampler=sampling.init_sampler_state(seen, seen_mask,
                                           vocab_size=decode.vocab),
       out=Outputs.empty(B, decode.cache_len, decode.top_n),
-  ))
+  )
+  if logits is not None:
+    # The loop's first iteration: its condition holds (every planned cache
+    # has a slot after the prompt, and ``stop_at`` is 1).
+    c = _pick(decode, inputs, c, logits)
+  return constrain(layout.placement, c)
 
 
 def _feed_fn(shape: DecodeShape, model, layout: StateLayout):
@@ -298,9 +343,18 @@ def _loop_step(shape: DecodeShape, feed_model, x: DecodeInputs,
   (``tail``), so its activations are recorded; nothing else of that
   iteration is kept for it.
   """
-  Q, T = shape.queue_len, shape.cache_len
   logits, model_state = feed_model(c.model_state, c.slots, c.next_token,
                                    c.feed | c.tail, c.gen_start)
+  return _pick(shape, x, dataclasses.replace(c, model_state=model_state),
+               logits)
+
+
+def _pick(shape: DecodeShape, x: DecodeInputs, c: LoopState,
+          logits) -> LoopState:
+  """The rest of an iteration, once ``c.next_token`` was fed (its state in
+  ``c.model_state``) and gave ``logits`` (B, V) float32: picks each row's
+  next token and advances the loop state by one step."""
+  Q, T = shape.queue_len, shape.cache_len
   # NaN or +inf logits (broken weights, an overflowing intervention) end
   # the row rather than being sampled from (-inf is a legitimate ban).
   broken = c.feed & jnp.any(jnp.isnan(logits) | (logits == jnp.inf),
@@ -331,7 +385,7 @@ def _loop_step(shape: DecodeShape, feed_model, x: DecodeInputs,
   pause = going & ((~forced & (token == x.pause_id))
                    | (forced & (q_pos >= x.q_len) & x.q_more))
   return LoopState(
-      model_state=model_state,
+      model_state=c.model_state,
       slots=c.slots + 1,
       next_token=jnp.where(active, token, c.next_token),
       feed=going & ~pause,

@@ -20,8 +20,10 @@ class Timings:
   Attributes:
     compile_s: Time spent tracing and compiling new programs for this request
       (0 when every program came from the cache).
-    prefill_s: Time of the prefill call (the prompt minus its last token,
-      written to the cache), excluding compilation.
+    prefill_s: Time of the prefill call, excluding compilation: the prompt
+      written to the cache, and with cached decoding (no captures) every
+      row's first token picked and on the host (then equal to
+      ``time_to_first_token_s``).
     time_to_first_token_s: From the start of the prefill until the first new
       token of every row was on the host, excluding compilation.
     decode_s: Time spent in the decode loop after the first token (excluding

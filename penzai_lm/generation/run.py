@@ -150,16 +150,18 @@ class Run:
                  ) -> GenerationResult:
     """Prefills and decodes until every row has finished.
 
-    The first decode call runs one step (so the time to first token is
-    measured), the rest one call to the end, or chunks of ``chunk_size``
-    steps between which ``cancel`` (a ``threading.Event``) is checked.
-    Both were checked by the caller (`check_run_controls`).
+    Where the prefill did not pick the first tokens, the first decode call
+    runs one step (so the time to first token is measured). Then one call
+    runs to the end, or chunks of ``chunk_size`` steps between which
+    ``cancel`` (a ``threading.Event``) is checked. Both were checked by the
+    caller (`check_run_controls`).
     """
     if cancel is not None and cancel.is_set():
       self.cancel()
       return self.result()
     self.prefill()
-    self.decode(1)
+    if not self.view.t:
+      self.decode(1)
     while not self.finished:
       if cancel is None:
         self.decode(None)
@@ -170,6 +172,8 @@ class Run:
     return self.result()
 
   def prefill(self) -> None:
+    """Runs the prefill program; with ``emits_first`` every row has its
+    first token afterwards (``view.t`` is 1)."""
     prepared = self._prepared
     # A fresh prompt runs on the model with its layer stacks, if it has one.
     stacked = (None if self.request.prefill.continued
@@ -177,11 +181,15 @@ class Run:
     runs_on = prepared if stacked is None else prepared.prefill
     state_args = self._state_args if stacked is None else runs_on.state_args
     args = (runs_on.model_leaves, state_args, *_prompt_batch(self.request),
-            np.asarray(self.start_slot, np.int32))
+            np.asarray(self.start_slot, np.int32), self._decode_inputs(1))
+    # Its first token is picked as the decode program picks (the same
+    # sampler: ``cpu_sampler`` of the prepared model).
+    shape = dataclasses.replace(self.request.prefill,
+                                decode=self._decode_static()[0])
     pending = self._engine.lower(
         "prefill", programs.prefill_program,
-        (self.request.prefill, prepared.treedef, prepared.layout, stacked),
-        args, shape=self.request.prefill, blocks=prepared.blocks,
+        (shape, prepared.treedef, prepared.layout, stacked),
+        args, shape=shape, blocks=prepared.blocks,
         parameters=prepared.parameters)
     if pending.out_info is not None and prepared.layout.placement is None:
       # A first request: XLA builds the decode program (its carry is the
@@ -198,8 +206,11 @@ class Run:
     self.timings.compile_s += seconds
     start = time.perf_counter()
     self.carry = jax.block_until_ready(program(*args))
-    self.timings.prefill_s = time.perf_counter() - start
     self.view = self.carry.host_view()
+    self.timings.prefill_s = time.perf_counter() - start
+    if self.view.t:
+      self.timings.time_to_first_token_s = self.timings.prefill_s
+      self._after_call()
 
   def decode(self, steps: int | None = None) -> None:
     """Runs the loop for at most ``steps`` iterations (None: to the end)."""
@@ -219,6 +230,11 @@ class Run:
     self.view = self.carry.host_view()
     self.timings.add_decode_call(time.perf_counter() - start,
                                  int(self.view.t) - t)
+    self._after_call()
+
+  def _after_call(self) -> None:
+    """The host's part after a call that ran loop steps: consumed forced
+    tokens, rows waiting for the host, whether every row has finished."""
     self._end_rows[:] = False
     self._resume[:] = False
     for r in range(self.rows):

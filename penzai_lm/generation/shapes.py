@@ -81,6 +81,10 @@ class PrefillShape:
       (``num_samples > 1``: one prefill per prompt).
     continued: Whether it appends to a previous state (a `Continuation`)
       instead of starting from empty caches.
+    emits_first: Whether the prefill writes the last prompt column too and
+      picks every row's first token (cached decoding without captures): the
+      first token then needs no decode call, and a new process has it
+      before its decode program finished compiling.
   """
 
   decode: DecodeShape
@@ -88,6 +92,7 @@ class PrefillShape:
   prompt_len: int
   gather: bool
   continued: bool = False
+  emits_first: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +253,8 @@ def plan(model, rows: RowsInfo, *, cached_model: bool, use_cache: bool,
   check_memory(config, decode, rows, cached_model=cached_model,
                continuation=continuation)
   return PrefillShape(decode=decode, batch=prefill, prompt_len=prompt_len,
-                      gather=gather, continued=continuation is not None)
+                      gather=gather, continued=continuation is not None,
+                      emits_first=use_cache and not rows.capture)
 
 
 def check_memory(config, decode: DecodeShape, rows: RowsInfo, *,

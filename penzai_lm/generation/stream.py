@@ -166,7 +166,9 @@ class GenerationStream:
         run.cancel()
         return
       run.prefill()
-      first = True
+      first = not run.view.t  # Else the prefill picked the first tokens.
+      if not first:
+        yield from self._drain()
       while not run.finished:
         if self._cancelled():
           run.cancel()

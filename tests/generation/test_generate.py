@@ -170,12 +170,13 @@ def test_num_samples_one_prefill_and_independent_rows():
   result = generate(model, row, num_samples=3, **settings)
   jax.effects_barrier()
   calls = list(conftest.CALLS)
-  # One prefill at batch 1 (the prompt bucket minus the last token), then
-  # one single-token call per step at the decode batch (3 rows -> bucket 4).
-  assert calls[0] == (1, 7)
-  assert [c for c in calls if c[1] != 1] == [(1, 7)]
+  # One prefill at batch 1 (the whole prompt bucket: it picks the first
+  # tokens), then one single-token call per later step at the decode batch
+  # (3 rows -> bucket 4).
+  assert calls[0] == (1, 8)
+  assert [c for c in calls if c[1] != 1] == [(1, 8)]
   assert set(calls[1:]) == {(4, 1)}
-  assert len(calls) == 1 + MAX_NEW
+  assert len(calls) == MAX_NEW
   assert result.num_rows == 3
   assert result.prompt_indices == [0, 0, 0]
   assert result.sample_indices == [0, 1, 2]
