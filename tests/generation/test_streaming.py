@@ -2,6 +2,7 @@
 
 import threading
 
+from penzai_lm.generation import Engine
 from penzai_lm.generation import generate
 from penzai_lm.generation import stream
 from tests.generation.conftest import MAX_NEW
@@ -111,3 +112,22 @@ def test_stop_finishes_rows_before_cancel(model):
   next(events), next(events)  # First chunk: row 0 finished (length 1).
   s.close()
   assert s.result.finish_reasons == ["length", "cancelled"]
+
+
+def test_the_first_tokens_come_from_the_prefill(model):
+  # Cached decoding without captures: the prefill picks every row's first
+  # token (forced or sampled), so the first event needs no decode call.
+  engine = Engine(program_store=None)
+  rows = prompts([5, 8], seed=21)
+  settings = dict(SETTINGS, forced_tokens=[[7, 9], []])
+  expected = engine.generate(model, rows, use_cache=False, **settings)
+  s = engine.stream(model, rows, chunk_size=3, **settings)
+  first = [next(s), next(s)]
+  assert s.run.view.t == 1
+  assert [e.tokens for e in first] == [[7], expected.tokens[1][:1]]
+  assert [e.forced for e in first] == [[True], [False]]
+  got, _ = _collect(first + list(s))
+  assert [got[0], got[1]] == expected.tokens
+  assert s.result.tokens == expected.tokens
+  assert s.result.timings.time_to_first_token_s == (
+      s.result.timings.prefill_s)
