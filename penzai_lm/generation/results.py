@@ -23,7 +23,9 @@ class Timings:
     prefill_s: Time of the prefill call, excluding compilation: the prompt
       written to the cache, and with cached decoding (no captures) every
       row's first token picked and on the host (then equal to
-      ``time_to_first_token_s``).
+      ``time_to_first_token_s``). On a request that compiles its decode
+      program, that program is traced while the prefill runs; the tracing
+      counts in ``compile_s`` and not here.
     time_to_first_token_s: From the start of the prefill until the first new
       token of every row was on the host, excluding compilation.
     decode_s: Time spent in the decode loop after the first token (excluding

@@ -191,26 +191,45 @@ class Run:
         (shape, prepared.treedef, prepared.layout, stacked),
         args, shape=shape, blocks=prepared.blocks,
         parameters=prepared.parameters)
-    if pending.out_info is not None and prepared.layout.placement is None:
-      # A first request: XLA builds the decode program (its carry is the
-      # prefill's output) on another core while the prefill compiles and
-      # runs (SmolLM2 fp32: first generate 4.1 -> 2.7 s of compile+trace).
-      # Its tracing counts once: in the prefill's seconds below, which run
-      # from the start of the prefill's lowering.
-      self._engine.compile_ahead(
-          "decode", programs.decode_program, self._decode_static(),
-          (prepared.model_leaves, pending.out_info, self._decode_inputs(0)),
-          shape=self.request.decode, donate=(1,), blocks=prepared.blocks,
-          parameters=prepared.parameters)
+    first_request = (pending.out_info is not None
+                     and prepared.layout.placement is None)
+    emits_first = self.request.prefill.emits_first
+    if first_request and not emits_first:
+      # The first token needs the decode program: XLA builds it (its carry
+      # is the prefill's output) on another core while the prefill
+      # compiles and runs (SmolLM2 fp32: first generate 4.1 -> 2.7 s of
+      # compile+trace). Its tracing counts in the prefill's compile
+      # seconds below, which run from the start of the prefill's lowering.
+      self._compile_decode_ahead(pending.out_info)
     program, seconds = pending.compile()
     self.timings.compile_s += seconds
     start = time.perf_counter()
-    self.carry = jax.block_until_ready(program(*args))
+    carry = program(*args)  # Dispatched: it runs while the host goes on.
+    traced = 0.0
+    if first_request and emits_first:
+      # The first token does not wait for the decode program: it is traced
+      # while the prefill runs, and XLA compiles it after the prefill's
+      # compile rather than beside it (SmolLM2 fp32, a new process: first
+      # token 5.44 -> 4.39 s, docs/cpu-speed.md).
+      traced = self._compile_decode_ahead(pending.out_info)
+      self.timings.compile_s += traced
+    self.carry = jax.block_until_ready(carry)
     self.view = self.carry.host_view()
-    self.timings.prefill_s = time.perf_counter() - start
+    # The timed parts stay disjoint: the tracing counts in compile_s only.
+    self.timings.prefill_s = time.perf_counter() - start - traced
     if self.view.t:
       self.timings.time_to_first_token_s = self.timings.prefill_s
       self._after_call()
+
+  def _compile_decode_ahead(self, carry_info) -> float:
+    """Traces the decode program for a carry like ``carry_info`` and has
+    XLA compile it on another thread; returns the seconds traced."""
+    prepared = self._prepared
+    return self._engine.compile_ahead(
+        "decode", programs.decode_program, self._decode_static(),
+        (prepared.model_leaves, carry_info, self._decode_inputs(0)),
+        shape=self.request.decode, donate=(1,), blocks=prepared.blocks,
+        parameters=prepared.parameters)
 
   def decode(self, steps: int | None = None) -> None:
     """Runs the loop for at most ``steps`` iterations (None: to the end)."""
