@@ -25,10 +25,10 @@ Tools: `CalculatorTool` (calculator calls answered with forced tokens).
 Every function runs on an `Engine` (`default_engine()` unless ``engine=``
 is given), which owns the compiled programs and prepared models. The data
 path, top to bottom: `request.py` (validate once) -> `engine.py` (prepare,
-cache) -> `run.py` (drive) -> `programs.py` (prefill, decode loop), with
-the typed state in `state.py`, shapes in `shapes.py` and, for a model
-sharded over a mesh (`penzai_lm.shard`), the state's shardings in
-`placement.py`.
+cache) -> `run.py` (drive) -> `prefill.py` and `programs.py` (prefill,
+decode loop), with the typed state in `state.py`, shapes in `shapes.py`
+and, for a model sharded over a mesh (`penzai_lm.shard`), the state's
+shardings in `placement.py`.
 """
 
 from penzai_lm.generation.chat import ChatSession

@@ -9,8 +9,8 @@ The data path of `generate(model, prompts, **options)`:
    decoding and, where it pays, kept for prompts: `stacked_prefill.py`;
    cached mode for the shape, frozen, flattened: `prepare.py`), cached per
    model identity and shape.
-3. A `Run` (`run.py`) calls the prefill program, then the decode program
-   (`programs.py`) until every row has finished, in one call or in chunks
+3. A `Run` (`run.py`) calls the prefill program (`prefill.py`), then the
+   decode program (`programs.py`) until every row has finished, in one call or in chunks
    when the host takes part (streaming, cancellation, stop strings, tools).
 
 Everything that varies inside a bucket -- prompt ids and lengths, sampling

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from penzai import pz
 
+from penzai_lm.generation import prefill as prefill_lib
 from penzai_lm.generation import programs
 from penzai_lm.generation import stacked_prefill
 from penzai_lm.generation.captures import CaptureBuffers
@@ -187,7 +188,7 @@ class Run:
     shape = dataclasses.replace(self.request.prefill,
                                 decode=self._decode_static()[0])
     pending = self._engine.lower(
-        "prefill", programs.prefill_program,
+        "prefill", prefill_lib.prefill_program,
         (shape, prepared.treedef, prepared.layout, stacked),
         args, shape=shape, blocks=prepared.blocks,
         parameters=prepared.parameters)
