@@ -172,9 +172,16 @@ class Run:
         self.decode(chunk_size)
     return self.result()
 
-  def prefill(self) -> None:
+  def prefill(self, *, streamed: bool = False) -> None:
     """Runs the prefill program; with ``emits_first`` every row has its
-    first token afterwards (``view.t`` is 1)."""
+    first token afterwards (``view.t`` is 1).
+
+    On a first request XLA compiles the decode program on another thread:
+    beside the prefill's compile, or, for a ``streamed`` run whose prefill
+    emits the first tokens, after it, so that those come sooner (a new
+    SmolLM2 process: first streamed token 5.44 -> 4.39 s). Unstreamed, a
+    whole first request ends sooner beside it (SmolLM2's first `generate`
+    took 5.9 s the other way, against 5.2; docs/cpu-speed.md)."""
     prepared = self._prepared
     # A fresh prompt runs on the model with its layer stacks, if it has one.
     stacked = (None if self.request.prefill.continued
@@ -194,24 +201,23 @@ class Run:
         parameters=prepared.parameters)
     first_request = (pending.out_info is not None
                      and prepared.layout.placement is None)
-    emits_first = self.request.prefill.emits_first
-    if first_request and not emits_first:
-      # The first token needs the decode program: XLA builds it (its carry
-      # is the prefill's output) on another core while the prefill
-      # compiles and runs (SmolLM2 fp32: first generate 4.1 -> 2.7 s of
-      # compile+trace). Its tracing counts in the prefill's compile
-      # seconds below, which run from the start of the prefill's lowering.
+    later = streamed and self.request.prefill.emits_first
+    if first_request and not later:
+      # XLA builds the decode program (its carry is the prefill's output)
+      # on another core while the prefill compiles and runs (SmolLM2 fp32:
+      # first generate 4.1 -> 2.7 s of compile+trace). Its tracing counts
+      # in the prefill's compile seconds below, which run from the start
+      # of the prefill's lowering.
       self._compile_decode_ahead(pending.out_info)
     program, seconds = pending.compile()
     self.timings.compile_s += seconds
     start = time.perf_counter()
     carry = program(*args)  # Dispatched: it runs while the host goes on.
     traced = 0.0
-    if first_request and emits_first:
-      # The first token does not wait for the decode program: it is traced
+    if first_request and later:
+      # The first tokens do not wait for the decode program: it is traced
       # while the prefill runs, and XLA compiles it after the prefill's
-      # compile rather than beside it (SmolLM2 fp32, a new process: first
-      # token 5.44 -> 4.39 s, docs/cpu-speed.md).
+      # compile rather than beside it (docs/cpu-speed.md).
       traced = self._compile_decode_ahead(pending.out_info)
       self.timings.compile_s += traced
     self.carry = jax.block_until_ready(carry)

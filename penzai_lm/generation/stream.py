@@ -165,7 +165,7 @@ class GenerationStream:
       if self._cancelled():
         run.cancel()
         return
-      run.prefill()
+      run.prefill(streamed=True)
       first = not run.view.t  # Else the prefill picked the first tokens.
       if not first:
         yield from self._drain()
