@@ -61,8 +61,9 @@ class Timings:
   batch_rows: int = 0
 
   def add_decode_call(self, seconds: float, steps: int) -> None:
-    """Accounts one decode call of ``steps`` loop iterations. The first
-    iteration of a request produces every row's first token."""
+    """Accounts one decode call of ``steps`` loop iterations. Where the
+    prefill did not pick every row's first token, the first iteration of a
+    request does."""
     if steps and not self.time_to_first_token_s:
       first = seconds / steps
       self.time_to_first_token_s = self.prefill_s + first

@@ -60,6 +60,23 @@ def test_decode_compiles_on_its_own_thread_once(model):
   assert recomputed.tokens == again.tokens
 
 
+def test_a_streamed_first_request_compiles_decode_after_its_prefill(model):
+  # The first tokens come from the prefill; the decode program is traced
+  # while it runs and compiled on its own thread, once.
+  engine = Engine(program_store=None)
+  rows = prompts([4, 6], seed=44)
+  events = []
+  threads = _compile_threads(lambda: events.extend(
+      engine.stream(model, rows, chunk_size=2, **GREEDY)))
+  assert dict(threads)["jit(decode_program)"] == "penzai_lm compile decode"
+  assert engine.compilations == 2
+  got = {}
+  for e in events:
+    got.setdefault(e.row, []).extend(e.tokens)
+  assert [got[0], got[1]] == engine.generate(model, rows, **GREEDY).tokens
+  assert engine.compilations == 2
+
+
 def test_with_a_program_store(model, tmp_path):
   engine = Engine(program_store=tmp_path)
   rows = prompts([3], seed=42)
