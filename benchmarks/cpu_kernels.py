@@ -17,6 +17,11 @@ step time and weights per second; medians of --repeats.
   python benchmarks/cpu_kernels.py [--repeats 20] [--formats bf16,q8_0]
       [--rows 1,8] [--no-xla]
   python benchmarks/cpu_kernels.py --formats f32,q8_0-x8,q4_0-x8 --rows 128
+  python benchmarks/cpu_kernels.py --chain --formats q4_0-x8 --rows 1 --no-xla
+
+``--chain`` feeds each product's output into the next one's input, as a
+decode step does: without it the products are independent, and XLA may
+run two at once on its threads, which a decode step never does.
 """
 
 from __future__ import annotations
@@ -79,13 +84,21 @@ def _product(fmt, x, arrays, kernels: bool):
   return ops.q4(x, arrays.qs, arrays.scale, arrays.mins, int8_activations=x8)
 
 
-def _step(fmt, kernels: bool):
+def _step(fmt, kernels: bool, chain: bool):
+  """One step's products; chained, each one's input depends on the last
+  one's output, as in a decode step (unchained, XLA may run independent
+  products at once on its threads)."""
   def step(x, weights):
     total = 0.0
     for arrays in weights:
-      y = _product(fmt, x[:, :_k(fmt, arrays)], arrays, kernels)
-      total = total + y[:, :4].sum()
-    return total
+      k = _k(fmt, arrays)
+      y = _product(fmt, x[:, :k], arrays, kernels)
+      if chain:
+        n = min(y.shape[1], x.shape[1])
+        x = x.at[:, :n].add(y[:, :n] * 1e-3)
+      else:
+        total = total + y[:, :4].sum()
+    return x.sum() if chain else total
   return step
 
 
@@ -109,6 +122,9 @@ def main():
   parser.add_argument("--repeats", type=int, default=20)
   parser.add_argument("--no-xla", action="store_true",
                       help="time the kernels only")
+  parser.add_argument("--chain", action="store_true",
+                      help="each product takes the last one's output, as"
+                      " in a decode step (one product at a time)")
   args = parser.parse_args()
   if not ops.available():
     raise SystemExit("the CPU kernels are not available here")
@@ -119,7 +135,8 @@ def main():
         f"{'kernel Gw/s':>11} {'speedup':>7}")
   for fmt in args.formats.split(","):
     weights = _weights(fmt, rng)
-    kernel, xla = jax.jit(_step(fmt, True)), jax.jit(_step(fmt, False))
+    kernel = jax.jit(_step(fmt, True, args.chain))
+    xla = jax.jit(_step(fmt, False, args.chain))
     for rows in map(int, args.rows.split(",")):
       x = jnp.asarray(rng.standard_normal((rows, 1536), np.float32))
       t_xla = (float("nan") if args.no_xla

@@ -23,7 +23,8 @@
 //   (weight_formats.h).
 // Work is split into tiles of outputs, handed out through an atomic counter
 // to the caller and the kernels' own worker threads: a worker that starts
-// late finds no tiles left, so a call never waits on a busy thread.
+// late finds fewer tiles left. Out-major products take a few long tiles
+// per thread (common.h's ParallelOutputs).
 
 
 #include "common.h"
@@ -96,13 +97,9 @@ void OutRange(const W& w, const float* x, float* y, int64_t K, int64_t N,
 template <typename W>
 void OutMajor(ffi::ThreadPool& pool, const W& w, const float* x, float* y,
               int64_t R, int64_t K, int64_t N) {
-  // Enough tiles to balance the threads, each a few rows of the weight.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t tile = std::clamp<int64_t>(N / (8 * threads) / 4 * 4, 4, 64);
-  ParallelTiles(pool, (N + tile - 1) / tile, [=, &w](int64_t t) {
-    int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-    // Rows in passes of kRowPass: a tile's weights stay in L1/L2 between
-    // passes.
+  // Chunks of 64 outputs: their weights stay in L1/L2 between the passes
+  // over the rows, kRowPass rows a pass.
+  ParallelOutputs(pool, N, 64, [=, &w](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < R; r0 += kRowPass) {
       const float* xr = x + r0 * K;
       float* yr = y + r0 * N;

@@ -305,10 +305,7 @@ template <typename W>
 void Product(ffi::ThreadPool& pool, const W& w, const float* xf, float* y,
              int64_t R, int64_t K, int64_t N) {
   const QuantizedX x(xf, R, K, W::kOrder);
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t tile = std::clamp<int64_t>(N / (8 * threads) / 4 * 4, 4, 64);
-  ParallelTiles(pool, (N + tile - 1) / tile, [&](int64_t t) {
-    int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+  ParallelOutputs(pool, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < R; r0 += kRowPass) {
       switch (std::min<int64_t>(kRowPass, R - r0)) {
         case 1: Range<1>(w, x, y, N, r0, n0, n1); break;

@@ -29,6 +29,9 @@ pytestmark = pytest.mark.skipif(not ops.available(),
 # end (96, 544), rows past the 4-row passes, N off the 4-output blocks.
 SHAPES = [(1, 576, 1536), (3, 96, 7), (5, 32, 9), (17, 1536, 13),
           (8, 544, 33), (2, 64, 1)]
+# Two passes over the rows in each chunk of 64 outputs, several chunks in a
+# thread's tile, and a last tile that ends inside a group of 4 outputs.
+SHAPES += [(6, 64, 1030)]
 # Prompt-sized: on the AMX tiles where ops.int8_gemm_isa() == "amx" (rows
 # past the 16-row tiles, N past the 16-output strips, an odd number of
 # groups of 32, K = 32: one group).

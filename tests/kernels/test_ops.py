@@ -14,6 +14,9 @@ pytestmark = pytest.mark.skipif(not ops.available(),
 
 SHAPES = [(1, 576, 1536), (3, 40, 70), (8, 513, 33), (17, 96, 130),
           (5, 1, 9)]
+# Two passes over the rows in each chunk of 64 outputs, several chunks in a
+# thread's tile, and a last tile that ends inside a group of 4 outputs.
+SHAPES += [(6, 64, 1030)]
 
 
 def _x(rows, k, seed=0):
