@@ -81,7 +81,9 @@ def _product(fmt, x, arrays, kernels: bool):
   x8 = fmt.endswith("-x8")
   if fmt.removesuffix("-x8") in ("int8", "q8_0"):
     return ops.q8(x, arrays.qs, arrays.scale, int8_activations=x8)
-  return ops.q4(x, arrays.qs, arrays.scale, arrays.mins, int8_activations=x8)
+  # Q4_0's offsets are -8 scales, derived by the kernel (as its layers do).
+  mins = None if arrays.format == "q4_0" else arrays.mins
+  return ops.q4(x, arrays.qs, arrays.scale, mins, int8_activations=x8)
 
 
 def _step(fmt, kernels: bool, chain: bool):

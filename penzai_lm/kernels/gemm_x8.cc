@@ -140,12 +140,12 @@ struct Strip {
     mins.assign(16 * groups, 0.f);
     // The outputs' K values, row-major [16][K].
     const int8_t* values;
-    // Q4_0's offsets are -8 scales: then its nibbles go in as q - 8 and
-    // the strip has no offsets to add.
+    // Q4_0's offsets are -8 scales (or not given: kQ4 without mins): then
+    // its nibbles go in as q - 8 and the strip has no offsets to add.
     offsets = w.mins != nullptr;
     if (w.layout == Layout::kQ4) {
       bool centered = true;
-      for (int o = 0; o < outs && centered; ++o)
+      for (int o = 0; o < outs && centered && w.mins; ++o)
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t at = (n0 + o) * groups + g;
           if (w.mins[at] != -8.f * w.scale[at]) {

@@ -19,7 +19,7 @@ constexpr int64_t kGemmRows = 17;
 //   kQ8:        qs s8[N, K], scale f32[N, K / 32]
 //   kQ8Channel: qs s8[N, K], scale f32[N, 1]
 //   kQ4:        qs u8[N, K / 2] (ggml's nibble order), scale and mins
-//               f32[N, K / 32]
+//               f32[N, K / 32] (mins null: Q4_0, mins = -8 scale)
 //   kQ8G16:     qs s8[N, K], scale and mins f32[N, K / 16]
 enum class Layout { kQ8, kQ8Channel, kQ4, kQ8G16 };
 
@@ -27,7 +27,7 @@ struct Weights {
   Layout layout;
   const void* qs;
   const float* scale;
-  const float* mins;  // null for kQ8 and kQ8Channel
+  const float* mins;  // null for kQ8 and kQ8Channel (and Q4_0's kQ4)
 };
 
 // Whether this build has the tile path and the kernel let this process use

@@ -304,6 +304,23 @@ ffi::Error Q4OutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// Q4_0: the offsets are -8 scales, derived rather than read.
+ffi::Error Q4CenteredOutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::U8> qs,
+                              ffi::Buffer<ffi::F32> scale,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  int64_t R, K;
+  if (auto e = CheckX(x, R, K); e.failure()) return e;
+  auto qd = qs.dimensions(), sd = scale.dimensions();
+  if (K % 32 != 0 || qd.size() != 2 || qd[1] * 2 != K || sd.size() != 2 ||
+      sd[0] != qd[0] || sd[1] * 32 != K)
+    return ffi::Error::InvalidArgument(
+        "q4_0: K % 32 == 0, qs [N, K / 2], scale [N, K / 32]");
+  Q4Centered decode{qs.typed_data(), scale.typed_data(), nullptr, K};
+  OutMajor(pool, decode, x.typed_data(), y->typed_data(), R, K, qd[0]);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_out_f32,
@@ -332,3 +349,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     pzlm_matvec_q4, Q4OutMajor,
     PZLM_PRODUCT_BINDING_3(ffi::U8, ffi::F32, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    pzlm_matvec_q4_0, Q4CenteredOutMajor,
+    PZLM_PRODUCT_BINDING_2(ffi::U8, ffi::F32));

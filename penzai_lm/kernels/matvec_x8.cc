@@ -29,7 +29,7 @@
 //   q8:    qs s8[N, K], scale f32[N, K / 32] (q8_0) or f32[N, 1] (one
 //          scale per output).
 //   q4:    qs u8[N, K / 2], scale and mins f32[N, K / 32], ggml's nibble
-//          order.
+//          order; q4_0: the same without mins (they are -8 scale).
 //   q8_16: qs s8[N, K], scale and mins f32[N, K / 16].
 // A row of x whose block holds a NaN or an infinity gives NaN outputs.
 
@@ -126,9 +126,10 @@ class QuantizedX {
 };
 
 // The per-row lane factors of one step, loaded once for every output;
-// flip = -128 * sums (what flipped int8 weights take off).
+// flip = -128 * sums (what flipped int8 weights take off), centered = -8 *
+// sums (Q4_0's offsets, before its scale).
 struct RowStep {
-  Floats lanes, sums, flip;
+  Floats lanes, sums, flip, centered;
 };
 
 // A format: its step's weights decoded once per output (`Decode`), their
@@ -179,19 +180,22 @@ struct Q8W : Int8Rows {
   float Final(int64_t n) const { return kChannel ? scale[n] : 1.f; }
 };
 
-// 4-bit weights: w = nibble * scale + min, blocks of 32.
+// 4-bit weights: w = nibble * scale + min, blocks of 32. kCentered: Q4_0,
+// whose min is -8 scale: the scale multiplies the dot less 8 times the
+// block's sum of x (the row's `centered` lanes), and `mins` is not read.
+template <bool kCentered>
 struct Q4W {
   static constexpr Order kOrder = Order::kSplit;
   const uint8_t* qs;
   const float* scale;
-  const float* mins;
+  const float* mins;  // unused (may be null) where kCentered
   int64_t K;
   struct Decoded { Bytes low, high; };
   struct Factors { Floats scale, min; };
   int64_t RowBytes() const { return K / 2; }
   void PrefetchFactors(int64_t n) const {
     PrefetchFloats(scale + n * (K / 32), K / 32);
-    PrefetchFloats(mins + n * (K / 32), K / 32);
+    if (!kCentered) PrefetchFloats(mins + n * (K / 32), K / 32);
   }
   const uint8_t* Step(int64_t n, int64_t s) const {
     return qs + n * (K / 2) + 64 * s;
@@ -202,13 +206,15 @@ struct Q4W {
   }
   Factors Get(int64_t n, int64_t s, int valid_values) const {
     const int64_t at = n * (K / 32) + 4 * s;
-    return {Spread<4>(scale + at, valid_values / 32),
-            Spread<4>(mins + at, valid_values / 32)};
+    const Floats d = Spread<4>(scale + at, valid_values / 32);
+    return {d, kCentered ? d : Spread<4>(mins + at, valid_values / 32)};
   }
   Floats Add(Floats acc, const Decoded& w, const Factors& f, const int8_t* x,
              const RowStep& row) const {
     Ints i = DotUS(DotUS(NoInts(), w.low, LoadBytes(x)), w.high,
                    LoadBytes(x + 64));
+    if (kCentered)
+      return Fma(f.scale, Fma(ToFloats(i), row.lanes, row.centered), acc);
     acc = Fma(f.scale, Mul(ToFloats(i), row.lanes), acc);
     return Fma(f.min, row.sums, acc);
   }
@@ -250,7 +256,8 @@ inline void Step(const W& w, const QuantizedX& x, int64_t r0, int64_t n0,
 #pragma GCC unroll 16
   for (int r = 0; r < RB; ++r) {
     const Floats sums = x.Sums(r0 + r, s);
-    rows[r] = {x.Lanes(r0 + r, s), sums, Mul(sums, Splat(-128.f))};
+    rows[r] = {x.Lanes(r0 + r, s), sums, Mul(sums, Splat(-128.f)),
+               Mul(sums, Splat(-8.f))};
   }
 #pragma GCC unroll 16
   for (int o = 0; o < OUTS; ++o) {
@@ -365,7 +372,27 @@ ffi::Error Q4X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                      scale.typed_data(), mins.typed_data()},
               x.typed_data(), y->typed_data(), R, K, qd[0]))
     return ffi::Error::Success();
-  Q4W w{qs.typed_data(), scale.typed_data(), mins.typed_data(), K};
+  Q4W<false> w{qs.typed_data(), scale.typed_data(), mins.typed_data(), K};
+  Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
+  return ffi::Error::Success();
+}
+
+// Q4_0 without its mins (-8 scales): the tiles take the nibbles as q - 8.
+ffi::Error Q4CenteredX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                        ffi::Buffer<ffi::U8> qs, ffi::Buffer<ffi::F32> scale,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [R, K]");
+  const int64_t R = xd[0], K = xd[1];
+  if (K % 32 != 0 || qd.size() != 2 || qd[1] * 2 != K || sd.size() != 2 ||
+      sd[0] != qd[0] || sd[1] * 32 != K)
+    return ffi::Error::InvalidArgument(
+        "q4_0_x8: K % 32 == 0, qs [N, K / 2], scale [N, K / 32]");
+  if (OnTiles(pool, {gemm_x8::Layout::kQ4, qs.typed_data(),
+                     scale.typed_data(), nullptr},
+              x.typed_data(), y->typed_data(), R, K, qd[0]))
+    return ffi::Error::Success();
+  Q4W<true> w{qs.typed_data(), scale.typed_data(), nullptr, K};
   Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
   return ffi::Error::Success();
 }
@@ -405,3 +432,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     pzlm_matvec_q8_16_x8, Q8G16X8,
     PZLM_PRODUCT_BINDING_3(ffi::S8, ffi::F32, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4_0_x8, Q4CenteredX8,
+                              PZLM_PRODUCT_BINDING_2(ffi::U8, ffi::F32));

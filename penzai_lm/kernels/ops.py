@@ -103,16 +103,24 @@ def q8_16(x: jax.Array, qs: jax.Array, scale: jax.Array,
   return _call("pzlm_matvec_q8_16", qs.shape[0], x, qs, scale, mins)
 
 
-def q4(x: jax.Array, qs: jax.Array, scale: jax.Array, mins: jax.Array, *,
-       int8_activations: bool = False) -> jax.Array:
+def q4(x: jax.Array, qs: jax.Array, scale: jax.Array,
+       mins: jax.Array | None, *, int8_activations: bool = False
+       ) -> jax.Array:
   """``x @ w.T`` with 4-bit blocks of 32 along K (``qs: uint8[N, K // 2]``
   in ggml's nibble order, ``scale`` and ``mins``: ``f32[N, K // 32]``).
+
+  ``mins=None`` is Q4_0, whose offsets are ``-8 * scale``: the kernels
+  derive them and read no ``mins`` array (a quarter less memory traffic
+  per weight than with them).
 
   With ``int8_activations`` the nibbles are dotted in integers with ``x``
   quantized as in `q8`, and the offsets multiply each block's sum of the
   rounded ``x``: the result is the float product of the rounded
   activations with ``w``, as for `q8`.
   """
+  if mins is None:
+    target = "pzlm_matvec_q4_0_x8" if int8_activations else "pzlm_matvec_q4_0"
+    return _call(target, qs.shape[0], x, qs, scale)
   target = "pzlm_matvec_q4_x8" if int8_activations else "pzlm_matvec_q4"
   return _call(target, qs.shape[0], x, qs, scale, mins)
 

@@ -13,7 +13,8 @@
 //   q8_16:     qs s8[N, K], w = qs * scale[n, k / 16] + min[n, k / 16]
 //   q4:        qs u8[N, K / 2], w = nibble * scale[n, k / 32] + min[n, k / 32]
 //              (ggml's order: byte j of each 32-value block holds value j
-//              in its low nibble and value j + 16 in its high nibble).
+//              in its low nibble and value j + 16 in its high nibble);
+//   q4_0:      the same with min = -8 * scale, not read from memory.
 
 #ifndef PENZAI_LM_KERNELS_WEIGHT_FORMATS_H_
 #define PENZAI_LM_KERNELS_WEIGHT_FORMATS_H_
@@ -108,29 +109,35 @@ struct Q8Group16 : Q8Arrays {
 };
 
 // 4-bit blocks of 32: w = nibble * d + m, ggml's nibble order (byte j holds
-// value j low and value j + 16 high). K is a multiple of 32.
-struct Q4 {
+// value j low and value j + 16 high). K is a multiple of 32. kCentered:
+// Q4_0, whose m is -8 d, derived from the scale (`mins` is never read).
+template <bool kCentered>
+struct Q4Nibbles {
   static constexpr int kStep = 32;
   const uint8_t* qs;
   const float* scale;
-  const float* mins;
+  const float* mins;  // unused (may be null) where kCentered
   int64_t K;
   struct Row { const uint8_t* q; const float* s; const float* m; };
   Row row(int64_t n) const {
-    return {qs + n * (K / 2), scale + n * (K / 32), mins + n * (K / 32)};
+    return {qs + n * (K / 2), scale + n * (K / 32),
+            kCentered ? nullptr : mins + n * (K / 32)};
   }
   void Prefetch(Row r, int64_t ahead, int64_t k) const {
     __builtin_prefetch(r.q + ahead * (K / 2) + k / 2);
   }
   void Get(Row r, int64_t k, VF* v) const {
     U8x16 b = LoadAs<U8x16>(r.q + k / 2);
-    VF d = Splat(r.s[k / 32]), m = Splat(r.m[k / 32]);
+    const float s = r.s[k / 32];
+    VF d = Splat(s), m = Splat(kCentered ? -8.f * s : r.m[k / 32]);
     v[0] = LoadU8(b & 15) * d + m;
     v[1] = LoadU8(b >> 4) * d + m;
   }
   float At(Row, int64_t) const { return 0.f; }  // K % 32 == 0: no tail
   float Scale(Row) const { return 1.f; }
 };
+using Q4 = Q4Nibbles<false>;
+using Q4Centered = Q4Nibbles<true>;
 
 }  // namespace pzlm
 

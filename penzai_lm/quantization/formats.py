@@ -19,8 +19,10 @@ other llama.cpp type exactly (K-quants, Q5_1; `gguf_blocks`), for
 
 4-bit values are two per byte in ggml's order (byte j of a block holds value
 j in its low nibble and value j + 16 in its high nibble), and kept as
-``scale`` and ``mins`` with ``w = q * scale + mins`` (Q4_0's ``mins`` is
-``-8 d``), which is what the kernels read. The quantizers follow ggml's
+``scale`` and ``mins`` with ``w = q * scale + mins``. Q4_0's ``mins`` is
+``-8 d`` by definition: wherever a ``q4_0`` weight is used (`dequantize`,
+the CPU kernels) its offsets are derived from ``scale`` and the ``mins``
+array is not read. The quantizers follow ggml's
 reference code (``quantize_row_*_ref``: round half away from zero, the same
 clamps), so quantizing a weight that was dequantized from a GGUF block of
 the same format gives back that block's integers and scales exactly.
@@ -52,7 +54,7 @@ class QuantizedWeight:
     qs: int8 ``[N, K]`` (8-bit formats) or uint8 ``[N, K // 2]`` (4-bit).
     scale: float32 ``[N, K // block]``.
     mins: float32 ``[N, K // block]`` (4-bit formats and ``q8_16``), else
-      None.
+      None. For ``q4_0`` it is ``-8 * scale`` and never read.
     format: One of `LAYOUTS`.
   """
 
@@ -85,6 +87,8 @@ def dequantize(qs, scale, mins, format: str, dtype=jnp.float32):  # pylint: disa
   else:
     q = qs.reshape(n, scale.shape[1], -1)
   w = q.astype(jnp.float32) * scale[..., None]
+  if format == "q4_0":  # its offsets are -8 scales, whatever mins holds
+    mins = scale * -8
   if mins is not None:
     w = w + mins[..., None]
   return w.reshape(n, -1).astype(dtype)

@@ -236,6 +236,9 @@ def to_layout(g: Groups, layout: str) -> QuantizedWeight:
     return QuantizedWeight(g.q, g.d, None, "q8_0")
   if layout not in ("q4_0", "q4_1"):
     raise ValueError(f"unknown layout {layout!r}")
+  if layout == "q4_0" and g.m is not None:
+    raise ValueError("q4_0's offsets are -8 times its scales; these blocks"
+                     " have offsets of their own: use q4_1.")
   q, m = g.q, g.m
   if m is None:  # Symmetric values in -8..7: nibbles q + 8, offset -8 d.
     q, m = q + 8, -8 * g.d

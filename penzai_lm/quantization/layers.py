@@ -105,7 +105,9 @@ class QuantizedLinear(pz.nn.Layer):
              kernel: bool = False) -> pz.nx.NamedArray:
     if kernel and self.format in formats.FOUR_BIT:
       # The same values, faster than XLA:CPU's own (8-bit layouts: as fast;
-      # docs/design.md).
+      # docs/design.md). Q4_0's offsets are -8 scales (formats.py).
+      if self.format == "q4_0":
+        mins = scale * -8
       w = ops.dequantize(qs, scale, mins).astype(dtype)
     else:
       w = formats.dequantize(qs, scale, mins, self.format, dtype)
@@ -137,7 +139,9 @@ class QuantizedLinear(pz.nn.Layer):
       qs, scale, mins = self._arrays()
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
       if self.format in formats.FOUR_BIT:
-        y = ops.q4(flat, qs, scale, mins, int8_activations=x8)
+        # Q4_0's mins are -8 scales: the kernels derive them, unread.
+        y = ops.q4(flat, qs, scale, None if self.format == "q4_0" else mins,
+                   int8_activations=x8)
       elif mins is not None:
         y = ops.q8_16(flat, qs, scale, mins, int8_activations=x8)
       else:

@@ -158,14 +158,18 @@ def test_q8_int8_activations(rows, k, n, per_output):
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
-@pytest.mark.parametrize("fmt", ["q4", "q4_0", "q8_16"])
+@pytest.mark.parametrize("fmt", ["q4", "q4_0", "q4_0-derived", "q8_16"])
 def test_grouped_int8_activations(rows, k, n, fmt):
   """Formats with a scale and an offset per group (q4_1, kept K-quants;
-  q4_0, whose offsets the tiles fold into the nibbles)."""
+  q4_0, whose offsets the tiles fold into the nibbles, given as mins or,
+  "q4_0-derived", derived from the scales with mins=None)."""
+  centered = lambda n, k: _q4(n, k, centered=True)  # pylint: disable=unnecessary-lambda-assignment
   make, product = {"q4": (_q4, ops.q4), "q8_16": (_q8_16, ops.q8_16),
-                   "q4_0": (lambda n, k: _q4(n, k, centered=True), ops.q4)
-                   }[fmt]
+                   "q4_0": (centered, ops.q4),
+                   "q4_0-derived": (centered, ops.q4)}[fmt]
   qs, scale, mins, w = make(n, k)
+  if fmt == "q4_0-derived":
+    mins = None
   x = _x(rows, k)
   got = np.asarray(jax.jit(lambda *a: product(*a, int8_activations=True))(
       x, qs, scale, mins))

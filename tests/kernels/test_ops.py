@@ -53,18 +53,23 @@ def test_q8_matches_numpy(rows, k, n, block):
 
 
 @pytest.mark.parametrize("rows,k,n", [(1, 576, 1536), (7, 64, 33),
-                                      (20, 544, 3)])
-def test_q4_matches_numpy(rows, k, n):
+                                      (20, 544, 3), (6, 64, 1030)])
+@pytest.mark.parametrize("q4_0", [False, True])
+def test_q4_matches_numpy(rows, k, n, q4_0):
+  """Offsets of their own (q4_1), or Q4_0's -8 scales derived by the
+  kernel (``mins=None``)."""
   rng = np.random.default_rng(3)
   qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
   scale = rng.uniform(1e-3, 1e-1, (n, k // 32)).astype(np.float32)
   mins = rng.uniform(-1, 0, (n, k // 32)).astype(np.float32)
+  if q4_0:
+    mins = -8 * scale
   # ggml's order: byte j of a block holds value j (low) and j + 16 (high).
   blocks = qs.reshape(n, k // 32, 16)
   nibbles = np.concatenate([blocks & 15, blocks >> 4], -1).astype(np.float64)
   w = (nibbles * scale[..., None] + mins[..., None]).reshape(n, k)
   x = _x(rows, k)
-  got = np.asarray(jax.jit(ops.q4)(x, qs, scale, mins))
+  got = np.asarray(jax.jit(ops.q4)(x, qs, scale, None if q4_0 else mins))
   np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
@@ -108,6 +113,9 @@ def test_bad_shapes_are_errors_not_garbage():
     jax.jit(ops.q4)(_x(1, 48), np.zeros((4, 24), np.uint8),
                     np.zeros((4, 1), np.float32),
                     np.zeros((4, 1), np.float32)).block_until_ready()
+  with pytest.raises(Exception, match="q4_0: K % 32 == 0"):
+    jax.jit(ops.q4)(_x(1, 64), np.zeros((4, 32), np.uint8),
+                    np.zeros((4, 1), np.float32), None).block_until_ready()
   with pytest.raises(ValueError, match="need their mins"):
     ops.dequantize(np.zeros((4, 16), np.uint8), np.zeros((4, 1), np.float32),
                    None)

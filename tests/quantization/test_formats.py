@@ -76,3 +76,15 @@ def test_the_device_quantizer_computes_the_host_formulas(fmt):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert not formats.on_accelerator(jnp.asarray(w))
   assert not formats.on_accelerator(w)
+
+
+def test_q4_0_offsets_are_derived_from_the_scales():
+  """A q4_0 weight means ``mins = -8 * scale`` wherever it is used: its
+  ``mins`` array is not read (the CPU kernels take ``mins=None``), so a
+  different one changes nothing."""
+  w = np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32)
+  q = formats.quantize(w, "q4_0")
+  np.testing.assert_array_equal(np.asarray(q.mins), -8 * np.asarray(q.scale))
+  other = formats.QuantizedWeight(q.qs, q.scale, q.mins + 1.0, "q4_0")
+  np.testing.assert_array_equal(np.asarray(other.dequantize()),
+                                np.asarray(q.dequantize()))

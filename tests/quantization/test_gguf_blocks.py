@@ -64,6 +64,10 @@ def test_layers_of_a_stack_share_the_smallest_exact_layout():
     gguf_blocks.to_layout(groups, "q4_1")
   with pytest.raises(ValueError, match="take 68 bytes"):
     gguf_blocks.decode(np.zeros((2, 60), np.uint8), "Q8_0", 64)
+  # q4_0's offsets are -8 scales by definition; Q4_1's are their own.
+  groups = gguf_blocks.decode(_random_blocks("Q4_1", 2, 64), "Q4_1", 64)
+  with pytest.raises(ValueError, match="use q4_1"):
+    gguf_blocks.to_layout(groups, "q4_0")
 
 
 @pytest.mark.skipif(not ops.available(), reason="CPU kernels not built")
