@@ -356,44 +356,49 @@ ffi::Error Q8X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// The 4-bit products; mins null: Q4_0, whose offsets (-8 scales) are
+// derived (on the tiles the nibbles go in as q - 8).
+template <bool kCentered>
+void Q4Product(ffi::ThreadPool& pool, const float* x, const uint8_t* qs,
+               const float* scale, const float* mins, float* y, int64_t R,
+               int64_t K, int64_t N) {
+  if (OnTiles(pool, {gemm_x8::Layout::kQ4, qs, scale, mins}, x, y, R, K, N))
+    return;
+  Product(pool, Q4W<kCentered>{qs, scale, mins, K}, x, y, R, K, N);
+}
+
+// Whether x [R, K], qs [N, K / 2] and scale [N, K / 32] fit (K % 32 == 0).
+bool Q4Shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::U8>& qs,
+              const ffi::Buffer<ffi::F32>& scale) {
+  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions();
+  return xd.size() == 2 && xd[1] % 32 == 0 && qd.size() == 2 &&
+         qd[1] * 2 == xd[1] && sd.size() == 2 && sd[0] == qd[0] &&
+         sd[1] * 32 == xd[1];
+}
+
 ffi::Error Q4X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                 ffi::Buffer<ffi::U8> qs, ffi::Buffer<ffi::F32> scale,
                 ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions(),
-       md = mins.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [R, K]");
-  const int64_t R = xd[0], K = xd[1];
-  if (K % 32 != 0 || qd.size() != 2 || qd[1] * 2 != K || sd.size() != 2 ||
-      sd[0] != qd[0] || sd[1] * 32 != K || md.size() != 2 || md[0] != sd[0] ||
-      md[1] != sd[1])
+  if (!Q4Shapes(x, qs, scale) ||
+      !(mins.dimensions() == scale.dimensions()))
     return ffi::Error::InvalidArgument(
-        "q4_x8: K % 32 == 0, qs [N, K / 2], scale and mins [N, K / 32]");
-  if (OnTiles(pool, {gemm_x8::Layout::kQ4, qs.typed_data(),
-                     scale.typed_data(), mins.typed_data()},
-              x.typed_data(), y->typed_data(), R, K, qd[0]))
-    return ffi::Error::Success();
-  Q4W<false> w{qs.typed_data(), scale.typed_data(), mins.typed_data(), K};
-  Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
+        "q4_x8: x [R, K], K % 32 == 0, qs [N, K / 2], scale and mins"
+        " [N, K / 32]");
+  Q4Product<false>(pool, x.typed_data(), qs.typed_data(), scale.typed_data(),
+                   mins.typed_data(), y->typed_data(), x.dimensions()[0],
+                   x.dimensions()[1], qs.dimensions()[0]);
   return ffi::Error::Success();
 }
 
-// Q4_0 without its mins (-8 scales): the tiles take the nibbles as q - 8.
 ffi::Error Q4CenteredX8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::U8> qs, ffi::Buffer<ffi::F32> scale,
                         ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be [R, K]");
-  const int64_t R = xd[0], K = xd[1];
-  if (K % 32 != 0 || qd.size() != 2 || qd[1] * 2 != K || sd.size() != 2 ||
-      sd[0] != qd[0] || sd[1] * 32 != K)
+  if (!Q4Shapes(x, qs, scale))
     return ffi::Error::InvalidArgument(
-        "q4_0_x8: K % 32 == 0, qs [N, K / 2], scale [N, K / 32]");
-  if (OnTiles(pool, {gemm_x8::Layout::kQ4, qs.typed_data(),
-                     scale.typed_data(), nullptr},
-              x.typed_data(), y->typed_data(), R, K, qd[0]))
-    return ffi::Error::Success();
-  Q4W<true> w{qs.typed_data(), scale.typed_data(), nullptr, K};
-  Product(pool, w, x.typed_data(), y->typed_data(), R, K, qd[0]);
+        "q4_0_x8: x [R, K], K % 32 == 0, qs [N, K / 2], scale [N, K / 32]");
+  Q4Product<true>(pool, x.typed_data(), qs.typed_data(), scale.typed_data(),
+                  nullptr, y->typed_data(), x.dimensions()[0],
+                  x.dimensions()[1], qs.dimensions()[0]);
   return ffi::Error::Success();
 }
 
