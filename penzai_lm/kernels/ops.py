@@ -110,8 +110,8 @@ def q4(x: jax.Array, qs: jax.Array, scale: jax.Array,
   in ggml's nibble order, ``scale`` and ``mins``: ``f32[N, K // 32]``).
 
   ``mins=None`` is Q4_0, whose offsets are ``-8 * scale``: the kernels
-  derive them and read no ``mins`` array (a quarter less memory traffic
-  per weight than with them).
+  derive them and read no ``mins`` array (20 bytes a block of 32 weights
+  instead of 24).
 
   With ``int8_activations`` the nibbles are dotted in integers with ``x``
   quantized as in `q8`, and the offsets multiply each block's sum of the
