@@ -273,17 +273,16 @@ void ParallelTiles(ffi::ThreadPool& pool, int64_t n_tiles, Body body) {
 // the rows). The chunks go to the threads in kTilesPerThread contiguous
 // tiles per thread: a thread then reads one long run of the weights, which
 // the hardware prefetchers follow, where tiles of a few outputs each
-// restarted them. On a 2-core AMD EPYC (Zen 4), a chain of 150 Q4_0
-// 576x1536 products with int8 activations took 43 us a call with tiles of
-// 64 outputs and 36 us with 2 tiles per thread; SmolLM2 Q4_0 decoded
-// 100-115 against 122-140 tok/s (docs/cpu-speed.md).
+// restarted them (measured in docs/cpu-speed.md). A thread that starts
+// late still finds the other's second tile.
 constexpr int64_t kTilesPerThread = 2;
 template <typename Body>
 void ParallelOutputs(ffi::ThreadPool& pool, int64_t N, int64_t chunk,
                      Body body) {
   const int64_t parts = kTilesPerThread * std::max<int64_t>(
       1, pool.num_threads());
-  const int64_t tile = std::max<int64_t>(4, ((N + parts - 1) / parts + 3) / 4 * 4);
+  const int64_t tile =
+      std::max<int64_t>(4, ((N + parts - 1) / parts + 3) / 4 * 4);
   ParallelTiles(pool, (N + tile - 1) / tile, [&](int64_t t) {
     const int64_t end = std::min(N, (t + 1) * tile);
     for (int64_t n0 = t * tile; n0 < end; n0 += chunk)

@@ -72,10 +72,9 @@ def _norm(name, rng, config, axes, kind=None):
 
 def _in_float32(fn, x):
   """``fn(x)`` computed in float32 and rounded once to a 16-bit ``x``'s
-  dtype, as PyTorch computes activations of 16-bit tensors. XLA:CPU would
-  round after every op of the formula, and it split that chain of
-  conversions across its threads: SmolLM2 bfloat16's SiLU took ~38 us a
-  layer a decode step, against ~4 us in float32 (docs/cpu-speed.md)."""
+  dtype, as PyTorch computes activations of 16-bit tensors (XLA would round
+  after every op of the formula: slower on CPU and further from PyTorch;
+  docs/cpu-speed.md)."""
   if jnp.dtype(x.dtype).itemsize < 4 and jnp.issubdtype(x.dtype, jnp.floating):
     return fn(x.astype(jnp.float32)).astype(x.dtype)
   return fn(x)
