@@ -70,6 +70,7 @@ from penzai_lm import paths
 
 TARGETS = (
     "pzlm_matvec_out_f32", "pzlm_matvec_out_bf16", "pzlm_matvec_out_f16",
+    "pzlm_matvec_out_bf16_rows",
     "pzlm_matvec_in_f32", "pzlm_matvec_in_bf16", "pzlm_matvec_in_f16",
     "pzlm_matvec_q8", "pzlm_matvec_q8_16", "pzlm_matvec_q4",
     "pzlm_matvec_q4_0", "pzlm_matvec_q8_x8", "pzlm_matvec_q4_x8",

@@ -207,6 +207,78 @@ void InMajor(ffi::ThreadPool& pool, const T* w, const float* x, float* y,
 }
 
 
+// bfloat16 rows against out-major bfloat16 weights [N, K]. With AVX-512
+// BF16, and at most kRowPass rows (a decode step), each vdpbf16ps takes 32
+// weights of an output and 32 values of a row and adds the 16 pairs'
+// products into 16 float lanes (the products are exact in float32, as in
+// the float path, which converts both sides). Otherwise the rows are
+// widened to float32 once and the float path runs: it decodes a step of
+// weights once for 4 rows, and at 8 rows it was the faster one
+// (docs/cpu-speed.md).
+#if defined(__AVX512BF16__)
+template <int RB, int OUTS>
+void Bf16Block(const uint16_t* w, const uint16_t* x, float* y, int64_t K,
+               int64_t N, int64_t n0) {
+  __m512 acc[RB][OUTS];
+  for (int r = 0; r < RB; ++r)
+    for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 mask =
+        K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
+    __m512bh wv[OUTS];
+    for (int o = 0; o < OUTS; ++o)
+      wv[o] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n0 + o) * K + k);
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh xv =
+          (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * K + k);
+      for (int o = 0; o < OUTS; ++o)
+        acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv, wv[o]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int o = 0; o < OUTS; ++o)
+      y[r * N + n0 + o] = _mm512_reduce_add_ps(acc[r][o]);
+}
+
+template <int RB>
+void Bf16Range(const uint16_t* w, const uint16_t* x, float* y, int64_t K,
+               int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kOuts <= n1; n += kOuts) Bf16Block<RB, kOuts>(w, x, y, K, N, n);
+  for (; n < n1; ++n) Bf16Block<RB, 1>(w, x, y, K, N, n);
+}
+#endif
+
+ffi::Error Bf16RowsOutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                            ffi::Buffer<ffi::BF16> w,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument(
+        "bf16 rows: x [R, K], w [N, K], both bfloat16");
+  const int64_t R = xd[0], K = xd[1], N = wd[0];
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  float* yd = y->typed_data();
+#if defined(__AVX512BF16__)
+  if (R > 0 && R <= kRowPass) {
+    ParallelOutputs(pool, N, 64, [=](int64_t n0, int64_t n1) {
+      switch (R) {
+        case 1: Bf16Range<1>(ws, xs, yd, K, N, n0, n1); break;
+        case 2: Bf16Range<2>(ws, xs, yd, K, N, n0, n1); break;
+        case 3: Bf16Range<3>(ws, xs, yd, K, N, n0, n1); break;
+        default: Bf16Range<4>(ws, xs, yd, K, N, n0, n1); break;
+      }
+    });
+    return ffi::Error::Success();
+  }
+#endif
+  std::vector<float> wide(R * K);
+  for (int64_t i = 0; i < R * K; ++i) wide[i] = Bf16ToF32(xs[i]);
+  OutMajor(pool, Dense<uint16_t>{ws, K}, wide.data(), yd, R, K, N);
+  return ffi::Error::Success();
+}
+
 // Checks shapes shared by all entry points; returns R, K.
 ffi::Error CheckX(const ffi::Buffer<ffi::F32>& x, int64_t& R, int64_t& K) {
   auto d = x.dimensions();
@@ -352,3 +424,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     pzlm_matvec_q4_0, Q4CenteredOutMajor,
     PZLM_PRODUCT_BINDING_2(ffi::U8, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_out_bf16_rows, Bf16RowsOutMajor,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -44,7 +44,17 @@ def _call(target: str, n: int, x, *weights):
 
 def dense(x: jax.Array, w: jax.Array, *, out_major: bool) -> jax.Array:
   """``x @ w`` (in-major ``w: [K, N]``) or ``x @ w.T`` (out-major
-  ``w: [N, K]``), for float32, bfloat16 or float16 ``w``."""
+  ``w: [N, K]``), for float32, bfloat16 or float16 ``w``, in float32.
+
+  bfloat16 rows against out-major bfloat16 weights (a bfloat16 model's
+  decode) take both as they are: with AVX-512 BF16 the products are
+  ``vdpbf16ps`` dot products of bfloat16 pairs into float32 lanes.
+  """
+  if (out_major and jnp.dtype(w.dtype) == jnp.bfloat16
+      and jnp.dtype(x.dtype) == jnp.bfloat16):
+    _require_kernels()
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("pzlm_matvec_out_bf16_rows", out)(x, w)
   kind = _DENSE[jnp.dtype(w.dtype)]
   n = w.shape[0] if out_major else w.shape[1]
   side = "out" if out_major else "in"

@@ -39,6 +39,22 @@ def test_dense_matches_numpy(rows, k, n, dtype, out_major):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("rows,k,n", SHAPES + [(2, 33, 5), (1, 1000, 70)])
+def test_bfloat16_rows_against_bfloat16_weights(rows, k, n):
+  """A bfloat16 model's decode: bfloat16 rows into the product as they are
+  (``vdpbf16ps`` where the CPU has AVX-512 BF16), against float64 on the
+  same values, K past and inside the 32-value steps."""
+  rng = np.random.default_rng(2)
+  w = jnp.asarray(rng.standard_normal((n, k), np.float32)).astype("bfloat16")
+  x = jnp.asarray(_x(rows, k)).astype("bfloat16")
+  want = (np.asarray(x.astype(jnp.float32), np.float64)
+          @ np.asarray(w.astype(jnp.float32), np.float64).T)
+  got = np.asarray(jax.jit(ops.dense, static_argnames="out_major")(
+      x, w, out_major=True))
+  assert got.dtype == np.float32 and got.shape == (rows, n)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
 @pytest.mark.parametrize("rows,k,n,block", [
     (1, 576, 1536, 32), (9, 64, 40, 32), (2, 96, 7, 96), (18, 33, 5, 33)])
 def test_q8_matches_numpy(rows, k, n, block):
