@@ -290,6 +290,17 @@ void ParallelOutputs(ffi::ThreadPool& pool, int64_t N, int64_t chunk,
   });
 }
 
+// Whether a 4-bit product's x [R, K], qs [N, K / 2] and scale [N, K / 32]
+// fit (K % 32 == 0): the shapes every 4-bit entry point checks.
+inline bool Q4Shapes(const ffi::Buffer<ffi::F32>& x,
+                     const ffi::Buffer<ffi::U8>& qs,
+                     const ffi::Buffer<ffi::F32>& scale) {
+  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions();
+  return xd.size() == 2 && xd[1] % 32 == 0 && qd.size() == 2 &&
+         qd[1] * 2 == xd[1] && sd.size() == 2 && sd[0] == qd[0] &&
+         sd[1] * 32 == xd[1];
+}
+
 }  // namespace pzlm
 
 // The FFI signature of a weight product: x f32 [R, K], then the weight

@@ -363,16 +363,14 @@ ffi::Error Q4OutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                       ffi::Buffer<ffi::U8> qs, ffi::Buffer<ffi::F32> scale,
                       ffi::Buffer<ffi::F32> mins,
                       ffi::ResultBuffer<ffi::F32> y) {
-  int64_t R, K;
-  if (auto e = CheckX(x, R, K); e.failure()) return e;
-  auto qd = qs.dimensions(), sd = scale.dimensions(), md = mins.dimensions();
-  if (K % 32 != 0 || qd.size() != 2 || qd[1] * 2 != K || sd.size() != 2 ||
-      sd[0] != qd[0] || sd[1] * 32 != K || md.size() != 2 || md[0] != sd[0] ||
-      md[1] != sd[1])
+  if (!Q4Shapes(x, qs, scale) || !(mins.dimensions() == scale.dimensions()))
     return ffi::Error::InvalidArgument(
-        "q4: K % 32 == 0, qs [N, K / 2], scale and mins [N, K / 32]");
-  Q4 decode{qs.typed_data(), scale.typed_data(), mins.typed_data(), K};
-  OutMajor(pool, decode, x.typed_data(), y->typed_data(), R, K, qd[0]);
+        "q4: K % 32 == 0, x [R, K], qs [N, K / 2], scale and mins"
+        " [N, K / 32]");
+  Q4 decode{qs.typed_data(), scale.typed_data(), mins.typed_data(),
+            x.dimensions()[1]};
+  OutMajor(pool, decode, x.typed_data(), y->typed_data(), x.dimensions()[0],
+           x.dimensions()[1], qs.dimensions()[0]);
   return ffi::Error::Success();
 }
 
@@ -381,15 +379,13 @@ ffi::Error Q4CenteredOutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               ffi::Buffer<ffi::U8> qs,
                               ffi::Buffer<ffi::F32> scale,
                               ffi::ResultBuffer<ffi::F32> y) {
-  int64_t R, K;
-  if (auto e = CheckX(x, R, K); e.failure()) return e;
-  auto qd = qs.dimensions(), sd = scale.dimensions();
-  if (K % 32 != 0 || qd.size() != 2 || qd[1] * 2 != K || sd.size() != 2 ||
-      sd[0] != qd[0] || sd[1] * 32 != K)
+  if (!Q4Shapes(x, qs, scale))
     return ffi::Error::InvalidArgument(
-        "q4_0: K % 32 == 0, qs [N, K / 2], scale [N, K / 32]");
-  Q4Centered decode{qs.typed_data(), scale.typed_data(), nullptr, K};
-  OutMajor(pool, decode, x.typed_data(), y->typed_data(), R, K, qd[0]);
+        "q4_0: K % 32 == 0, x [R, K], qs [N, K / 2], scale [N, K / 32]");
+  Q4Centered decode{qs.typed_data(), scale.typed_data(), nullptr,
+                    x.dimensions()[1]};
+  OutMajor(pool, decode, x.typed_data(), y->typed_data(), x.dimensions()[0],
+           x.dimensions()[1], qs.dimensions()[0]);
   return ffi::Error::Success();
 }
 

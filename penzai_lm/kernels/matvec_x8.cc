@@ -367,15 +367,6 @@ void Q4Product(ffi::ThreadPool& pool, const float* x, const uint8_t* qs,
   Product(pool, Q4W<kCentered>{qs, scale, mins, K}, x, y, R, K, N);
 }
 
-// Whether x [R, K], qs [N, K / 2] and scale [N, K / 32] fit (K % 32 == 0).
-bool Q4Shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::U8>& qs,
-              const ffi::Buffer<ffi::F32>& scale) {
-  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions();
-  return xd.size() == 2 && xd[1] % 32 == 0 && qd.size() == 2 &&
-         qd[1] * 2 == xd[1] && sd.size() == 2 && sd[0] == qd[0] &&
-         sd[1] * 32 == xd[1];
-}
-
 ffi::Error Q4X8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                 ffi::Buffer<ffi::U8> qs, ffi::Buffer<ffi::F32> scale,
                 ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
