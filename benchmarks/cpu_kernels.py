@@ -11,7 +11,10 @@ bfloat16 and float32 out-major (the loaders' layout). A format with the suffix `
 (``int8-x8``, ``q8_0-x8``, ``q4_0-x8``, ``q4_1-x8``) runs the kernels with
 ``int8_activations=True`` (the rows quantized to int8 blocks, integer dot
 products: `penzai_lm/kernels/matvec_x8.cc`; from 17 rows, a prompt's, on
-the AMX tiles where the CPU has them: `gemm_x8.cc`). Reports the median
+the AMX tiles where the CPU has them: `gemm_x8.cc`). ``q4_0-tiles`` is
+Q4_0 with int8 activations on weights moved into tiles of 16 outputs
+(`penzai_lm/kernels/tiles.py`, `matvec_tiles.cc`), as
+``with_cpu_kernels(..., int8_activations=True)`` moves Q4_0 layers. Reports the median
 step time and weights per second; medians of --repeats.
 
   python benchmarks/cpu_kernels.py [--repeats 20] [--formats bf16,q8_0]
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from penzai_lm.kernels import ops
+from penzai_lm.kernels import tiles
 from penzai_lm.quantization import formats as qformats
 
 SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536),
@@ -55,6 +59,9 @@ def _weights(fmt: str, rng):
     elif fmt in ("bf16-out", "f32-out"):
       out.append((jnp.asarray(w).astype(
           jnp.bfloat16 if fmt == "bf16-out" else jnp.float32),))
+    elif fmt == "q4_0-tiles":
+      q = qformats.quantize(w, "q4_0")
+      out.append(tiles.to_tiles(q.qs, q.scale))
     else:
       q = qformats.quantize(w, fmt.removesuffix("-x8"))
       out.append(q)
@@ -62,6 +69,8 @@ def _weights(fmt: str, rng):
 
 
 def _k(fmt, arrays) -> int:
+  if fmt == "q4_0-tiles":
+    return arrays[1].shape[1] * 2
   if fmt in ("bf16-out", "f32-out"):
     return arrays[0].shape[1]
   return arrays[0].shape[0] if isinstance(arrays, tuple) else arrays.shape[1]
@@ -76,6 +85,11 @@ def _product(fmt, x, arrays, kernels: bool):
     if kernels:
       return ops.dense(x, arrays[0], out_major=False)
     return jnp.dot(x, arrays[0], preferred_element_type=jnp.float32)
+  if fmt == "q4_0-tiles":
+    if kernels:
+      return tiles.q4_0_product(x, *arrays)
+    qs, scale = tiles.from_tiles(*arrays)
+    return x @ qformats.dequantize(qs, scale, None, "q4_0").T
   if not kernels:
     return x @ arrays.dequantize().T
   x8 = fmt.endswith("-x8")

@@ -4,9 +4,9 @@ The kernels (`matvec.cc`, `matvec_x8.cc`, `gemm_x8.cc`, `dequantize.cc`,
 `attention.cc`, `prompt_attention.cc` and `sampler.cc`, sharing `common.h`;
 the two attention kernels also `attend.h`; `sampler.cc` also
 `row_ops.h`, `matvec.cc` and `dequantize.cc` also `float_vec.h` and
-`weight_formats.h`, `matvec_x8.cc`
-also `int8_dot.h`, and it and `gemm_x8.cc` `q8_blocks.h` and
-`gemm_x8.h`; and `rows.cc`) are C++
+`weight_formats.h`, `matvec_x8.cc` and `matvec_tiles.cc`
+also `int8_dot.h` and `q8_blocks.h`, as does `gemm_x8.cc`, and
+`matvec_x8.cc` and `gemm_x8.cc` `gemm_x8.h`; and `rows.cc`) are C++
 against the XLA FFI headers that ship with jaxlib, built into one library
 once per machine with the system C++ compiler (``-O3 -march=native``:
 the vector width and the F16C instructions matter) and loaded with
@@ -74,15 +74,16 @@ TARGETS = (
     "pzlm_matvec_in_f32", "pzlm_matvec_in_bf16", "pzlm_matvec_in_f16",
     "pzlm_matvec_q8", "pzlm_matvec_q8_16", "pzlm_matvec_q4",
     "pzlm_matvec_q4_0", "pzlm_matvec_q8_x8", "pzlm_matvec_q4_x8",
-    "pzlm_matvec_q4_0_x8", "pzlm_matvec_q8_16_x8",
+    "pzlm_matvec_q4_0_x8", "pzlm_matvec_q8_16_x8", "pzlm_matvec_q4_0_x8_tiles",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
     "pzlm_decode_attention_f16", "pzlm_prompt_attention_f32",
     "pzlm_prompt_attention_bf16", "pzlm_prompt_attention_f16", "pzlm_rows",
     "pzlm_after", "pzlm_sample", "pzlm_split", "pzlm_dequantize_q8", "pzlm_dequantize_q8_16",
-    "pzlm_dequantize_q4",
+    "pzlm_dequantize_q4", "pzlm_dequantize_q4_0_tiles",
 )
 _DIR = pathlib.Path(__file__).parent
-_SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "gemm_x8.cc",
+_SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "matvec_tiles.cc",
+            _DIR / "gemm_x8.cc",
             _DIR / "dequantize.cc", _DIR / "attention.cc",
             _DIR / "prompt_attention.cc", _DIR / "rows.cc",
             _DIR / "sampler.cc")

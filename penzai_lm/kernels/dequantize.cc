@@ -9,6 +9,8 @@
 //   q8_16: qs s8[N, K], scale and mins f32[N, K / 16] -> qs * scale + min
 //   q4:    qs u8[N, K / 2], scale and mins f32[N, K / 32] -> nibble *
 //          scale + min (ggml's nibble order)
+//   q4_0 in tiles of 16 outputs (matvec_tiles.cc): qs u8[N / 16, 8 K],
+//          scale f32[N / 16, K / 2] -> nibble * scale - 8 scale
 // Each value is one multiply, or one fused multiply-add with the offset
 // (as XLA computes `formats.dequantize` for the 4-bit layouts; its q8_16
 // may round the product first: 1 ulp).
@@ -95,8 +97,30 @@ ffi::Error Q4Blocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> qs,
   return ffi::Error::Success();
 }
 
+// Q4_0 in tiles of 16 outputs (matvec_tiles.cc): the same values as its
+// rows give.
+ffi::Error TilesQ4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> qs,
+                     ffi::Buffer<ffi::F32> scale,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = qs.dimensions(), sd = scale.dimensions(), od = out->dimensions();
+  if (qd.size() != 2 || qd[1] % 256 != 0 || sd.size() != 2 ||
+      sd[0] != qd[0] || sd[1] * 16 != qd[1] || od.size() != 2 ||
+      od[0] != 16 * qd[0] || od[1] * 8 != qd[1])
+    return ffi::Error::InvalidArgument(
+        "dequantize q4_0 tiles: qs [T, 8 K], scale [T, K / 2], out "
+        "[16 T, K]");
+  const int64_t K = qd[1] / 8;
+  Write(pool, Q4_0Tiles{qs.typed_data(), scale.typed_data(), K},
+        out->typed_data(), 16 * qd[0], K);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    pzlm_dequantize_q4_0_tiles, TilesQ4_0,
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>()
+        .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     pzlm_dequantize_q8, Q8,
     ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>()

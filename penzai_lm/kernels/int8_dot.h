@@ -47,6 +47,12 @@ inline Bytes LoadBytes(const void* p) { return {_mm512_loadu_si512(p)}; }
 inline Bytes LoadBytesN(const void* p, int n) {
   return {_mm512_maskz_loadu_epi8((uint64_t(1) << n) - 1, p)};
 }
+// The 4 bytes at p in every lane.
+inline Bytes Broadcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return {_mm512_set1_epi32(v)};
+}
 inline Bytes Low4(Bytes b) {
   return {_mm512_and_si512(b.v, _mm512_set1_epi8(15))};
 }
@@ -94,6 +100,7 @@ inline void Total4(const Floats* a, float* out) {
                                 _mm256_extractf128_ps(u, 1)));
 }
 inline Floats LoadFloats(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void StoreFloats(float* p, Floats f) { _mm512_storeu_ps(p, f.v); }
 inline Floats LoadFloatsN(const float* p, int n) {
   return {_mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p)};
 }
@@ -135,6 +142,11 @@ inline Bytes LoadBytesN(const void* p, int n) {
   alignas(32) uint8_t t[64] = {};
   std::memcpy(t, p, n);
   return LoadBytes(t);
+}
+inline Bytes Broadcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)};
 }
 inline Bytes Low4(Bytes b) {
   const __m256i m = _mm256_set1_epi8(15);
@@ -193,6 +205,10 @@ inline float Total(Floats a) {
 inline Floats LoadFloats(const float* p) {
   return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
 }
+inline void StoreFloats(float* p, Floats f) {
+  _mm256_storeu_ps(p, f.lo);
+  _mm256_storeu_ps(p + 8, f.hi);
+}
 inline Floats LoadFloatsN(const float* p, int n) {
   alignas(32) float t[16] = {};
   std::memcpy(t, p, n * sizeof(float));
@@ -223,6 +239,11 @@ inline Bytes LoadBytes(const void* p) {
 inline Bytes LoadBytesN(const void* p, int n) {
   Bytes b = {};
   std::memcpy(b.v, p, n);
+  return b;
+}
+inline Bytes Broadcast4(const void* p) {
+  Bytes b;
+  for (int j = 0; j < 64; j += 4) std::memcpy(b.v + j, p, 4);
   return b;
 }
 inline Bytes Low4(Bytes b) {
@@ -280,6 +301,9 @@ inline Floats LoadFloats(const float* p) {
   Floats f;
   std::memcpy(f.v, p, sizeof(f.v));
   return f;
+}
+inline void StoreFloats(float* p, Floats f) {
+  std::memcpy(p, f.v, sizeof(f.v));
 }
 inline Floats LoadFloatsN(const float* p, int n) {
   Floats f = {};

@@ -203,7 +203,12 @@ def _kernel_layer(layer, int8_activations: bool):
   swap = _SWAPS.get(type(layer))
   if swap is not None:
     return swap(layer)
-  # A layer with a ``use_cpu_kernel`` field.
+  # A layer with a ``use_cpu_kernel`` field; one that knows how to go on the
+  # kernels (`penzai_lm.quantization.QuantizedLinear`: its weight may move
+  # into the kernels' tiles) says so.
+  if hasattr(layer, "on_cpu_kernels"):
+    return layer.on_cpu_kernels(
+        int8_activations or getattr(layer, "int8_activations", False))
   if int8_activations and hasattr(layer, "int8_activations"):
     return dataclasses.replace(layer, use_cpu_kernel=True,
                                int8_activations=True)

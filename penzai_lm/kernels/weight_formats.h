@@ -139,6 +139,35 @@ struct Q4Nibbles {
 using Q4 = Q4Nibbles<false>;
 using Q4Centered = Q4Nibbles<true>;
 
+// Q4_0 in tiles of 16 outputs (matvec_tiles.cc's layout): output n is lane
+// n % 16 of tile n / 16, whose block b holds the output's byte 4 d + i at
+// 256 b + 64 d + 4 (n % 16) + i, and its scale at 16 b + n % 16. Read one
+// output at a time (the dequantization), not for products.
+struct Q4_0Tiles {
+  static constexpr int kStep = 32;
+  const uint8_t* qs;
+  const float* scale;
+  int64_t K;
+  struct Row { const uint8_t* q; const float* s; };
+  Row row(int64_t n) const {
+    const int64_t t = n / 16, j = n % 16;
+    return {qs + t * (K / 32) * 256 + 4 * j, scale + t * (K / 32) * 16 + j};
+  }
+  void Get(Row r, int64_t k, VF* v) const {
+    const int64_t b = k / 32;
+    uint8_t bytes[16];
+    for (int d = 0; d < 4; ++d)
+      std::memcpy(bytes + 4 * d, r.q + 256 * b + 64 * d, 4);
+    const U8x16 q = LoadAs<U8x16>(bytes);
+    const float s = r.s[16 * b];
+    VF d = Splat(s), m = Splat(-8.f * s);
+    v[0] = LoadU8(q & 15) * d + m;
+    v[1] = LoadU8(q >> 4) * d + m;
+  }
+  float At(Row, int64_t) const { return 0.f; }  // K % 32 == 0: no tail
+  float Scale(Row) const { return 1.f; }
+};
+
 }  // namespace pzlm
 
 #endif  // PENZAI_LM_KERNELS_WEIGHT_FORMATS_H_

@@ -23,39 +23,56 @@ import collections
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from penzai import pz
 from penzai.nn.linear_and_affine import contract
 
 from penzai_lm.kernels import ops
+from penzai_lm.kernels import tiles
 from penzai_lm.kernels.layers import MAX_ROWS
 from penzai_lm.kernels.layers import kernel_contract
 from penzai_lm.quantization import formats
 
 QUANT_AXES = ("quant_out", "quant_in", "quant_groups")
+# The axes of a weight in tiles of 16 outputs (`penzai_lm.kernels.tiles`).
+TILE_AXES = ("quant_tiles", "quant_tile_bytes", "quant_tile_scales")
 
 
 def _static(**kwargs):
   return dataclasses.field(metadata={"pytree_node": False}, **kwargs)
 
 
-def _flat_arrays(qs, scale, mins):
-  """A quantized weight's parameters as ``[N, ...]`` jax arrays."""
+def _flat_arrays(qs, scale, mins, tiled=False):
+  """A quantized weight's parameters as ``[N, ...]`` jax arrays (``[T,
+  ...]`` tiles where ``tiled``)."""
   out = []
-  for part, second in ((qs, "quant_in"), (scale, "quant_groups"),
-                       (mins, "quant_groups")):
+  first, seconds, axes = ("quant_out", ("quant_in", "quant_groups"),
+                          QUANT_AXES)
+  if tiled:
+    first, seconds, axes = ("quant_tiles", TILE_AXES[1:], TILE_AXES)
+  for part, second in ((qs, seconds[0]), (scale, seconds[1]),
+                       (mins, seconds[1])):
     if part is None:
       out.append(None)
       continue
     value = part.value
-    extra = set(value.named_shape) - set(QUANT_AXES)
+    extra = set(value.named_shape) - set(axes)
     if extra or value.positional_shape:
       raise ValueError(
           f"a quantized layer ({part.label}) got a weight with axes"
           f" {dict(value.named_shape)}; axes {sorted(extra)} must be"
           " sliced away first (run the model through its LayerStack).")
-    out.append(value.order_as("quant_out", second).data_array)
+    out.append(value.order_as(first, second).data_array)
   return out
+
+
+def _on_host(array) -> bool:
+  """Whether ``array`` holds its values in host memory (not traced)."""
+  return isinstance(array, np.ndarray) or (
+      isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer)
+      and all(d.platform == "cpu" for d in array.devices()))
 
 
 @pz.pytree_dataclass
@@ -74,6 +91,12 @@ class QuantizedLinear(pz.nn.Layer):
     format: The weight layout (`penzai_lm.quantization.formats.LAYOUTS`).
     use_cpu_kernel: Run small products on the CPU kernels (set by the
       engine for models on one CPU device).
+    tiled: ``qs`` and ``scale`` hold a Q4_0 weight in tiles of 16
+      outputs (`penzai_lm.kernels.tiles`; axes ``quant_tiles`` and
+      ``quant_tile_bytes`` / ``quant_tile_scales``), which the
+      int8-activation decode product reads as one stream; ``mins`` is
+      None. Everything else reads the weight back in rows. Set by
+      `on_cpu_kernels`.
     int8_activations: In the decode kernels (at most `MAX_ROWS` rows),
       quantize the activations to int8 blocks of 32 and take integer dot
       products (llama.cpp's scheme; `penzai_lm.kernels.ops.q8`): faster,
@@ -92,10 +115,53 @@ class QuantizedLinear(pz.nn.Layer):
   format: str = _static()
   use_cpu_kernel: bool = _static(default=False)
   int8_activations: bool = _static(default=False)
+  tiled: bool = _static(default=False)
 
   def _arrays(self):
-    """The weight's arrays as ``[N, ...]`` jax arrays."""
+    """The weight's arrays as ``[N, ...]`` jax arrays, in rows."""
+    if self.tiled:
+      return [*tiles.from_tiles(*self._tiles()), None]
     return _flat_arrays(self.qs, self.scale, self.mins)
+
+  def _tiles(self):
+    """A tiled weight's ``qs`` and ``scale`` as ``[T, ...]`` jax arrays."""
+    return _flat_arrays(self.qs, self.scale, None, tiled=True)[:2]
+
+  def on_cpu_kernels(self, int8_activations: bool) -> QuantizedLinear:
+    """This layer on the CPU kernels (`penzai_lm.kernels.with_cpu_kernels`
+    calls it): ``use_cpu_kernel`` set, and with ``int8_activations`` that
+    too, and a Q4_0 weight of ``N % 16 == 0`` outputs and ``K % 32 == 0``
+    moved into tiles (``tiled``)."""
+    if not int8_activations:
+      return dataclasses.replace(self, use_cpu_kernel=True)
+    layer = dataclasses.replace(self, use_cpu_kernel=True,
+                                int8_activations=True)
+    n = math.prod(s for _, s in self.out_axes)
+    k = math.prod(s for _, s in self.in_axes)
+    if self.tiled or self.format != "q4_0" or not tiles.tileable(n, k):
+      return layer
+    qs, scale = self.qs.value, self.scale.value
+    stack = [a for a in qs.named_axes if a not in QUANT_AXES]
+    if qs.positional_shape or scale.positional_shape:
+      return layer
+    qs, scale = (qs.order_as(*stack, "quant_out", "quant_in").data_array,
+                 scale.order_as(*stack, "quant_out", "quant_groups").data_array)
+    if _on_host(qs) and _on_host(scale):  # numpy: no XLA program per shape
+      qs_t, scale_t = map(jnp.asarray, tiles.to_tiles(np.asarray(qs),
+                                                      np.asarray(scale)))
+    else:
+      qs_t, scale_t = tiles.to_tiles(qs, scale)
+
+    def param(old, data, second):
+      wrap = (type(old) if isinstance(old, pz.Parameter)
+              else pz.ParameterValue)
+      return wrap(value=pz.nx.wrap(data).tag(*stack, "quant_tiles", second),
+                  label=old.label)
+
+    return dataclasses.replace(
+        layer, qs=param(self.qs, qs_t, "quant_tile_bytes"),
+        scale=param(self.scale, scale_t, "quant_tile_scales"), mins=None,
+        tiled=True)
 
   def dequantized(self, dtype=jnp.float32) -> pz.nx.NamedArray:
     """The weight as a float named array over ``in_axes`` and ``out_axes``."""
@@ -111,9 +177,24 @@ class QuantizedLinear(pz.nn.Layer):
       w = ops.dequantize(qs, scale, mins).astype(dtype)
     else:
       w = formats.dequantize(qs, scale, mins, self.format, dtype)
+    return self._tagged(w)
+
+  def _tagged(self, w) -> pz.nx.NamedArray:
+    """An ``[N, K]`` float weight as a named array."""
     sizes = [s for _, s in self.out_axes] + [s for _, s in self.in_axes]
     names = [a for a, _ in self.out_axes] + [a for a, _ in self.in_axes]
     return pz.nx.wrap(w.reshape(sizes)).tag(*names)
+
+  def _kernel_product(self, flat, x8: bool):
+    """``flat @ w.T`` on the kernels for the weight in rows."""
+    qs, scale, mins = self._arrays()
+    if self.format in formats.FOUR_BIT:
+      # Q4_0's mins are -8 scales: the kernels derive them, unread.
+      return ops.q4(flat, qs, scale, None if self.format == "q4_0" else mins,
+                    int8_activations=x8)
+    if mins is not None:
+      return ops.q8_16(flat, qs, scale, mins, int8_activations=x8)
+    return ops.q8(flat, qs, scale, int8_activations=x8)
 
   def __call__(self, x: pz.nx.NamedArray, **_unused_side_inputs):
     in_names = [a for a, _ in self.in_axes]
@@ -130,22 +211,17 @@ class QuantizedLinear(pz.nn.Layer):
     # 25-35% slower (docs/cpu-speed.md).
     k = math.prod(s for _, s in self.in_axes)
     groups = (k // 16,) if self.format == "q8_16" else (1, k // 32)
-    x8 = (self.int8_activations and k % 32 == 0
-          and self.scale.value.named_shape["quant_groups"] in groups)
+    x8 = self.int8_activations and k % 32 == 0 and (
+        self.tiled or self.scale.value.named_shape["quant_groups"] in groups)
     prompt_x8 = (self.use_cpu_kernel and x8 and rows >= ops.GEMM_ROWS
                  and ops.int8_gemm_isa() == "amx")
     if (self.use_cpu_kernel and (0 < rows <= MAX_ROWS or prompt_x8)
         and not x.positional_shape):
-      qs, scale, mins = self._arrays()
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
-      if self.format in formats.FOUR_BIT:
-        # Q4_0's mins are -8 scales: the kernels derive them, unread.
-        y = ops.q4(flat, qs, scale, None if self.format == "q4_0" else mins,
-                   int8_activations=x8)
-      elif mins is not None:
-        y = ops.q8_16(flat, qs, scale, mins, int8_activations=x8)
+      if self.tiled and x8 and rows <= MAX_ROWS:
+        y = tiles.q4_0_product(flat, *self._tiles())
       else:
-        y = ops.q8(flat, qs, scale, int8_activations=x8)
+        y = self._kernel_product(flat, x8)
       shape = [x.named_shape[a] for a in row_axes] + [
           s for _, s in self.out_axes]
       return pz.nx.NamedArray(
@@ -160,9 +236,14 @@ class QuantizedLinear(pz.nn.Layer):
     # XLA:CPU's scheduler dequantized every layer's weights up front, all
     # alive at once, their pages faulted in afresh on every call (see
     # docs/design.md).
-    qs, scale, mins = self._arrays()
-    w = self._named(qs, ops.after(x.data_array, scale), mins, x.dtype,
-                    kernel=True)
+    if self.tiled:  # dequantized from the tiles as they lie
+      qs, scale = self._tiles()
+      w = self._tagged(tiles.dequantize(
+          qs, ops.after(x.data_array, scale)).astype(x.dtype))
+    else:
+      qs, scale, mins = self._arrays()
+      w = self._named(qs, ops.after(x.data_array, scale), mins, x.dtype,
+                      kernel=True)
     y = kernel_contract(in_names, x, w)
     return contract(in_names, x, w) if y is None else y
 

@@ -16,6 +16,7 @@ from penzai import pz
 
 from penzai_lm.kernels import build
 from penzai_lm.kernels import ops
+from penzai_lm.kernels import tiles
 from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import TransformerConfig
 from penzai_lm.model import build_transformer
@@ -177,6 +178,27 @@ def test_grouped_int8_activations(rows, k, n, fmt):
   _check(got, x, w)
 
 
+# N % 16 == 0 (tiles of 16 outputs): one tile, one block (K = 32), rows
+# past the 4-row passes and several chunks of 4 tiles per thread.
+TILE_SHAPES = [(1, 576, 1536), (3, 96, 16), (5, 32, 48), (17, 1536, 32),
+               (8, 544, 64), (6, 64, 1040), (16, 1536, 576)]
+
+
+@pytest.mark.parametrize("rows,k,n", TILE_SHAPES)
+def test_q4_0_in_tiles(rows, k, n):
+  """Q4_0 in tiles of 16 outputs (`matvec_tiles.cc`): the same product as
+  in rows, up to the order of the float sums."""
+  qs, scale, _, w = _q4(n, k, centered=True)
+  x = _x(rows, k)
+  qs_t, scale_t = tiles.to_tiles(qs, scale)
+  got = np.asarray(jax.jit(tiles.q4_0_product)(x, qs_t, scale_t))
+  assert got.shape == (rows, n) and got.dtype == np.float32
+  _check(got, x, w)
+  in_rows = np.asarray(ops.q4(x, qs, scale, None, int8_activations=True))
+  np.testing.assert_allclose(got, in_rows, rtol=0,
+                             atol=1e-6 * (np.abs(x) @ np.abs(w).T).max())
+
+
 def test_non_finite_activations_give_nan_rows():
   qs, scale, _ = _q8(8, 64, 2)
   q4s, s4, m4, _ = _q4(8, 64)
@@ -186,7 +208,8 @@ def test_non_finite_activations_give_nan_rows():
   g16 = _q8_16(8, 64)[:3]
   for got in (ops.q8(x, qs, scale, int8_activations=True),
               ops.q4(x, q4s, s4, m4, int8_activations=True),
-              ops.q8_16(x, *g16, int8_activations=True)):
+              ops.q8_16(x, *g16, int8_activations=True),
+              tiles.q4_0_product(x, *tiles.to_tiles(*_q4(16, 64)[:2]))):
     got = np.asarray(got)
     assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all()
 
@@ -199,6 +222,12 @@ def test_unsupported_shapes_are_errors():
     ops.q8_16(_x(1, 48), np.zeros((4, 48), np.int8),
               np.ones((4, 3), np.float32), np.ones((4, 3), np.float32),
               int8_activations=True)
+  with pytest.raises(ValueError, match="tiles of 16 outputs"):
+    tiles.q4_0_product(_x(1, 64), np.zeros((2, 64 * 8), np.uint8),
+                       np.ones((2, 64), np.float32))
+  with pytest.raises(ValueError, match="tiles of 16 outputs"):
+    tiles.q4_0_product(_x(1, 64), np.zeros((2, 64 * 8 - 1), np.uint8),
+                       np.ones((2, 32), np.float32))
   with pytest.raises(ValueError, match="blocks of 32"):
     ops.q8(_x(1, 64), np.zeros((4, 64), np.int8), np.ones((4, 4), np.float32),
            int8_activations=True)
