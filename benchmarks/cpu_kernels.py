@@ -14,7 +14,8 @@ products: `penzai_lm/kernels/matvec_x8.cc`; from 17 rows, a prompt's, on
 the AMX tiles where the CPU has them: `gemm_x8.cc`). ``q4_0-tiles`` is
 Q4_0 with int8 activations on weights moved into tiles of 16 outputs
 (`penzai_lm/kernels/tiles.py`, `matvec_tiles.cc`), as
-``with_cpu_kernels(..., int8_activations=True)`` moves Q4_0 layers. Reports the median
+``with_cpu_kernels(..., int8_activations=True)`` moves Q4_0 layers;
+``q8_0-tiles`` the same for Q8_0. Reports the median
 step time and weights per second; medians of --repeats.
 
   python benchmarks/cpu_kernels.py [--repeats 20] [--formats bf16,q8_0]
@@ -59,8 +60,8 @@ def _weights(fmt: str, rng):
     elif fmt in ("bf16-out", "f32-out"):
       out.append((jnp.asarray(w).astype(
           jnp.bfloat16 if fmt == "bf16-out" else jnp.float32),))
-    elif fmt == "q4_0-tiles":
-      q = qformats.quantize(w, "q4_0")
+    elif fmt.endswith("-tiles"):
+      q = qformats.quantize(w, fmt.removesuffix("-tiles"))
       out.append(tiles.to_tiles(q.qs, q.scale))
     else:
       q = qformats.quantize(w, fmt.removesuffix("-x8"))
@@ -69,7 +70,7 @@ def _weights(fmt: str, rng):
 
 
 def _k(fmt, arrays) -> int:
-  if fmt == "q4_0-tiles":
+  if fmt.endswith("-tiles"):
     return arrays[1].shape[1] * 2
   if fmt in ("bf16-out", "f32-out"):
     return arrays[0].shape[1]
@@ -85,11 +86,12 @@ def _product(fmt, x, arrays, kernels: bool):
     if kernels:
       return ops.dense(x, arrays[0], out_major=False)
     return jnp.dot(x, arrays[0], preferred_element_type=jnp.float32)
-  if fmt == "q4_0-tiles":
+  if fmt.endswith("-tiles"):
     if kernels:
-      return tiles.q4_0_product(x, *arrays)
+      return tiles.product(x, *arrays)
     qs, scale = tiles.from_tiles(*arrays)
-    return x @ qformats.dequantize(qs, scale, None, "q4_0").T
+    return x @ qformats.dequantize(qs, scale, None,
+                                   fmt.removesuffix("-tiles")).T
   if not kernels:
     return x @ arrays.dequantize().T
   x8 = fmt.endswith("-x8")

@@ -9,8 +9,9 @@
 //   q8_16: qs s8[N, K], scale and mins f32[N, K / 16] -> qs * scale + min
 //   q4:    qs u8[N, K / 2], scale and mins f32[N, K / 32] -> nibble *
 //          scale + min (ggml's nibble order)
-//   q4_0 in tiles of 16 outputs (matvec_tiles.cc): qs u8[N / 16, 8 K],
-//          scale f32[N / 16, K / 2] -> nibble * scale - 8 scale
+//   q4_0 and q8_0 in tiles of 16 outputs (matvec_tiles.cc): qs u8[N / 16,
+//          8 K] or s8[N / 16, 16 K], scale f32[N / 16, K / 2] -> nibble *
+//          scale - 8 scale, or q * scale
 // Each value is one multiply, or one fused multiply-add with the offset
 // (as XLA computes `formats.dequantize` for the 4-bit layouts; its q8_16
 // may round the product first: 1 ulp).
@@ -97,20 +98,23 @@ ffi::Error Q4Blocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> qs,
   return ffi::Error::Success();
 }
 
-// Q4_0 in tiles of 16 outputs (matvec_tiles.cc): the same values as its
-// rows give.
-ffi::Error TilesQ4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> qs,
-                     ffi::Buffer<ffi::F32> scale,
-                     ffi::ResultBuffer<ffi::F32> out) {
+// Q4_0 (kInt8 false) and Q8_0 in tiles of 16 outputs (matvec_tiles.cc):
+// the same values as their rows give.
+template <bool kInt8, ffi::DataType Q>
+ffi::Error Tiles(ffi::ThreadPool pool, ffi::Buffer<Q> qs,
+                 ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out) {
+  constexpr int64_t kPerValue = kInt8 ? 16 : 8;  // tile bytes per K
   auto qd = qs.dimensions(), sd = scale.dimensions(), od = out->dimensions();
-  if (qd.size() != 2 || qd[1] % 256 != 0 || sd.size() != 2 ||
-      sd[0] != qd[0] || sd[1] * 16 != qd[1] || od.size() != 2 ||
-      od[0] != 16 * qd[0] || od[1] * 8 != qd[1])
+  if (qd.size() != 2 || qd[1] % (32 * kPerValue) != 0 || sd.size() != 2 ||
+      sd[0] != qd[0] || sd[1] * 2 * kPerValue != qd[1] || od.size() != 2 ||
+      od[0] != 16 * qd[0] || od[1] * kPerValue != qd[1])
     return ffi::Error::InvalidArgument(
-        "dequantize q4_0 tiles: qs [T, 8 K], scale [T, K / 2], out "
-        "[16 T, K]");
-  const int64_t K = qd[1] / 8;
-  Write(pool, Q4_0Tiles{qs.typed_data(), scale.typed_data(), K},
+        "dequantize tiles: qs [T, 8 K] (Q4_0) or [T, 16 K] (Q8_0), scale "
+        "[T, K / 2], out [16 T, K]");
+  const int64_t K = qd[1] / kPerValue;
+  Write(pool,
+        BlockTiles<kInt8>{reinterpret_cast<const uint8_t*>(qs.untyped_data()),
+                          scale.typed_data(), K},
         out->typed_data(), 16 * qd[0], K);
   return ffi::Error::Success();
 }
@@ -118,8 +122,12 @@ ffi::Error TilesQ4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> qs,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    pzlm_dequantize_q4_0_tiles, TilesQ4_0,
+    pzlm_dequantize_q4_0_tiles, (Tiles<false, ffi::U8>),
     ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>()
+        .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    pzlm_dequantize_q8_0_tiles, (Tiles<true, ffi::S8>),
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>()
         .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     pzlm_dequantize_q8, Q8,

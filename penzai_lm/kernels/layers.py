@@ -189,26 +189,31 @@ def with_cpu_kernels(model, *, int8_activations: bool = False):
            .where(lambda layer: type(layer) is InPlaceKVCachingAttention)
            .apply(KernelCachedAttention.swap))
   # One pass over the tree for the layer swaps (each whole-tree selection
-  # rebuilds the model). None of these layers holds another.
+  # rebuilds the model). None of these layers holds another. Layers that
+  # know how to go on the kernels (`on_cpu_kernels`: the quantized ones,
+  # whose weights may move into the kernels' tiles) go through again with
+  # int8_activations, so that a tied table's lookup and unembedding share
+  # one set of tiles (`memo`).
+  memo = {}
   return (pz.select(model).at_subtrees_where(
       lambda x: (type(x) in _SWAPS
                  or getattr(x, "use_cpu_kernel", None) is False
+                 or (int8_activations and hasattr(x, "on_cpu_kernels"))
                  or (int8_activations
                      and getattr(x, "int8_activations", None) is False)))
-          .apply(functools.partial(_kernel_layer,
+          .apply(functools.partial(_kernel_layer, memo=memo,
                                    int8_activations=int8_activations)))
 
 
-def _kernel_layer(layer, int8_activations: bool):
+def _kernel_layer(layer, int8_activations: bool, memo: dict):
   swap = _SWAPS.get(type(layer))
   if swap is not None:
     return swap(layer)
   # A layer with a ``use_cpu_kernel`` field; one that knows how to go on the
-  # kernels (`penzai_lm.quantization.QuantizedLinear`: its weight may move
-  # into the kernels' tiles) says so.
+  # kernels says so.
   if hasattr(layer, "on_cpu_kernels"):
     return layer.on_cpu_kernels(
-        int8_activations or getattr(layer, "int8_activations", False))
+        int8_activations or getattr(layer, "int8_activations", False), memo)
   if int8_activations and hasattr(layer, "int8_activations"):
     return dataclasses.replace(layer, use_cpu_kernel=True,
                                int8_activations=True)

@@ -1,25 +1,27 @@
-// Q4_0 products with int8 activations, on weights repacked in tiles of 16
-// outputs (as llama.cpp repacks Q4_0 for its CPU products), called through
-// the XLA FFI.
+// Q4_0 and Q8_0 products with int8 activations, on weights repacked in
+// tiles of 16 outputs (as llama.cpp repacks them for its CPU products),
+// called through the XLA FFI.
 //
 // Why: in the out-major layout (matvec_x8.cc) a 64-byte step holds 4
-// blocks of one output, so every step converts its integer sums, spreads
-// 4 scales across the lanes and takes two multiply-adds, and every output
-// ends in a sum across lanes. In a tile, lane j of every vector belongs to
-// output j: a block of 32 values of 16 outputs is 4 loads and 8 integer
-// dots against broadcast activations, then one conversion and two
-// multiply-adds for all 16 outputs, no sums across lanes, and a thread
-// reads its tiles as one stream. Measured in docs/cpu-speed.md.
+// blocks of one output (2 of int8), so every step converts its integer
+// sums, spreads the blocks' scales across the lanes and takes two
+// multiply-adds, and every output ends in a sum across lanes. In a tile,
+// lane j of every vector belongs to output j: a block of 32 values of 16
+// outputs is 4 loads (8 of int8) and 8 integer dots against broadcast
+// activations, then one conversion and two multiply-adds for all 16
+// outputs, no sums across lanes, and a thread reads its tiles as one
+// stream. Measured in docs/cpu-speed.md.
 //
 // Layout (`penzai_lm.kernels.tiles` writes it; T = N / 16 tiles, tile t
-// holds outputs 16 t .. 16 t + 15, lane j output 16 t + j):
-//   qs:    u8[T, K / 32 * 256]: byte 256 b + 64 d + 4 j + i of tile t is
-//          byte 4 d + i of block b of output 16 t + j, in ggml's nibble
-//          order (its low nibble value 4 d + i of the block, its high
-//          nibble value 16 + 4 d + i);
+// holds outputs 16 t .. 16 t + 15, lane j output 16 t + j; P bytes a block
+// of 32 values: 16 for Q4_0, 32 for Q8_0):
+//   qs:    u8 (Q4_0) or s8 (Q8_0) [T, K / 32 * 16 P]: byte 16 P b + 64 d +
+//          4 j + i of tile t is byte 4 d + i of block b of output 16 t + j
+//          (Q4_0 in ggml's nibble order: its low nibble is value 4 d + i
+//          of the block, its high nibble value 16 + 4 d + i);
 //   scale: f32[T, K / 32 * 16]: 16 b + j is block b's scale of output
 //          16 t + j.
-// w = (nibble - 8) * scale: Q4_0, whose offsets are derived.
+// Q4_0: w = (nibble - 8) * scale; Q8_0: w = q * scale.
 //
 // The activations are quantized as matvec_x8.cc quantizes them (llama.cpp's
 // quantize_row_q8_0), so the product is the float product of the rounded
@@ -38,22 +40,49 @@ namespace {
 using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 using namespace pzlm::x8;  // NOLINT
 
-constexpr int64_t kOutputs = 16;     // outputs per tile (lanes)
-constexpr int64_t kBlockBytes = 256;  // one block of a tile's 16 outputs
-constexpr int64_t kRowPass = 4;      // rows per pass over a chunk of tiles
-constexpr int64_t kChunk = 4;        // tiles whose weights serve every pass
-constexpr int64_t kAhead = 4;        // blocks prefetched ahead
+constexpr int64_t kOutputs = 16;  // outputs per tile (lanes)
+constexpr int64_t kRowPass = 4;   // rows per pass over a chunk of tiles
+constexpr int64_t kChunk = 4;     // tiles whose weights serve every pass
+constexpr int64_t kAhead = 4;     // blocks prefetched ahead
 
-// Each row of x quantized per block of 32: the values in order, d, and
-// -8 d Σ q (what Q4_0's offsets take off the block's dot).
+// The two formats: a block of a tile is kDwords 64-byte vectors of weights,
+// which `Decode` makes into 8 vectors, vector e meeting the activations'
+// bytes 4 e .. 4 e + 3 of the block; `kOffset` times d_x Σ q is what the
+// block's dot takes off (Q4_0: its offsets, -8 scale; Q8_0 with flipped
+// weights, int8_dot.h: the 128 Σ q they add).
+struct Q4_0 {
+  static constexpr int kDwords = 4;
+  static constexpr float kOffset = -8.f;
+  static void Decode(const uint8_t* p, Bytes (&v)[8]) {
+#pragma GCC unroll 4
+    for (int d = 0; d < 4; ++d) {
+      const Bytes w = LoadBytes(p + 64 * d);
+      v[d] = Low4(w);  // values 4 d .. 4 d + 3
+      v[4 + d] = High4(w);  // values 16 + 4 d ..
+    }
+  }
+  static Ints Dot(Ints acc, Bytes w, Bytes x) { return DotUS(acc, w, x); }
+};
+struct Q8_0 {
+  static constexpr int kDwords = 8;
+  static constexpr float kOffset = kFlip ? -128.f : 0.f;
+  static void Decode(const uint8_t* p, Bytes (&v)[8]) {
+#pragma GCC unroll 8
+    for (int d = 0; d < 8; ++d) v[d] = Signed(LoadBytes(p + 64 * d));
+  }
+  static Ints Dot(Ints acc, Bytes w, Bytes x) { return DotSigned(acc, w, x); }
+};
+
+// Each row of x quantized per block of 32: the values in order, d, and the
+// format's offset times d Σ q (exact: d is a float16 and |Σ q| <= 4064).
 class QuantizedRows {
  public:
-  QuantizedRows(const float* x, int64_t R, int64_t K)
+  QuantizedRows(const float* x, int64_t R, int64_t K, float offset)
       : blocks_(K / 32), q_(R * K), d_(R * blocks_), c_(R * blocks_) {
     for (int64_t i = 0; i < R * blocks_; ++i) {
       int32_t half[2];
       d_[i] = QuantizeBlock(x + 32 * i, q_.data() + 32 * i, half);
-      c_[i] = -8.f * d_[i] * float(half[0] + half[1]);
+      c_[i] = offset * d_[i] * float(half[0] + half[1]);
     }
   }
   const int8_t* Q(int64_t r, int64_t b) const {
@@ -69,9 +98,10 @@ class QuantizedRows {
 };
 
 // Tile t's 16 outputs of rows [r0, r0 + RB), written to y [R, 16 T].
-template <int RB>
+template <typename F, int RB>
 void Tile(const uint8_t* qs, const float* scale, const QuantizedRows& x,
           int64_t blocks, int64_t t, int64_t r0, float* y, int64_t N) {
+  constexpr int64_t kBlockBytes = 64 * F::kDwords;
   const uint8_t* p = qs + t * blocks * kBlockBytes;
   const float* s = scale + t * blocks * kOutputs;
   Floats acc[RB];
@@ -79,25 +109,21 @@ void Tile(const uint8_t* qs, const float* scale, const QuantizedRows& x,
   for (int r = 0; r < RB; ++r) acc[r] = NoFloats();
   for (int64_t b = 0; b < blocks; ++b, p += kBlockBytes, s += kOutputs) {
     // Past the tile's end is the next tile's start (or a line unused).
-    for (int l = 0; l < 4; ++l)
+#pragma GCC unroll 8
+    for (int l = 0; l < F::kDwords; ++l)
       __builtin_prefetch(p + kAhead * kBlockBytes + 64 * l);
     __builtin_prefetch(s + kAhead * kOutputs);
-    Bytes low[4], high[4];
-#pragma GCC unroll 4
-    for (int d = 0; d < 4; ++d) {
-      const Bytes w = LoadBytes(p + 64 * d);
-      low[d] = Low4(w);
-      high[d] = High4(w);
-    }
+    Bytes v[8];
+    F::Decode(p, v);
     const Floats scales = LoadFloats(s);
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) {
       const int8_t* q = x.Q(r0 + r, b);
       Ints i0 = NoInts(), i1 = NoInts();
 #pragma GCC unroll 4
-      for (int d = 0; d < 4; ++d) {
-        i0 = DotUS(i0, low[d], Broadcast4(q + 4 * d));
-        i1 = DotUS(i1, high[d], Broadcast4(q + 16 + 4 * d));
+      for (int e = 0; e < 8; e += 2) {
+        i0 = F::Dot(i0, v[e], Broadcast4(q + 4 * e));
+        i1 = F::Dot(i1, v[e + 1], Broadcast4(q + 4 * e + 4));
       }
       const Floats dot = Add(ToFloats(i0), ToFloats(i1));
       const Floats t = Fma(dot, Splat(x.D(r0 + r, b)),
@@ -111,6 +137,7 @@ void Tile(const uint8_t* qs, const float* scale, const QuantizedRows& x,
 
 // Tiles [t0, t1) of every row, in chunks whose weights stay in cache over
 // the passes of 4 rows.
+template <typename F>
 void Tiles(const uint8_t* qs, const float* scale, const QuantizedRows& x,
            int64_t R, int64_t blocks, int64_t t0, int64_t t1, float* y,
            int64_t N) {
@@ -119,42 +146,47 @@ void Tiles(const uint8_t* qs, const float* scale, const QuantizedRows& x,
     for (int64_t r0 = 0; r0 < R; r0 += kRowPass) {
       for (int64_t t = c; t < c1; ++t) {
         switch (std::min(kRowPass, R - r0)) {
-          case 1: Tile<1>(qs, scale, x, blocks, t, r0, y, N); break;
-          case 2: Tile<2>(qs, scale, x, blocks, t, r0, y, N); break;
-          case 3: Tile<3>(qs, scale, x, blocks, t, r0, y, N); break;
-          default: Tile<4>(qs, scale, x, blocks, t, r0, y, N); break;
+          case 1: Tile<F, 1>(qs, scale, x, blocks, t, r0, y, N); break;
+          case 2: Tile<F, 2>(qs, scale, x, blocks, t, r0, y, N); break;
+          case 3: Tile<F, 3>(qs, scale, x, blocks, t, r0, y, N); break;
+          default: Tile<F, 4>(qs, scale, x, blocks, t, r0, y, N); break;
         }
       }
     }
   }
 }
 
-ffi::Error Q4_0Tiles(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                     ffi::Buffer<ffi::U8> qs, ffi::Buffer<ffi::F32> scale,
-                     ffi::ResultBuffer<ffi::F32> y) {
+template <typename F, ffi::DataType Q>
+ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                   ffi::Buffer<Q> qs, ffi::Buffer<ffi::F32> scale,
+                   ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions(),
        yd = y->dimensions();
   if (xd.size() != 2 || xd[1] % 32 != 0 || qd.size() != 2 ||
-      qd[1] != 8 * xd[1] || sd.size() != 2 || sd[0] != qd[0] ||
+      qd[1] != 2 * F::kDwords * xd[1] || sd.size() != 2 || sd[0] != qd[0] ||
       2 * sd[1] != xd[1] || yd.size() != 2 || yd[0] != xd[0] ||
       yd[1] != kOutputs * qd[0])
     return ffi::Error::InvalidArgument(
-        "q4_0_x8_tiles: x [R, K] with K % 32 == 0, qs [T, 8 K] and scale "
-        "[T, K / 2] (tiles of 16 outputs), y [R, 16 T]");
+        "tiles: x [R, K] with K % 32 == 0, qs [T, 8 K] (Q4_0) or [T, 16 K] "
+        "(Q8_0) and scale [T, K / 2] (tiles of 16 outputs), y [R, 16 T]");
   const int64_t R = xd[0], K = xd[1], T = qd[0];
-  const QuantizedRows rows(x.typed_data(), R, K);
+  const QuantizedRows rows(x.typed_data(), R, K, F::kOffset);
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(qs.untyped_data());
   // Two runs of tiles per thread (as ParallelOutputs hands out outputs).
   const int64_t parts = std::min<int64_t>(
       T, kTilesPerThread * std::max<int64_t>(1, pool.num_threads()));
   ParallelTiles(pool, parts, [&](int64_t part) {
-    Tiles(qs.typed_data(), scale.typed_data(), rows, R, K / 32,
-          part * T / parts, (part + 1) * T / parts, y->typed_data(),
-          kOutputs * T);
+    Tiles<F>(q, scale.typed_data(), rows, R, K / 32, part * T / parts,
+             (part + 1) * T / parts, y->typed_data(), kOutputs * T);
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4_0_x8_tiles, Q4_0Tiles,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4_0_x8_tiles,
+                              (Product<Q4_0, ffi::U8>),
                               PZLM_PRODUCT_BINDING_2(ffi::U8, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8_0_x8_tiles,
+                              (Product<Q8_0, ffi::S8>),
+                              PZLM_PRODUCT_BINDING_2(ffi::S8, ffi::F32));

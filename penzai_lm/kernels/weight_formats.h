@@ -139,30 +139,40 @@ struct Q4Nibbles {
 using Q4 = Q4Nibbles<false>;
 using Q4Centered = Q4Nibbles<true>;
 
-// Q4_0 in tiles of 16 outputs (matvec_tiles.cc's layout): output n is lane
-// n % 16 of tile n / 16, whose block b holds the output's byte 4 d + i at
-// 256 b + 64 d + 4 (n % 16) + i, and its scale at 16 b + n % 16. Read one
-// output at a time (the dequantization), not for products.
-struct Q4_0Tiles {
+// Q4_0 and Q8_0 (kInt8) in tiles of 16 outputs (matvec_tiles.cc's
+// layout): output n is lane n % 16 of tile n / 16, whose block b (P = 16 or
+// 32 bytes an output) holds the output's byte 4 d + i at 16 P b + 64 d +
+// 4 (n % 16) + i, and its scale at 16 b + n % 16. Read one output at a time
+// (the dequantization), not for products.
+template <bool kInt8>
+struct BlockTiles {
   static constexpr int kStep = 32;
+  static constexpr int64_t kBlockBytes = kInt8 ? 512 : 256;
   const uint8_t* qs;
   const float* scale;
   int64_t K;
   struct Row { const uint8_t* q; const float* s; };
   Row row(int64_t n) const {
     const int64_t t = n / 16, j = n % 16;
-    return {qs + t * (K / 32) * 256 + 4 * j, scale + t * (K / 32) * 16 + j};
+    return {qs + t * (K / 32) * kBlockBytes + 4 * j,
+            scale + t * (K / 32) * 16 + j};
   }
   void Get(Row r, int64_t k, VF* v) const {
     const int64_t b = k / 32;
-    uint8_t bytes[16];
-    for (int d = 0; d < 4; ++d)
-      std::memcpy(bytes + 4 * d, r.q + 256 * b + 64 * d, 4);
-    const U8x16 q = LoadAs<U8x16>(bytes);
+    uint8_t bytes[kInt8 ? 32 : 16];
+    for (int d = 0; d < int(sizeof(bytes)) / 4; ++d)
+      std::memcpy(bytes + 4 * d, r.q + kBlockBytes * b + 64 * d, 4);
     const float s = r.s[16 * b];
-    VF d = Splat(s), m = Splat(-8.f * s);
-    v[0] = LoadU8(q & 15) * d + m;
-    v[1] = LoadU8(q >> 4) * d + m;
+    VF d = Splat(s);
+    if constexpr (kInt8) {
+      v[0] = LoadS8(reinterpret_cast<const int8_t*>(bytes)) * d;
+      v[1] = LoadS8(reinterpret_cast<const int8_t*>(bytes) + 16) * d;
+    } else {
+      const U8x16 q = LoadAs<U8x16>(bytes);
+      VF m = Splat(-8.f * s);
+      v[0] = LoadU8(q & 15) * d + m;
+      v[1] = LoadU8(q >> 4) * d + m;
+    }
   }
   float At(Row, int64_t) const { return 0.f; }  // K % 32 == 0: no tail
   float Scale(Row) const { return 1.f; }

@@ -23,9 +23,7 @@ import collections
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from penzai import pz
 from penzai.nn.linear_and_affine import contract
 
@@ -34,45 +32,32 @@ from penzai_lm.kernels import tiles
 from penzai_lm.kernels.layers import MAX_ROWS
 from penzai_lm.kernels.layers import kernel_contract
 from penzai_lm.quantization import formats
+from penzai_lm.quantization import tiled
 
-QUANT_AXES = ("quant_out", "quant_in", "quant_groups")
-# The axes of a weight in tiles of 16 outputs (`penzai_lm.kernels.tiles`).
-TILE_AXES = ("quant_tiles", "quant_tile_bytes", "quant_tile_scales")
+QUANT_AXES = tiled.ROW_AXES
 
 
 def _static(**kwargs):
   return dataclasses.field(metadata={"pytree_node": False}, **kwargs)
 
 
-def _flat_arrays(qs, scale, mins, tiled=False):
-  """A quantized weight's parameters as ``[N, ...]`` jax arrays (``[T,
-  ...]`` tiles where ``tiled``)."""
+def _flat_arrays(qs, scale, mins):
+  """A quantized weight's parameters as ``[N, ...]`` jax arrays."""
   out = []
-  first, seconds, axes = ("quant_out", ("quant_in", "quant_groups"),
-                          QUANT_AXES)
-  if tiled:
-    first, seconds, axes = ("quant_tiles", TILE_AXES[1:], TILE_AXES)
-  for part, second in ((qs, seconds[0]), (scale, seconds[1]),
-                       (mins, seconds[1])):
+  for part, second in ((qs, "quant_in"), (scale, "quant_groups"),
+                       (mins, "quant_groups")):
     if part is None:
       out.append(None)
       continue
     value = part.value
-    extra = set(value.named_shape) - set(axes)
+    extra = set(value.named_shape) - set(QUANT_AXES)
     if extra or value.positional_shape:
       raise ValueError(
           f"a quantized layer ({part.label}) got a weight with axes"
           f" {dict(value.named_shape)}; axes {sorted(extra)} must be"
           " sliced away first (run the model through its LayerStack).")
-    out.append(value.order_as(first, second).data_array)
+    out.append(value.order_as("quant_out", second).data_array)
   return out
-
-
-def _on_host(array) -> bool:
-  """Whether ``array`` holds its values in host memory (not traced)."""
-  return isinstance(array, np.ndarray) or (
-      isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer)
-      and all(d.platform == "cpu" for d in array.devices()))
 
 
 @pz.pytree_dataclass
@@ -91,7 +76,7 @@ class QuantizedLinear(pz.nn.Layer):
     format: The weight layout (`penzai_lm.quantization.formats.LAYOUTS`).
     use_cpu_kernel: Run small products on the CPU kernels (set by the
       engine for models on one CPU device).
-    tiled: ``qs`` and ``scale`` hold a Q4_0 weight in tiles of 16
+    tiled: ``qs`` and ``scale`` hold a Q4_0 or Q8_0 weight in tiles of 16
       outputs (`penzai_lm.kernels.tiles`; axes ``quant_tiles`` and
       ``quant_tile_bytes`` / ``quant_tile_scales``), which the
       int8-activation decode product reads as one stream; ``mins`` is
@@ -125,43 +110,27 @@ class QuantizedLinear(pz.nn.Layer):
 
   def _tiles(self):
     """A tiled weight's ``qs`` and ``scale`` as ``[T, ...]`` jax arrays."""
-    return _flat_arrays(self.qs, self.scale, None, tiled=True)[:2]
+    return tiled.tile_arrays(self.qs, self.scale)
 
-  def on_cpu_kernels(self, int8_activations: bool) -> QuantizedLinear:
+  def on_cpu_kernels(self, int8_activations: bool,
+                     memo: dict | None = None) -> QuantizedLinear:
     """This layer on the CPU kernels (`penzai_lm.kernels.with_cpu_kernels`
-    calls it): ``use_cpu_kernel`` set, and with ``int8_activations`` that
-    too, and a Q4_0 weight of ``N % 16 == 0`` outputs and ``K % 32 == 0``
+    calls it, with one ``memo`` per call: `tiled.tiled_params`):
+    ``use_cpu_kernel`` set, and with ``int8_activations`` that too, and a
+    Q4_0 or Q8_0 weight of ``N % 16 == 0`` outputs and ``K % 32 == 0``
     moved into tiles (``tiled``)."""
     if not int8_activations:
       return dataclasses.replace(self, use_cpu_kernel=True)
     layer = dataclasses.replace(self, use_cpu_kernel=True,
                                 int8_activations=True)
-    n = math.prod(s for _, s in self.out_axes)
-    k = math.prod(s for _, s in self.in_axes)
-    if self.tiled or self.format != "q4_0" or not tiles.tileable(n, k):
+    if self.tiled or self.format not in tiled.TILED_FORMATS:
       return layer
-    qs, scale = self.qs.value, self.scale.value
-    stack = [a for a in qs.named_axes if a not in QUANT_AXES]
-    if qs.positional_shape or scale.positional_shape:
+    params = tiled.tiled_params(self.qs, self.scale,
+                                {} if memo is None else memo)
+    if params is None:
       return layer
-    qs, scale = (qs.order_as(*stack, "quant_out", "quant_in").data_array,
-                 scale.order_as(*stack, "quant_out", "quant_groups").data_array)
-    if _on_host(qs) and _on_host(scale):  # numpy: no XLA program per shape
-      qs_t, scale_t = map(jnp.asarray, tiles.to_tiles(np.asarray(qs),
-                                                      np.asarray(scale)))
-    else:
-      qs_t, scale_t = tiles.to_tiles(qs, scale)
-
-    def param(old, data, second):
-      wrap = (type(old) if isinstance(old, pz.Parameter)
-              else pz.ParameterValue)
-      return wrap(value=pz.nx.wrap(data).tag(*stack, "quant_tiles", second),
-                  label=old.label)
-
-    return dataclasses.replace(
-        layer, qs=param(self.qs, qs_t, "quant_tile_bytes"),
-        scale=param(self.scale, scale_t, "quant_tile_scales"), mins=None,
-        tiled=True)
+    return dataclasses.replace(layer, qs=params[0], scale=params[1],
+                               mins=None, tiled=True)
 
   def dequantized(self, dtype=jnp.float32) -> pz.nx.NamedArray:
     """The weight as a float named array over ``in_axes`` and ``out_axes``."""
@@ -219,7 +188,7 @@ class QuantizedLinear(pz.nn.Layer):
         and not x.positional_shape):
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
       if self.tiled and x8 and rows <= MAX_ROWS:
-        y = tiles.q4_0_product(flat, *self._tiles())
+        y = tiles.product(flat, *self._tiles())
       else:
         y = self._kernel_product(flat, x8)
       shape = [x.named_shape[a] for a in row_axes] + [
@@ -270,6 +239,9 @@ class QuantizedEmbeddingLookup(pz.nn.Layer):
     dtype: The embeddings' dtype (the float table's).
     use_cpu_kernel: Gather the rows with the CPU row kernel (set by the
       engine, as for `QuantizedLinear`).
+    tiled: The table lies in tiles of 16 rows, as its unembedding holds it
+      on the int8-activation kernels (`on_cpu_kernels`: one copy for both);
+      the rows are gathered from the tiles.
   """
 
   qs: pz.ParameterLike[pz.nx.NamedArray]
@@ -279,18 +251,43 @@ class QuantizedEmbeddingLookup(pz.nn.Layer):
   format: str = _static()
   dtype: str = _static()
   use_cpu_kernel: bool = _static(default=False)
+  tiled: bool = _static(default=False)
+
+  def on_cpu_kernels(self, int8_activations: bool,
+                     memo: dict | None = None) -> QuantizedEmbeddingLookup:
+    """This layer on the CPU kernels, as `QuantizedLinear.on_cpu_kernels`:
+    with ``int8_activations`` a Q4_0 or Q8_0 table moves into the tiles its
+    unembedding takes (the same arrays, through ``memo``)."""
+    layer = dataclasses.replace(self, use_cpu_kernel=True)
+    if (not int8_activations or self.tiled
+        or self.format not in tiled.TILED_FORMATS):
+      return layer
+    params = tiled.tiled_params(self.qs, self.scale,
+                                {} if memo is None else memo)
+    if params is None:
+      return layer
+    return dataclasses.replace(layer, qs=params[0], scale=params[1],
+                               mins=None, tiled=True)
 
   def __call__(self, token_index: pz.nx.NamedArray, **_unused_side_inputs):
     if token_index.positional_shape:
       raise ValueError("QuantizedEmbeddingLookup takes token ids with named"
                        f" axes only; got {token_index!r}.")
     ids = token_index.data_array.reshape(-1).astype(jnp.int32)
+    if self.tiled:
+      return self._embeddings(
+          token_index, [*tiles.rows(*tiled.tile_arrays(self.qs, self.scale),
+                                    ids), None])
     if self.use_cpu_kernel:
       take = ops.rows
     else:
       take = lambda table, index: table[index]  # pylint: disable=unnecessary-lambda-assignment
     rows = [None if a is None else take(a, ids)
             for a in _flat_arrays(self.qs, self.scale, self.mins)]
+    return self._embeddings(token_index, rows)
+
+  def _embeddings(self, token_index, rows) -> pz.nx.NamedArray:
+    """The looked-up tokens' embeddings from their rows' arrays."""
     embeddings = formats.dequantize(*rows, self.format, jnp.dtype(self.dtype))
     return pz.nx.NamedArray(
         named_axes=collections.OrderedDict(

@@ -185,16 +185,22 @@ TILE_SHAPES = [(1, 576, 1536), (3, 96, 16), (5, 32, 48), (17, 1536, 32),
 
 
 @pytest.mark.parametrize("rows,k,n", TILE_SHAPES)
-def test_q4_0_in_tiles(rows, k, n):
-  """Q4_0 in tiles of 16 outputs (`matvec_tiles.cc`): the same product as
-  in rows, up to the order of the float sums."""
-  qs, scale, _, w = _q4(n, k, centered=True)
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_in_tiles(rows, k, n, fmt):
+  """Q4_0 and Q8_0 in tiles of 16 outputs (`matvec_tiles.cc`): the same
+  product as in rows, up to the order of the float sums."""
+  if fmt == "q4_0":
+    qs, scale, _, w = _q4(n, k, centered=True)
+    in_rows = ops.q4(_x(rows, k), qs, scale, None, int8_activations=True)
+  else:
+    qs, scale, w = _q8(n, k, k // 32)
+    in_rows = ops.q8(_x(rows, k), qs, scale, int8_activations=True)
   x = _x(rows, k)
   qs_t, scale_t = tiles.to_tiles(qs, scale)
-  got = np.asarray(jax.jit(tiles.q4_0_product)(x, qs_t, scale_t))
+  got = np.asarray(jax.jit(tiles.product)(x, qs_t, scale_t))
   assert got.shape == (rows, n) and got.dtype == np.float32
   _check(got, x, w)
-  in_rows = np.asarray(ops.q4(x, qs, scale, None, int8_activations=True))
+  in_rows = np.asarray(in_rows)
   np.testing.assert_allclose(got, in_rows, rtol=0,
                              atol=1e-6 * (np.abs(x) @ np.abs(w).T).max())
 
@@ -209,7 +215,8 @@ def test_non_finite_activations_give_nan_rows():
   for got in (ops.q8(x, qs, scale, int8_activations=True),
               ops.q4(x, q4s, s4, m4, int8_activations=True),
               ops.q8_16(x, *g16, int8_activations=True),
-              tiles.q4_0_product(x, *tiles.to_tiles(*_q4(16, 64)[:2]))):
+              tiles.product(x, *tiles.to_tiles(*_q4(16, 64)[:2])),
+              tiles.product(x, *tiles.to_tiles(*_q8(16, 64, 2)[:2]))):
     got = np.asarray(got)
     assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all()
 
@@ -223,11 +230,17 @@ def test_unsupported_shapes_are_errors():
               np.ones((4, 3), np.float32), np.ones((4, 3), np.float32),
               int8_activations=True)
   with pytest.raises(ValueError, match="tiles of 16 outputs"):
-    tiles.q4_0_product(_x(1, 64), np.zeros((2, 64 * 8), np.uint8),
-                       np.ones((2, 64), np.float32))
+    tiles.product(_x(1, 64), np.zeros((2, 64 * 8), np.uint8),
+                  np.ones((2, 64), np.float32))
   with pytest.raises(ValueError, match="tiles of 16 outputs"):
-    tiles.q4_0_product(_x(1, 64), np.zeros((2, 64 * 8 - 1), np.uint8),
-                       np.ones((2, 32), np.float32))
+    tiles.product(_x(1, 64), np.zeros((2, 64 * 8 - 1), np.uint8),
+                  np.ones((2, 32), np.float32))
+  with pytest.raises(ValueError, match=r"must be \[R, 64\]"):
+    tiles.product(_x(1, 32), np.zeros((2, 64 * 16), np.int8),
+                  np.ones((2, 32), np.float32))
+  with pytest.raises(ValueError, match="not float32"):
+    tiles.product(_x(1, 64), np.zeros((2, 64 * 8), np.float32),
+                  np.ones((2, 32), np.float32))
   with pytest.raises(ValueError, match="blocks of 32"):
     ops.q8(_x(1, 64), np.zeros((4, 64), np.int8), np.ones((4, 4), np.float32),
            int8_activations=True)

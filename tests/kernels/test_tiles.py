@@ -1,4 +1,4 @@
-"""Q4_0 weights in tiles of 16 outputs (`penzai_lm.kernels.tiles`): the
+"""Q4_0 and Q8_0 weights in tiles of 16 outputs (`penzai_lm.kernels.tiles`): the
 layout, and a quantized model's layers moving into it. The product itself
 is tested with the other int8-activation products
 (`test_int8_activations.py`)."""
@@ -16,20 +16,26 @@ from penzai_lm.kernels import tiles
 from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import TransformerConfig
 from penzai_lm.model import build_transformer
+from penzai_lm.quantization import QuantizedEmbeddingLookup
 from penzai_lm.quantization import QuantizedLinear
+from penzai_lm.quantization import formats
 from penzai_lm.quantization import quantize
 
 
-def test_the_layout_puts_output_j_in_lane_j():
+@pytest.mark.parametrize("dtype,p", [(np.uint8, 16), (np.int8, 32)])
+def test_the_layout_puts_output_j_in_lane_j(dtype, p):
   rng = np.random.default_rng(0)
   n, k = 48, 96
-  qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+  info = np.iinfo(dtype)
+  qs = rng.integers(info.min, info.max + 1, (n, k // 32 * p), dtype=dtype)
   scale = rng.standard_normal((n, k // 32)).astype(np.float32)
-  qs_t, scale_t = map(np.asarray, tiles.to_tiles(qs, scale))
-  assert qs_t.shape == (3, 3 * 256) and scale_t.shape == (3, 3 * 16)
-  for t, b, d, j, i in [(0, 0, 0, 0, 0), (2, 1, 3, 15, 2), (1, 2, 1, 7, 3)]:
-    assert qs_t[t, 256 * b + 64 * d + 4 * j + i] == qs[16 * t + j,
-                                                        16 * b + 4 * d + i]
+  qs_t, scale_t = tiles.to_tiles(qs, scale)
+  assert isinstance(qs_t, np.ndarray)  # numpy in, numpy out
+  assert qs_t.shape == (3, 3 * 16 * p) and scale_t.shape == (3, 3 * 16)
+  for t, b, d, j, i in [(0, 0, 0, 0, 0), (2, 1, 3, 15, 2), (1, 2, 1, 7, 3),
+                        (2, 2, p // 4 - 1, 9, 1)]:
+    assert qs_t[t, 16 * p * b + 64 * d + 4 * j + i] == qs[16 * t + j,
+                                                            p * b + 4 * d + i]
     assert scale_t[t, 16 * b + j] == scale[16 * t + j, b]
   back = tiles.from_tiles(qs_t, scale_t)
   np.testing.assert_array_equal(back[0], qs)
@@ -51,14 +57,20 @@ def test_leading_axes_are_kept():
 @pytest.mark.skipif(not ops.available(),
                     reason="no C++ compiler for the kernels")
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 576), (32, 1536)])
-def test_dequantized_from_tiles_bit_for_bit(n, k):
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_dequantized_from_tiles_bit_for_bit(n, k, fmt):
   """A prompt's weight, dequantized from the tiles, is the one its rows
-  give (`ops.dequantize`, as `formats.dequantize` computes it)."""
+  give (`formats.dequantize`; `ops.dequantize` for Q4_0, as a prompt in
+  rows dequantizes it)."""
   rng = np.random.default_rng(2)
-  qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
   scale = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32)
+  if fmt == "q4_0":
+    qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    want = np.asarray(ops.dequantize(qs, scale, -8 * scale))
+  else:
+    qs = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    want = np.asarray(formats.dequantize(qs, scale, None, "q8_0"))
   got = np.asarray(tiles.dequantize(*tiles.to_tiles(qs, scale)))
-  want = np.asarray(ops.dequantize(qs, scale, -8 * scale))
   np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match="tiles of 16 outputs"):
     tiles.dequantize(np.zeros((1, 255), np.uint8), np.zeros((1, 16),
@@ -73,18 +85,19 @@ def test_shapes_that_do_not_tile_are_refused(n, k):
                    np.zeros((n, max(k // 32, 1)), np.float32))
 
 
-def _model():
+def _model(fmt):
   config = TransformerConfig(
       family="llama", vocab_size=97, hidden_size=64, num_layers=2,
       num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
       max_position_embeddings=256)
-  return quantize(build_transformer(config, seed=0), "q4_0")
+  return quantize(build_transformer(config, seed=0), fmt)
 
 
 @pytest.mark.skipif(not ops.available(),
                     reason="no C++ compiler for the kernels")
-def test_int8_activations_move_q4_0_layers_into_tiles():
-  model = _model()
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_int8_activations_move_layers_into_tiles(fmt):
+  model = _model(fmt)
   x8 = with_cpu_kernels(model, int8_activations=True)
   before = pz.select(model).at_instances_of(QuantizedLinear).get_sequence()
   after = pz.select(x8).at_instances_of(QuantizedLinear).get_sequence()
@@ -97,7 +110,7 @@ def test_int8_activations_move_q4_0_layers_into_tiles():
     assert not old.tiled  # the user's model is not changed
     if new.tiled:
       assert new.mins is None and new.qs.label == old.qs.label
-      assert set(new.qs.value.named_shape) >= {"quant_tiles",
+      assert set(new.qs.value.named_shape) == {"blocks", "quant_tiles",
                                                "quant_tile_bytes"}
       # Read back in rows, the weight is the same.
       qs, scale = tiles.from_tiles(
@@ -113,7 +126,7 @@ def test_int8_activations_move_q4_0_layers_into_tiles():
       1, 97, (2, 3)).astype(np.int32)).tag("batch", "seq")
   fn = jax.jit(lambda m: m(tokens).untag("batch", "seq", "vocabulary")
                .data_array)
-  assert "pzlm_matvec_q4_0_x8_tiles" in fn.lower(x8).as_text()
+  assert f"pzlm_matvec_{fmt}_x8_tiles" in fn.lower(x8).as_text()
   # Against the same products in rows: only the float sums' order moves.
   in_rows = pz.select(model).at_instances_of(QuantizedLinear).apply(
       lambda l: dataclasses.replace(l, use_cpu_kernel=True,
@@ -133,3 +146,30 @@ def test_int8_activations_move_q4_0_layers_into_tiles():
   again = with_cpu_kernels(x8, int8_activations=True)
   assert [l.tiled for l in pz.select(again).at_instances_of(
       QuantizedLinear).get_sequence()] == [l.tiled for l in after]
+
+
+@pytest.mark.skipif(not ops.available(),
+                    reason="no C++ compiler for the kernels")
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_a_tied_table_moves_once_for_its_lookup_and_unembedding(fmt):
+  config = TransformerConfig(
+      family="llama", vocab_size=96, hidden_size=64, num_layers=1,
+      num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
+      max_position_embeddings=64, tie_embeddings=True)
+  model = quantize(build_transformer(config, seed=0), fmt)
+  x8 = with_cpu_kernels(model, int8_activations=True)
+  lookup, = pz.select(x8).at_instances_of(
+      QuantizedEmbeddingLookup).get_sequence()
+  unembed, = [l for l in pz.select(x8).at_instances_of(
+      QuantizedLinear).get_sequence() if l.qs.label == lookup.qs.label]
+  assert lookup.tiled and unembed.tiled
+  # One copy: both hold the very same tiles.
+  assert lookup.qs.value.data_array is unembed.qs.value.data_array
+  assert lookup.scale.value.data_array is unembed.scale.value.data_array
+  # The lookup's embeddings are the rows' exactly.
+  ids = pz.nx.wrap(np.array([[0, 17, 95, 16]], np.int32)).tag("batch", "seq")
+  old, = pz.select(model).at_instances_of(
+      QuantizedEmbeddingLookup).get_sequence()
+  np.testing.assert_array_equal(
+      np.asarray(lookup(ids).untag("batch", "seq", "embedding").data_array),
+      np.asarray(old(ids).untag("batch", "seq", "embedding").data_array))
