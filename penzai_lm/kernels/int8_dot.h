@@ -100,6 +100,11 @@ inline void Total4(const Floats* a, float* out) {
                                 _mm256_extractf128_ps(u, 1)));
 }
 inline Floats LoadFloats(const float* p) { return {_mm512_loadu_ps(p)}; }
+// 16 float16 values (their bits) as floats.
+inline Floats LoadHalves(const uint16_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p)))};
+}
 inline void StoreFloats(float* p, Floats f) { _mm512_storeu_ps(p, f.v); }
 inline Floats LoadFloatsN(const float* p, int n) {
   return {_mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p)};
@@ -205,6 +210,11 @@ inline float Total(Floats a) {
 inline Floats LoadFloats(const float* p) {
   return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
 }
+inline Floats LoadHalves(const uint16_t* p) {
+  const __m128i* q = reinterpret_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(q)),
+          _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
+}
 inline void StoreFloats(float* p, Floats f) {
   _mm256_storeu_ps(p, f.lo);
   _mm256_storeu_ps(p + 8, f.hi);
@@ -300,6 +310,11 @@ inline Floats Splat(float v) {
 inline Floats LoadFloats(const float* p) {
   Floats f;
   std::memcpy(f.v, p, sizeof(f.v));
+  return f;
+}
+inline Floats LoadHalves(const uint16_t* p) {
+  Floats f;
+  for (int j = 0; j < 16; ++j) f.v[j] = F16ToF32(p[j]);
   return f;
 }
 inline void StoreFloats(float* p, Floats f) {

@@ -19,8 +19,9 @@
 //          4 j + i of tile t is byte 4 d + i of block b of output 16 t + j
 //          (Q4_0 in ggml's nibble order: its low nibble is value 4 d + i
 //          of the block, its high nibble value 16 + 4 d + i);
-//   scale: f32[T, K / 32 * 16]: 16 b + j is block b's scale of output
-//          16 t + j.
+//   scale: f16[T, K / 32 * 16]: 16 b + j is block b's scale of output
+//          16 t + j (the formats' scales are float16s: 18 bytes a block of
+//          Q4_0, 34 of Q8_0, as in llama.cpp's files).
 // Q4_0: w = (nibble - 8) * scale; Q8_0: w = q * scale.
 //
 // The activations are quantized as matvec_x8.cc quantizes them (llama.cpp's
@@ -99,11 +100,11 @@ class QuantizedRows {
 
 // Tile t's 16 outputs of rows [r0, r0 + RB), written to y [R, 16 T].
 template <typename F, int RB>
-void Tile(const uint8_t* qs, const float* scale, const QuantizedRows& x,
+void Tile(const uint8_t* qs, const uint16_t* scale, const QuantizedRows& x,
           int64_t blocks, int64_t t, int64_t r0, float* y, int64_t N) {
   constexpr int64_t kBlockBytes = 64 * F::kDwords;
   const uint8_t* p = qs + t * blocks * kBlockBytes;
-  const float* s = scale + t * blocks * kOutputs;
+  const uint16_t* s = scale + t * blocks * kOutputs;
   Floats acc[RB];
 #pragma GCC unroll 4
   for (int r = 0; r < RB; ++r) acc[r] = NoFloats();
@@ -115,7 +116,7 @@ void Tile(const uint8_t* qs, const float* scale, const QuantizedRows& x,
     __builtin_prefetch(s + kAhead * kOutputs);
     Bytes v[8];
     F::Decode(p, v);
-    const Floats scales = LoadFloats(s);
+    const Floats scales = LoadHalves(s);
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) {
       const int8_t* q = x.Q(r0 + r, b);
@@ -138,7 +139,7 @@ void Tile(const uint8_t* qs, const float* scale, const QuantizedRows& x,
 // Tiles [t0, t1) of every row, in chunks whose weights stay in cache over
 // the passes of 4 rows.
 template <typename F>
-void Tiles(const uint8_t* qs, const float* scale, const QuantizedRows& x,
+void Tiles(const uint8_t* qs, const uint16_t* scale, const QuantizedRows& x,
            int64_t R, int64_t blocks, int64_t t0, int64_t t1, float* y,
            int64_t N) {
   for (int64_t c = t0; c < t1; c += kChunk) {
@@ -158,7 +159,7 @@ void Tiles(const uint8_t* qs, const float* scale, const QuantizedRows& x,
 
 template <typename F, ffi::DataType Q>
 ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                   ffi::Buffer<Q> qs, ffi::Buffer<ffi::F32> scale,
+                   ffi::Buffer<Q> qs, ffi::Buffer<ffi::F16> scale,
                    ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions(),
        yd = y->dimensions();
@@ -168,7 +169,7 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       yd[1] != kOutputs * qd[0])
     return ffi::Error::InvalidArgument(
         "tiles: x [R, K] with K % 32 == 0, qs [T, 8 K] (Q4_0) or [T, 16 K] "
-        "(Q8_0) and scale [T, K / 2] (tiles of 16 outputs), y [R, 16 T]");
+        "(Q8_0) and f16 scale [T, K / 2] (tiles of 16 outputs), y [R, 16 T]");
   const int64_t R = xd[0], K = xd[1], T = qd[0];
   const QuantizedRows rows(x.typed_data(), R, K, F::kOffset);
   const uint8_t* q = reinterpret_cast<const uint8_t*>(qs.untyped_data());
@@ -176,7 +177,8 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t parts = std::min<int64_t>(
       T, kTilesPerThread * std::max<int64_t>(1, pool.num_threads()));
   ParallelTiles(pool, parts, [&](int64_t part) {
-    Tiles<F>(q, scale.typed_data(), rows, R, K / 32, part * T / parts,
+    Tiles<F>(q, reinterpret_cast<const uint16_t*>(scale.untyped_data()),
+             rows, R, K / 32, part * T / parts,
              (part + 1) * T / parts, y->typed_data(), kOutputs * T);
   });
   return ffi::Error::Success();
@@ -186,7 +188,7 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4_0_x8_tiles,
                               (Product<Q4_0, ffi::U8>),
-                              PZLM_PRODUCT_BINDING_2(ffi::U8, ffi::F32));
+                              PZLM_PRODUCT_BINDING_2(ffi::U8, ffi::F16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8_0_x8_tiles,
                               (Product<Q8_0, ffi::S8>),
-                              PZLM_PRODUCT_BINDING_2(ffi::S8, ffi::F32));
+                              PZLM_PRODUCT_BINDING_2(ffi::S8, ffi::F16));

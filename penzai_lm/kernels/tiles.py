@@ -12,11 +12,13 @@ Q4_0 and Q8_0 for its CPU products):
 
 * ``qs: [T, K // 32 * 16 P]``, T = N // 16: byte ``16 P b + 64 d + 4 j + i``
   of tile ``t`` is byte ``4 d + i`` of block ``b`` of output ``16 t + j``;
-* ``scale: f32[T, K // 32 * 16]``: ``16 b + j`` is the scale of block ``b``
-  of output ``16 t + j``.
+* ``scale: f16[T, K // 32 * 16]``: ``16 b + j`` is the scale of block ``b``
+  of output ``16 t + j``, as a float16 (the formats' scales are float16s:
+  18 bytes a block of Q4_0 and 34 of Q8_0, as in llama.cpp's files).
 
 The same bytes and scales as the rows, moved: `to_tiles` and `from_tiles`
-are each other's inverse, exactly.
+are each other's inverse, exactly; `to_tiles` refuses scales that a
+float16 does not hold exactly.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def _block_bytes(qs) -> int:
   return fmt[1]
 
 
+def holds(scale) -> bool:
+  """Whether tiles hold ``scale`` exactly (every value a float16)."""
+  return bool((scale.astype(jnp.float16).astype(scale.dtype) == scale).all())
+
+
 def to_tiles(qs, scale):
   """Rows ``qs: [..., N, K // 32 * P]``, ``scale: f32[..., N, K // 32]`` ->
   tiles (leading axes, such as a layer stack's, kept): numpy arrays for
@@ -62,10 +69,14 @@ def to_tiles(qs, scale):
         f"to_tiles: qs {qs.shape} and scale {scale.shape} are not a weight"
         f" of N % {OUTPUTS} == 0 outputs and K % 32 == 0 values (qs"
         f" [..., N, K // 32 * {p}], scale [..., N, K // 32]).")
+  if not holds(scale):
+    raise ValueError(
+        "to_tiles: the scales are not all float16s (Q4_0's and Q8_0's"
+        " are); tiles keep them as float16, which would round them.")
   t, b, m = n // OUTPUTS, k // 32, len(lead)
   qs = qs.reshape(*lead, t, OUTPUTS, b, p // 4, 4)
   qs = qs.transpose(*range(m), m, m + 2, m + 3, m + 1, m + 4)
-  scale = scale.reshape(*lead, t, OUTPUTS, b)
+  scale = scale.astype(jnp.float16).reshape(*lead, t, OUTPUTS, b)
   scale = scale.transpose(*range(m), m, m + 2, m + 1)
   return (qs.reshape(*lead, t, b * p * OUTPUTS),
           scale.reshape(*lead, t, b * OUTPUTS))
@@ -78,7 +89,7 @@ def from_tiles(qs, scale):
   b, m = size // (p * OUTPUTS), len(lead)
   qs = qs.reshape(*lead, t, b, p // 4, OUTPUTS, 4)
   qs = qs.transpose(*range(m), m, m + 3, m + 1, m + 2, m + 4)
-  scale = scale.reshape(*lead, t, b, OUTPUTS)
+  scale = scale.reshape(*lead, t, b, OUTPUTS).astype(jnp.float32)
   scale = scale.transpose(*range(m), m, m + 2, m + 1)
   return (qs.reshape(*lead, t * OUTPUTS, b * p),
           scale.reshape(*lead, t * OUTPUTS, b))
@@ -93,7 +104,7 @@ def rows(qs, scale, ids):
   tile, lane = ids // OUTPUTS, ids % OUTPUTS
   q = qs.reshape(t, b, p // 4, OUTPUTS, 4)[tile, :, :, lane, :]
   return (q.reshape(-1, b * p),
-          scale.reshape(t, b, OUTPUTS)[tile, :, lane])
+          scale.reshape(t, b, OUTPUTS)[tile, :, lane].astype(jnp.float32))
 
 
 def _checked(qs, scale, what: str) -> tuple[str, int, int]:
@@ -108,11 +119,11 @@ def _checked(qs, scale, what: str) -> tuple[str, int, int]:
   t, size = qs.shape
   k = size // (p // 2)
   if (size % (p * OUTPUTS) or tuple(scale.shape) != (t, k // 2)
-      or jnp.dtype(scale.dtype) != jnp.float32):
+      or jnp.dtype(scale.dtype) != jnp.float16):
     raise ValueError(
         f"{what}: qs {qs.shape} {qs.dtype} and scale {scale.shape}"
         f" {scale.dtype} are not a weight in tiles of {OUTPUTS} outputs (qs"
-        f" [T, {p // 2} K], scale f32 [T, K // 2]; `to_tiles` makes them).")
+        f" [T, {p // 2} K], scale f16 [T, K // 2]; `to_tiles` makes them).")
   return _FORMATS[jnp.dtype(qs.dtype)][0], t, k
 
 

@@ -142,16 +142,16 @@ using Q4Centered = Q4Nibbles<true>;
 // Q4_0 and Q8_0 (kInt8) in tiles of 16 outputs (matvec_tiles.cc's
 // layout): output n is lane n % 16 of tile n / 16, whose block b (P = 16 or
 // 32 bytes an output) holds the output's byte 4 d + i at 16 P b + 64 d +
-// 4 (n % 16) + i, and its scale at 16 b + n % 16. Read one output at a time
+// 4 (n % 16) + i, and its float16 scale at 16 b + n % 16. Read one output at a time
 // (the dequantization), not for products.
 template <bool kInt8>
 struct BlockTiles {
   static constexpr int kStep = 32;
   static constexpr int64_t kBlockBytes = kInt8 ? 512 : 256;
   const uint8_t* qs;
-  const float* scale;
+  const uint16_t* scale;
   int64_t K;
-  struct Row { const uint8_t* q; const float* s; };
+  struct Row { const uint8_t* q; const uint16_t* s; };
   Row row(int64_t n) const {
     const int64_t t = n / 16, j = n % 16;
     return {qs + t * (K / 32) * kBlockBytes + 4 * j,
@@ -162,7 +162,7 @@ struct BlockTiles {
     uint8_t bytes[kInt8 ? 32 : 16];
     for (int d = 0; d < int(sizeof(bytes)) / 4; ++d)
       std::memcpy(bytes + 4 * d, r.q + kBlockBytes * b + 64 * d, 4);
-    const float s = r.s[16 * b];
+    const float s = F16ToF32(r.s[16 * b]);
     VF d = Splat(s);
     if constexpr (kInt8) {
       v[0] = LoadS8(reinterpret_cast<const int8_t*>(bytes)) * d;

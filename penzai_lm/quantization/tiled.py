@@ -50,6 +50,8 @@ def tiled_params(qs, scale, memo: dict):
   key = id(rows_qs)
   if key not in memo:
     rows_scale = sv.order_as(*stack, "quant_out", "quant_groups").data_array
+    if not tiles.holds(rows_scale):  # scales edited off float16: keep rows
+      return None
     if _on_host(rows_qs) and _on_host(rows_scale):
       # In numpy: no XLA program compiled per shape.
       made = map(jnp.asarray, tiles.to_tiles(np.asarray(rows_qs),

@@ -51,7 +51,9 @@ def _q8(n, k, blocks, seed=2):
   rng = np.random.default_rng(seed)
   qs = rng.integers(-128, 128, (n, k), dtype=np.int8)
   qs[0, :5] = -128  # |w| = 128 must not overflow a signed byte
-  scale = rng.uniform(1e-3, 1e-1, (n, blocks)).astype(np.float32)
+  # float16 scales, as Q8_0's (and tiles') are
+  scale = rng.uniform(1e-3, 1e-1, (n, blocks)).astype(np.float16).astype(
+      np.float32)
   w = (qs.astype(np.float64).reshape(n, blocks, -1)
        * scale[..., None]).reshape(n, k)
   return qs, scale, w
@@ -62,7 +64,8 @@ def _q4(n, k, seed=3, centered=False):
   -8 scales (q4_0)."""
   rng = np.random.default_rng(seed)
   qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
-  scale = rng.uniform(1e-3, 1e-1, (n, k // 32)).astype(np.float32)
+  scale = rng.uniform(1e-3, 1e-1, (n, k // 32)).astype(np.float16).astype(
+      np.float32)  # float16 scales, as Q4_0's and Q4_1's (and tiles') are
   mins = rng.uniform(-1, 0, (n, k // 32)).astype(np.float32)
   if centered:
     mins = -8 * scale
@@ -231,16 +234,19 @@ def test_unsupported_shapes_are_errors():
               int8_activations=True)
   with pytest.raises(ValueError, match="tiles of 16 outputs"):
     tiles.product(_x(1, 64), np.zeros((2, 64 * 8), np.uint8),
-                  np.ones((2, 64), np.float32))
+                  np.ones((2, 64), np.float16))
   with pytest.raises(ValueError, match="tiles of 16 outputs"):
     tiles.product(_x(1, 64), np.zeros((2, 64 * 8 - 1), np.uint8),
+                  np.ones((2, 32), np.float16))
+  with pytest.raises(ValueError, match="tiles of 16 outputs"):  # f32 scales
+    tiles.product(_x(1, 64), np.zeros((2, 64 * 8), np.uint8),
                   np.ones((2, 32), np.float32))
   with pytest.raises(ValueError, match=r"must be \[R, 64\]"):
     tiles.product(_x(1, 32), np.zeros((2, 64 * 16), np.int8),
-                  np.ones((2, 32), np.float32))
+                  np.ones((2, 32), np.float16))
   with pytest.raises(ValueError, match="not float32"):
     tiles.product(_x(1, 64), np.zeros((2, 64 * 8), np.float32),
-                  np.ones((2, 32), np.float32))
+                  np.ones((2, 32), np.float16))
   with pytest.raises(ValueError, match="blocks of 32"):
     ops.q8(_x(1, 64), np.zeros((4, 64), np.int8), np.ones((4, 4), np.float32),
            int8_activations=True)

@@ -28,9 +28,11 @@ def test_the_layout_puts_output_j_in_lane_j(dtype, p):
   n, k = 48, 96
   info = np.iinfo(dtype)
   qs = rng.integers(info.min, info.max + 1, (n, k // 32 * p), dtype=dtype)
-  scale = rng.standard_normal((n, k // 32)).astype(np.float32)
+  scale = rng.standard_normal((n, k // 32)).astype(np.float16).astype(
+      np.float32)
   qs_t, scale_t = tiles.to_tiles(qs, scale)
   assert isinstance(qs_t, np.ndarray)  # numpy in, numpy out
+  assert scale_t.dtype == np.float16  # 2 bytes a scale, as in the files
   assert qs_t.shape == (3, 3 * 16 * p) and scale_t.shape == (3, 3 * 16)
   for t, b, d, j, i in [(0, 0, 0, 0, 0), (2, 1, 3, 15, 2), (1, 2, 1, 7, 3),
                         (2, 2, p // 4 - 1, 9, 1)]:
@@ -45,7 +47,8 @@ def test_the_layout_puts_output_j_in_lane_j(dtype, p):
 def test_leading_axes_are_kept():
   rng = np.random.default_rng(1)
   qs = rng.integers(0, 256, (2, 3, 32, 64), dtype=np.uint8)
-  scale = rng.standard_normal((2, 3, 32, 4)).astype(np.float32)
+  scale = rng.standard_normal((2, 3, 32, 4)).astype(np.float16).astype(
+      np.float32)
   qs_t, scale_t = tiles.to_tiles(qs, scale)
   assert qs_t.shape == (2, 3, 2, 4 * 256)
   np.testing.assert_array_equal(qs_t[1, 2], tiles.to_tiles(qs[1, 2],
@@ -63,7 +66,8 @@ def test_dequantized_from_tiles_bit_for_bit(n, k, fmt):
   give (`formats.dequantize`; `ops.dequantize` for Q4_0, as a prompt in
   rows dequantizes it)."""
   rng = np.random.default_rng(2)
-  scale = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float32)
+  scale = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float16).astype(
+      np.float32)
   if fmt == "q4_0":
     qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
     want = np.asarray(ops.dequantize(qs, scale, -8 * scale))
@@ -74,7 +78,15 @@ def test_dequantized_from_tiles_bit_for_bit(n, k, fmt):
   np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match="tiles of 16 outputs"):
     tiles.dequantize(np.zeros((1, 255), np.uint8), np.zeros((1, 16),
-                                                            np.float32))
+                                                            np.float16))
+
+
+def test_scales_a_float16_does_not_hold_are_refused():
+  scale = np.full((16, 2), 0.1, np.float32)  # 0.1 is no float16
+  assert not tiles.holds(scale)
+  assert tiles.holds(scale.astype(np.float16).astype(np.float32))
+  with pytest.raises(ValueError, match="not all float16s"):
+    tiles.to_tiles(np.zeros((16, 32), np.uint8), scale)
 
 
 @pytest.mark.parametrize("n,k", [(24, 64), (32, 48), (0, 64)])
@@ -173,3 +185,15 @@ def test_a_tied_table_moves_once_for_its_lookup_and_unembedding(fmt):
   np.testing.assert_array_equal(
       np.asarray(lookup(ids).untag("batch", "seq", "embedding").data_array),
       np.asarray(old(ids).untag("batch", "seq", "embedding").data_array))
+
+
+@pytest.mark.skipif(not ops.available(),
+                    reason="no C++ compiler for the kernels")
+def test_a_layer_whose_scales_left_float16_stays_in_rows():
+  layer = pz.select(_model("q4_0")).at_instances_of(
+      QuantizedLinear).get_sequence()[0]
+  edited = dataclasses.replace(layer, scale=pz.ParameterValue(
+      value=layer.scale.value * 1.0001, label=layer.scale.label))
+  assert layer.on_cpu_kernels(True).tiled
+  moved = edited.on_cpu_kernels(True)
+  assert moved.int8_activations and not moved.tiled
