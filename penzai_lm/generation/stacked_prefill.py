@@ -24,6 +24,7 @@ from penzai_lm.generation.prepare import PreparedModel
 from penzai_lm.generation.state import StateLayout
 from penzai_lm.kernels import on_one_cpu
 from penzai_lm.kernels import ops as kernel_ops
+from penzai_lm.quantization import tiled
 from penzai_lm.runtime.unstack import split_state
 from penzai_lm.runtime.unstack import StateSlice
 
@@ -60,8 +61,15 @@ class StackedPrefill:
 # Stacked weights whose scan costs warm prefill speed on XLA:CPU
 # (`docs/cpu-speed.md`, `benchmarks/stacked_prefill.py --engine`): 16-bit
 # floats, widened layer by layer. (4-bit blocks cost it too while XLA
-# dequantized them; the kernels do now, `kernel_ops.dequantize`.)
+# dequantized them; the kernels do now, `kernel_ops.dequantize`. The float16
+# scales of quantized weights in tiles are read by the kernels as they lie.)
 _SLOW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _widened(x) -> bool:
+  """Whether the scan widens ``x`` (a 16-bit float outside the tiles)."""
+  return (jnp.dtype(x.dtype) in _SLOW_DTYPES
+          and not set(x.named_shape) & set(tiled.TILE_AXES))
 
 
 def wanted(setting, model) -> bool:
@@ -78,7 +86,7 @@ def wanted(setting, model) -> bool:
                 .get_sequence()):
     arrays = (pz.select(stack.stacked_sublayers)
               .at_instances_of(pz.nx.NamedArrayBase).get_sequence())
-    if any(jnp.dtype(x.dtype) in _SLOW_DTYPES for x in arrays):
+    if any(_widened(x) for x in arrays):
       return False
   return True
 

@@ -168,7 +168,8 @@ def on_one_cpu(model) -> bool:
           and all(d.platform == "cpu" for d in devices))
 
 
-def with_cpu_kernels(model, *, int8_activations: bool = False):
+def with_cpu_kernels(model, *, int8_activations: bool = False,
+                     donate: bool = False):
   """``model`` with its plain Linear, EmbeddingLookup and EmbeddingDecode
   layers replaced by their kernel versions, its plain cached attention layers by
   `KernelCachedAttention`, and every layer with a ``use_cpu_kernel`` field
@@ -181,7 +182,15 @@ def with_cpu_kernels(model, *, int8_activations: bool = False):
       layers that have one (quantized layers: their small products then
       quantize the activations to int8 blocks, `ops.q8`, and so do their
       prompts where the CPU has AMX tiles, `ops.int8_gemm_isa`). Layers
-      already on the kernels keep their setting unless this is set.
+      already on the kernels keep their setting unless this is set. Q4_0
+      and Q8_0 weights move into the kernels' tiles
+      (`penzai_lm.kernels.tiles`): new arrays, made while ``model`` still
+      holds its own.
+    donate: With ``int8_activations``, delete each weight's arrays as it
+      moves into tiles, as JAX deletes donated buffers, so that memory
+      never holds both copies: ``model`` can no longer run. For
+      ``model = with_cpu_kernels(model, int8_activations=True,
+      donate=True)``.
   """
   if not ops.available():
     return model
@@ -201,11 +210,11 @@ def with_cpu_kernels(model, *, int8_activations: bool = False):
                  or (int8_activations and hasattr(x, "on_cpu_kernels"))
                  or (int8_activations
                      and getattr(x, "int8_activations", None) is False)))
-          .apply(functools.partial(_kernel_layer, memo=memo,
+          .apply(functools.partial(_kernel_layer, memo=memo, donate=donate,
                                    int8_activations=int8_activations)))
 
 
-def _kernel_layer(layer, int8_activations: bool, memo: dict):
+def _kernel_layer(layer, int8_activations: bool, memo: dict, donate: bool):
   swap = _SWAPS.get(type(layer))
   if swap is not None:
     return swap(layer)
@@ -213,7 +222,8 @@ def _kernel_layer(layer, int8_activations: bool, memo: dict):
   # kernels says so.
   if hasattr(layer, "on_cpu_kernels"):
     return layer.on_cpu_kernels(
-        int8_activations or getattr(layer, "int8_activations", False), memo)
+        int8_activations or getattr(layer, "int8_activations", False), memo,
+        donate=donate)
   if int8_activations and hasattr(layer, "int8_activations"):
     return dataclasses.replace(layer, use_cpu_kernel=True,
                                int8_activations=True)

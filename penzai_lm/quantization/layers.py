@@ -113,9 +113,11 @@ class QuantizedLinear(pz.nn.Layer):
     return tiled.tile_arrays(self.qs, self.scale)
 
   def on_cpu_kernels(self, int8_activations: bool,
-                     memo: dict | None = None) -> QuantizedLinear:
+                     memo: dict | None = None, *,
+                     donate: bool = False) -> QuantizedLinear:
     """This layer on the CPU kernels (`penzai_lm.kernels.with_cpu_kernels`
-    calls it, with one ``memo`` per call: `tiled.tiled_params`):
+    calls it, with one ``memo`` per call, and ``donate``:
+    `tiled.tiled_params`):
     ``use_cpu_kernel`` set, and with ``int8_activations`` that too, and a
     Q4_0 or Q8_0 weight of ``N % 16 == 0`` outputs and ``K % 32 == 0``
     moved into tiles (``tiled``)."""
@@ -126,7 +128,8 @@ class QuantizedLinear(pz.nn.Layer):
     if self.tiled or self.format not in tiled.TILED_FORMATS:
       return layer
     params = tiled.tiled_params(self.qs, self.scale,
-                                {} if memo is None else memo)
+                                {} if memo is None else memo,
+                                donate=donate, unused=self.mins)
     if params is None:
       return layer
     return dataclasses.replace(layer, qs=params[0], scale=params[1],
@@ -254,7 +257,8 @@ class QuantizedEmbeddingLookup(pz.nn.Layer):
   tiled: bool = _static(default=False)
 
   def on_cpu_kernels(self, int8_activations: bool,
-                     memo: dict | None = None) -> QuantizedEmbeddingLookup:
+                     memo: dict | None = None, *,
+                     donate: bool = False) -> QuantizedEmbeddingLookup:
     """This layer on the CPU kernels, as `QuantizedLinear.on_cpu_kernels`:
     with ``int8_activations`` a Q4_0 or Q8_0 table moves into the tiles its
     unembedding takes (the same arrays, through ``memo``)."""
@@ -263,7 +267,8 @@ class QuantizedEmbeddingLookup(pz.nn.Layer):
         or self.format not in tiled.TILED_FORMATS):
       return layer
     params = tiled.tiled_params(self.qs, self.scale,
-                                {} if memo is None else memo)
+                                {} if memo is None else memo,
+                                donate=donate, unused=self.mins)
     if params is None:
       return layer
     return dataclasses.replace(layer, qs=params[0], scale=params[1],

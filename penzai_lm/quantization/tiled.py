@@ -29,7 +29,8 @@ def _on_host(array) -> bool:
       and all(d.platform == "cpu" for d in array.devices()))
 
 
-def tiled_params(qs, scale, memo: dict):
+def tiled_params(qs, scale, memo: dict, *, donate: bool = False,
+                 unused=None):
   """``(qs, scale)`` parameters holding the weight of ``qs`` and ``scale``
   (``[..., quant_out, quant_in]`` and ``[..., quant_groups]`` rows) in
   tiles, with the same labels; None where the weight cannot tile.
@@ -38,6 +39,9 @@ def tiled_params(qs, scale, memo: dict):
     qs: The layer's ``qs`` parameter.
     scale: Its ``scale`` parameter (one per block of 32 values).
     memo: Tiles made so far in this pass, by the rows' ``qs`` array.
+    donate: Delete the rows' arrays (and ``unused``'s: Q4_0's ``mins``
+      parameter, which tiles drop) once the tiles are made.
+    unused: A parameter the tiled layer no longer holds, or None.
   """
   qv, sv = qs.value, scale.value
   if qv.positional_shape or sv.positional_shape:
@@ -46,19 +50,27 @@ def tiled_params(qs, scale, memo: dict):
   n, k = qv.named_shape["quant_out"], 32 * sv.named_shape["quant_groups"]
   if not tiles.tileable(n, k):
     return None
-  rows_qs = qv.order_as(*stack, "quant_out", "quant_in").data_array
+  rows_qs = key_array = qv.order_as(*stack, "quant_out",
+                                     "quant_in").data_array
   key = id(rows_qs)
   if key not in memo:
     rows_scale = sv.order_as(*stack, "quant_out", "quant_groups").data_array
+    if _on_host(rows_qs) and _on_host(rows_scale):
+      # In numpy: no XLA program compiled (and its memory kept) per shape.
+      rows_qs, rows_scale = np.asarray(rows_qs), np.asarray(rows_scale)
     if not tiles.holds(rows_scale):  # scales edited off float16: keep rows
       return None
-    if _on_host(rows_qs) and _on_host(rows_scale):
-      # In numpy: no XLA program compiled per shape.
-      made = map(jnp.asarray, tiles.to_tiles(np.asarray(rows_qs),
-                                             np.asarray(rows_scale)))
-    else:
-      made = tiles.to_tiles(rows_qs, rows_scale)
-    memo[key] = (rows_qs, *made)  # rows_qs kept alive: its id stays its own
+    made = tiles.to_tiles(rows_qs, rows_scale)
+    if isinstance(made[0], np.ndarray):
+      made = tuple(map(jnp.asarray, made))
+    memo[key] = (key_array, *made)  # kept alive: its id stays its own
+    if donate:
+      jax.block_until_ready(memo[key][1:])
+      for part in (qs, scale, unused):
+        array = None if part is None else part.value.data_array
+        if isinstance(array, jax.Array) and not isinstance(
+            array, jax.core.Tracer) and not array.is_deleted():
+          array.delete()
   _, qs_t, scale_t = memo[key]
 
   def param(old, data, second):

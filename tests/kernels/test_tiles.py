@@ -197,3 +197,24 @@ def test_a_layer_whose_scales_left_float16_stays_in_rows():
   assert layer.on_cpu_kernels(True).tiled
   moved = edited.on_cpu_kernels(True)
   assert moved.int8_activations and not moved.tiled
+
+
+@pytest.mark.skipif(not ops.available(),
+                    reason="no C++ compiler for the kernels")
+def test_donate_deletes_the_rows_that_moved():
+  config = TransformerConfig(
+      family="llama", vocab_size=96, hidden_size=64, num_layers=1,
+      num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
+      max_position_embeddings=64, tie_embeddings=True)
+  model = quantize(build_transformer(config, seed=0), "q4_0")
+  kept = with_cpu_kernels(model, int8_activations=True)
+  layers = pz.select(model).at_instances_of(QuantizedLinear).get_sequence()
+  x8 = with_cpu_kernels(model, int8_activations=True, donate=True)
+  assert all(l.qs.value.data_array.is_deleted()
+             and l.mins.value.data_array.is_deleted() for l in layers)
+  tokens = pz.nx.wrap(np.array([[3, 50, 95]], np.int32)).tag("batch", "seq")
+  fn = jax.jit(lambda m: m(tokens).untag("batch", "seq", "vocabulary")
+               .data_array)
+  np.testing.assert_array_equal(np.asarray(fn(x8)), np.asarray(fn(kept)))
+  with pytest.raises(RuntimeError, match="deleted"):
+    fn(model)
