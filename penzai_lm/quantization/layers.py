@@ -43,21 +43,8 @@ def _static(**kwargs):
 
 def _flat_arrays(qs, scale, mins):
   """A quantized weight's parameters as ``[N, ...]`` jax arrays."""
-  out = []
-  for part, second in ((qs, "quant_in"), (scale, "quant_groups"),
-                       (mins, "quant_groups")):
-    if part is None:
-      out.append(None)
-      continue
-    value = part.value
-    extra = set(value.named_shape) - set(QUANT_AXES)
-    if extra or value.positional_shape:
-      raise ValueError(
-          f"a quantized layer ({part.label}) got a weight with axes"
-          f" {dict(value.named_shape)}; axes {sorted(extra)} must be"
-          " sliced away first (run the model through its LayerStack).")
-    out.append(value.order_as("quant_out", second).data_array)
-  return out
+  return tiled.flat_arrays(((qs, "quant_in"), (scale, "quant_groups"),
+                            (mins, "quant_groups")), QUANT_AXES)
 
 
 @pz.pytree_dataclass
@@ -123,17 +110,9 @@ class QuantizedLinear(pz.nn.Layer):
     moved into tiles (``tiled``)."""
     if not int8_activations:
       return dataclasses.replace(self, use_cpu_kernel=True)
-    layer = dataclasses.replace(self, use_cpu_kernel=True,
-                                int8_activations=True)
-    if self.tiled or self.format not in tiled.TILED_FORMATS:
-      return layer
-    params = tiled.tiled_params(self.qs, self.scale,
-                                {} if memo is None else memo,
-                                donate=donate, unused=self.mins)
-    if params is None:
-      return layer
-    return dataclasses.replace(layer, qs=params[0], scale=params[1],
-                               mins=None, tiled=True)
+    return tiled.into_tiles(
+        dataclasses.replace(self, use_cpu_kernel=True, int8_activations=True),
+        memo, donate)
 
   def dequantized(self, dtype=jnp.float32) -> pz.nx.NamedArray:
     """The weight as a float named array over ``in_axes`` and ``out_axes``."""
@@ -263,16 +242,7 @@ class QuantizedEmbeddingLookup(pz.nn.Layer):
     with ``int8_activations`` a Q4_0 or Q8_0 table moves into the tiles its
     unembedding takes (the same arrays, through ``memo``)."""
     layer = dataclasses.replace(self, use_cpu_kernel=True)
-    if (not int8_activations or self.tiled
-        or self.format not in tiled.TILED_FORMATS):
-      return layer
-    params = tiled.tiled_params(self.qs, self.scale,
-                                {} if memo is None else memo,
-                                donate=donate, unused=self.mins)
-    if params is None:
-      return layer
-    return dataclasses.replace(layer, qs=params[0], scale=params[1],
-                               mins=None, tiled=True)
+    return tiled.into_tiles(layer, memo, donate) if int8_activations else layer
 
   def __call__(self, token_index: pz.nx.NamedArray, **_unused_side_inputs):
     if token_index.positional_shape:

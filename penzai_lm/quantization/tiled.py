@@ -9,6 +9,8 @@ both the same tiles, so the weight stays one copy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,17 +84,39 @@ def tiled_params(qs, scale, memo: dict, *, donate: bool = False,
           param(scale, scale_t, "quant_tile_scales"))
 
 
-def tile_arrays(qs, scale):
-  """A tiled weight's ``qs`` and ``scale`` parameters as ``[T, ...]`` jax
-  arrays (any stacking axis sliced away first)."""
+def into_tiles(layer, memo: dict | None, donate: bool):
+  """A quantized layer (`QuantizedLinear`, `QuantizedEmbeddingLookup`) with
+  its weight in tiles (``tiled``), or as it is where it cannot move."""
+  if layer.tiled or layer.format not in TILED_FORMATS:
+    return layer
+  params = tiled_params(layer.qs, layer.scale, {} if memo is None else memo,
+                        donate=donate, unused=layer.mins)
+  if params is None:
+    return layer
+  return dataclasses.replace(layer, qs=params[0], scale=params[1], mins=None,
+                             tiled=True)
+
+
+def flat_arrays(parts, axes: tuple[str, ...]):
+  """``(parameter or None, second axis)`` pairs as ``[axes[0], second]``
+  jax arrays (None for None), any stacking axis sliced away first."""
   out = []
-  for part, second in ((qs, TILE_AXES[1]), (scale, TILE_AXES[2])):
+  for part, second in parts:
+    if part is None:
+      out.append(None)
+      continue
     value = part.value
-    extra = set(value.named_shape) - set(TILE_AXES)
+    extra = set(value.named_shape) - set(axes)
     if extra or value.positional_shape:
       raise ValueError(
           f"a quantized layer ({part.label}) got a weight with axes"
           f" {dict(value.named_shape)}; axes {sorted(extra)} must be"
           " sliced away first (run the model through its LayerStack).")
-    out.append(value.order_as("quant_tiles", second).data_array)
+    out.append(value.order_as(axes[0], second).data_array)
   return out
+
+
+def tile_arrays(qs, scale):
+  """A tiled weight's ``qs`` and ``scale`` parameters as ``[T, ...]`` jax
+  arrays."""
+  return flat_arrays(((qs, TILE_AXES[1]), (scale, TILE_AXES[2])), TILE_AXES)
