@@ -191,7 +191,16 @@ def with_cpu_kernels(model, *, int8_activations: bool = False,
       never holds both copies: ``model`` can no longer run. For
       ``model = with_cpu_kernels(model, int8_activations=True,
       donate=True)``.
+
+  Raises:
+    ValueError: For ``donate`` without ``int8_activations`` (nothing would
+      move, so nothing would be deleted).
   """
+  if donate and not int8_activations:
+    raise ValueError(
+        "with_cpu_kernels: donate=True deletes the weights that move into"
+        " the kernels' tiles, which only int8_activations=True moves; pass"
+        " int8_activations=True too, or leave donate off.")
   if not ops.available():
     return model
   model = (pz.select(model).at_instances_of(InPlaceKVCachingAttention)

@@ -218,3 +218,5 @@ def test_donate_deletes_the_rows_that_moved():
   np.testing.assert_array_equal(np.asarray(fn(x8)), np.asarray(fn(kept)))
   with pytest.raises(RuntimeError, match="deleted"):
     fn(model)
+  with pytest.raises(ValueError, match="int8_activations=True too"):
+    with_cpu_kernels(kept, donate=True)
