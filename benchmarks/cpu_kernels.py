@@ -15,7 +15,7 @@ the AMX tiles where the CPU has them: `gemm_x8.cc`). ``q4_0-tiles`` is
 Q4_0 with int8 activations on weights moved into tiles of 16 outputs
 (`penzai_lm/kernels/tiles.py`, `matvec_tiles.cc`), as
 ``with_cpu_kernels(..., int8_activations=True)`` moves Q4_0 layers;
-``q8_0-tiles`` the same for Q8_0. Reports the median
+``q8_0-tiles`` and ``q4_1-tiles`` the same for Q8_0 and Q4_1. Reports the median
 step time and weights per second; medians of --repeats.
 
   python benchmarks/cpu_kernels.py [--repeats 20] [--formats bf16,q8_0]
@@ -61,8 +61,10 @@ def _weights(fmt: str, rng):
       out.append((jnp.asarray(w).astype(
           jnp.bfloat16 if fmt == "bf16-out" else jnp.float32),))
     elif fmt.endswith("-tiles"):
-      q = qformats.quantize(w, fmt.removesuffix("-tiles"))
-      out.append(tiles.to_tiles(q.qs, q.scale))
+      base = fmt.removesuffix("-tiles")
+      q = qformats.quantize(w, base)
+      out.append(tiles.to_tiles(q.qs, q.scale,
+                                *([q.mins] if base == "q4_1" else [])))
     else:
       q = qformats.quantize(w, fmt.removesuffix("-x8"))
       out.append(q)
@@ -89,8 +91,8 @@ def _product(fmt, x, arrays, kernels: bool):
   if fmt.endswith("-tiles"):
     if kernels:
       return tiles.product(x, *arrays)
-    qs, scale = tiles.from_tiles(*arrays)
-    return x @ qformats.dequantize(qs, scale, None,
+    qs, scale, *mins = tiles.from_tiles(*arrays)
+    return x @ qformats.dequantize(qs, scale, (mins or [None])[0],
                                    fmt.removesuffix("-tiles")).T
   if not kernels:
     return x @ arrays.dequantize().T

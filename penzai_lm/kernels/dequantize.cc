@@ -11,7 +11,8 @@
 //          scale + min (ggml's nibble order)
 //   q4_0 and q8_0 in tiles of 16 outputs (matvec_tiles.cc): qs u8[N / 16,
 //          8 K] or s8[N / 16, 16 K], scale f16[N / 16, K / 2] -> nibble *
-//          scale - 8 scale, or q * scale
+//          scale - 8 scale, or q * scale; q4_1 in tiles: qs u8[N / 16, 8 K],
+//          scale and mins f32[N / 16, K / 2] -> nibble * scale + min
 // Each value is one multiply, or one fused multiply-add with the offset
 // (as XLA computes `formats.dequantize` for the 4-bit layouts; its q8_16
 // may round the product first: 1 ulp).
@@ -115,7 +116,28 @@ ffi::Error Tiles(ffi::ThreadPool pool, ffi::Buffer<Q> qs,
   Write(pool,
         BlockTiles<kInt8>{reinterpret_cast<const uint8_t*>(qs.untyped_data()),
                           reinterpret_cast<const uint16_t*>(
-                              scale.untyped_data()), K},
+                              scale.untyped_data()), nullptr, K},
+        out->typed_data(), 16 * qd[0], K);
+  return ffi::Error::Success();
+}
+
+// Q4_1 in tiles of 16 outputs, float32 scales and offsets.
+ffi::Error Q4_1Tiles(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> qs,
+                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = qs.dimensions(), sd = scale.dimensions(), md = mins.dimensions(),
+       od = out->dimensions();
+  if (qd.size() != 2 || qd[1] % 256 != 0 || sd.size() != 2 ||
+      sd[0] != qd[0] || sd[1] * 16 != qd[1] || md.size() != 2 ||
+      md[0] != sd[0] || md[1] != sd[1] || od.size() != 2 ||
+      od[0] != 16 * qd[0] || od[1] * 8 != qd[1])
+    return ffi::Error::InvalidArgument(
+        "dequantize q4_1 tiles: qs [T, 8 K], f32 scale and mins [T, K / 2], "
+        "out [16 T, K]");
+  const int64_t K = qd[1] / 8;
+  Write(pool,
+        BlockTiles<false, true>{qs.typed_data(), scale.typed_data(),
+                                mins.typed_data(), K},
         out->typed_data(), 16 * qd[0], K);
   return ffi::Error::Success();
 }
@@ -130,6 +152,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     pzlm_dequantize_q8_0_tiles, (Tiles<true, ffi::S8>),
     ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>()
         .Arg<ffi::Buffer<ffi::F16>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    pzlm_dequantize_q4_1_tiles, Q4_1Tiles,
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>()
+        .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+        .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     pzlm_dequantize_q8, Q8,
     ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>()

@@ -1,5 +1,5 @@
-// Q4_0 and Q8_0 products with int8 activations, on weights repacked in
-// tiles of 16 outputs (as llama.cpp repacks them for its CPU products),
+// Q4_0, Q8_0 and Q4_1 products with int8 activations, on weights repacked
+// in tiles of 16 outputs (as llama.cpp repacks them for its CPU products),
 // called through the XLA FFI.
 //
 // Why: in the out-major layout (matvec_x8.cc) a 64-byte step holds 4
@@ -21,8 +21,11 @@
 //          of the block, its high nibble value 16 + 4 d + i);
 //   scale: f16[T, K / 32 * 16]: 16 b + j is block b's scale of output
 //          16 t + j (the formats' scales are float16s: 18 bytes a block of
-//          Q4_0, 34 of Q8_0, as in llama.cpp's files).
-// Q4_0: w = (nibble - 8) * scale; Q8_0: w = q * scale.
+//          Q4_0, 34 of Q8_0, as in llama.cpp's files); Q4_1's f32 (its
+//          rows from Q4_K blocks hold products of two scales);
+//   mins:  Q4_1 only, f32[T, K / 32 * 16], laid out as scale.
+// Q4_0: w = (nibble - 8) * scale; Q8_0: w = q * scale; Q4_1: w = nibble *
+// scale + min.
 //
 // The activations are quantized as matvec_x8.cc quantizes them (llama.cpp's
 // quantize_row_q8_0), so the product is the float product of the rounded
@@ -46,12 +49,19 @@ constexpr int64_t kRowPass = 4;   // rows per pass over a chunk of tiles
 constexpr int64_t kChunk = 4;     // tiles whose weights serve every pass
 constexpr int64_t kAhead = 4;     // blocks prefetched ahead
 
-// The two formats: a block of a tile is kDwords 64-byte vectors of weights,
+// The formats: a block of a tile is kDwords 64-byte vectors of weights,
 // which `Decode` makes into 8 vectors, vector e meeting the activations'
 // bytes 4 e .. 4 e + 3 of the block; `kOffset` times d_x Σ q is what the
 // block's dot takes off (Q4_0: its offsets, -8 scale; Q8_0 with flipped
-// weights, int8_dot.h: the 128 Σ q they add).
+// weights, int8_dot.h: the 128 Σ q they add), or with `kMins` (Q4_1) what
+// the block's offsets multiply. `S` is a scale's type (float16 bits or
+// float).
+inline Floats LoadScales(const uint16_t* p) { return LoadHalves(p); }
+inline Floats LoadScales(const float* p) { return LoadFloats(p); }
+
 struct Q4_0 {
+  using S = uint16_t;
+  static constexpr bool kMins = false;
   static constexpr int kDwords = 4;
   static constexpr float kOffset = -8.f;
   static void Decode(const uint8_t* p, Bytes (&v)[8]) {
@@ -64,7 +74,14 @@ struct Q4_0 {
   }
   static Ints Dot(Ints acc, Bytes w, Bytes x) { return DotUS(acc, w, x); }
 };
+struct Q4_1 : Q4_0 {
+  using S = float;
+  static constexpr bool kMins = true;
+  static constexpr float kOffset = 1.f;
+};
 struct Q8_0 {
+  using S = uint16_t;
+  static constexpr bool kMins = false;
   static constexpr int kDwords = 8;
   static constexpr float kOffset = kFlip ? -128.f : 0.f;
   static void Decode(const uint8_t* p, Bytes (&v)[8]) {
@@ -99,24 +116,36 @@ class QuantizedRows {
 };
 
 // Tile t's 16 outputs of rows [r0, r0 + RB), written to y [R, 16 T].
+template <typename F>
+struct Weights {
+  const uint8_t* qs;
+  const typename F::S* scale;
+  const float* mins;  // Q4_1's, else null
+};
+
 template <typename F, int RB>
-void Tile(const uint8_t* qs, const uint16_t* scale, const QuantizedRows& x,
-          int64_t blocks, int64_t t, int64_t r0, float* y, int64_t N) {
+void Tile(const Weights<F>& w, const QuantizedRows& x, int64_t blocks,
+          int64_t t, int64_t r0, float* y, int64_t N) {
   constexpr int64_t kBlockBytes = 64 * F::kDwords;
-  const uint8_t* p = qs + t * blocks * kBlockBytes;
-  const uint16_t* s = scale + t * blocks * kOutputs;
+  const uint8_t* p = w.qs + t * blocks * kBlockBytes;
+  const typename F::S* s = w.scale + t * blocks * kOutputs;
+  const float* m = F::kMins ? w.mins + t * blocks * kOutputs : nullptr;
   Floats acc[RB];
 #pragma GCC unroll 4
   for (int r = 0; r < RB; ++r) acc[r] = NoFloats();
-  for (int64_t b = 0; b < blocks; ++b, p += kBlockBytes, s += kOutputs) {
+  for (int64_t b = 0; b < blocks;
+       ++b, p += kBlockBytes, s += kOutputs, m += F::kMins ? kOutputs : 0) {
     // Past the tile's end is the next tile's start (or a line unused).
 #pragma GCC unroll 8
     for (int l = 0; l < F::kDwords; ++l)
       __builtin_prefetch(p + kAhead * kBlockBytes + 64 * l);
     __builtin_prefetch(s + kAhead * kOutputs);
+    if constexpr (F::kMins) __builtin_prefetch(m + kAhead * kOutputs);
     Bytes v[8];
     F::Decode(p, v);
-    const Floats scales = LoadHalves(s);
+    const Floats scales = LoadScales(s);
+    Floats offsets = NoFloats();
+    if constexpr (F::kMins) offsets = LoadFloats(m);
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) {
       const int8_t* q = x.Q(r0 + r, b);
@@ -127,9 +156,14 @@ void Tile(const uint8_t* qs, const uint16_t* scale, const QuantizedRows& x,
         i1 = F::Dot(i1, v[e + 1], Broadcast4(q + 4 * e + 4));
       }
       const Floats dot = Add(ToFloats(i0), ToFloats(i1));
-      const Floats t = Fma(dot, Splat(x.D(r0 + r, b)),
-                           Splat(x.C(r0 + r, b)));
-      acc[r] = Fma(scales, t, acc[r]);
+      if constexpr (F::kMins) {
+        acc[r] = Fma(scales, Mul(dot, Splat(x.D(r0 + r, b))), acc[r]);
+        acc[r] = Fma(offsets, Splat(x.C(r0 + r, b)), acc[r]);
+      } else {
+        const Floats t = Fma(dot, Splat(x.D(r0 + r, b)),
+                             Splat(x.C(r0 + r, b)));
+        acc[r] = Fma(scales, t, acc[r]);
+      }
     }
   }
   for (int r = 0; r < RB; ++r)
@@ -139,22 +173,35 @@ void Tile(const uint8_t* qs, const uint16_t* scale, const QuantizedRows& x,
 // Tiles [t0, t1) of every row, in chunks whose weights stay in cache over
 // the passes of 4 rows.
 template <typename F>
-void Tiles(const uint8_t* qs, const uint16_t* scale, const QuantizedRows& x,
-           int64_t R, int64_t blocks, int64_t t0, int64_t t1, float* y,
-           int64_t N) {
+void Tiles(const Weights<F>& w, const QuantizedRows& x, int64_t R,
+           int64_t blocks, int64_t t0, int64_t t1, float* y, int64_t N) {
   for (int64_t c = t0; c < t1; c += kChunk) {
     const int64_t c1 = std::min(t1, c + kChunk);
     for (int64_t r0 = 0; r0 < R; r0 += kRowPass) {
       for (int64_t t = c; t < c1; ++t) {
         switch (std::min(kRowPass, R - r0)) {
-          case 1: Tile<F, 1>(qs, scale, x, blocks, t, r0, y, N); break;
-          case 2: Tile<F, 2>(qs, scale, x, blocks, t, r0, y, N); break;
-          case 3: Tile<F, 3>(qs, scale, x, blocks, t, r0, y, N); break;
-          default: Tile<F, 4>(qs, scale, x, blocks, t, r0, y, N); break;
+          case 1: Tile<F, 1>(w, x, blocks, t, r0, y, N); break;
+          case 2: Tile<F, 2>(w, x, blocks, t, r0, y, N); break;
+          case 3: Tile<F, 3>(w, x, blocks, t, r0, y, N); break;
+          default: Tile<F, 4>(w, x, blocks, t, r0, y, N); break;
         }
       }
     }
   }
+}
+
+// y = x w^T for w in tiles (validated by the handlers below).
+template <typename F>
+void Run(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K,
+         const Weights<F>& w, int64_t T, float* y) {
+  const QuantizedRows rows(x, R, K, F::kOffset);
+  // Two runs of tiles per thread (as ParallelOutputs hands out outputs).
+  const int64_t parts = std::min<int64_t>(
+      T, kTilesPerThread * std::max<int64_t>(1, pool.num_threads()));
+  ParallelTiles(pool, parts, [&](int64_t part) {
+    Tiles<F>(w, rows, R, K / 32, part * T / parts, (part + 1) * T / parts, y,
+             kOutputs * T);
+  });
 }
 
 template <typename F, ffi::DataType Q>
@@ -170,17 +217,30 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument(
         "tiles: x [R, K] with K % 32 == 0, qs [T, 8 K] (Q4_0) or [T, 16 K] "
         "(Q8_0) and f16 scale [T, K / 2] (tiles of 16 outputs), y [R, 16 T]");
-  const int64_t R = xd[0], K = xd[1], T = qd[0];
-  const QuantizedRows rows(x.typed_data(), R, K, F::kOffset);
-  const uint8_t* q = reinterpret_cast<const uint8_t*>(qs.untyped_data());
-  // Two runs of tiles per thread (as ParallelOutputs hands out outputs).
-  const int64_t parts = std::min<int64_t>(
-      T, kTilesPerThread * std::max<int64_t>(1, pool.num_threads()));
-  ParallelTiles(pool, parts, [&](int64_t part) {
-    Tiles<F>(q, reinterpret_cast<const uint16_t*>(scale.untyped_data()),
-             rows, R, K / 32, part * T / parts,
-             (part + 1) * T / parts, y->typed_data(), kOutputs * T);
-  });
+  const Weights<F> w{reinterpret_cast<const uint8_t*>(qs.untyped_data()),
+                     reinterpret_cast<const uint16_t*>(scale.untyped_data()),
+                     nullptr};
+  Run<F>(pool, x.typed_data(), xd[0], xd[1], w, qd[0], y->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error ProductQ4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                       ffi::Buffer<ffi::U8> qs, ffi::Buffer<ffi::F32> scale,
+                       ffi::Buffer<ffi::F32> mins,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions(),
+       md = mins.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || xd[1] % 32 != 0 || qd.size() != 2 ||
+      qd[1] != 8 * xd[1] || sd.size() != 2 || sd[0] != qd[0] ||
+      2 * sd[1] != xd[1] || md.size() != 2 || md[0] != sd[0] ||
+      md[1] != sd[1] || yd.size() != 2 || yd[0] != xd[0] ||
+      yd[1] != kOutputs * qd[0])
+    return ffi::Error::InvalidArgument(
+        "q4_1 tiles: x [R, K] with K % 32 == 0, qs [T, 8 K], f32 scale and "
+        "mins [T, K / 2] (tiles of 16 outputs), y [R, 16 T]");
+  const Weights<Q4_1> w{qs.typed_data(), scale.typed_data(),
+                        mins.typed_data()};
+  Run<Q4_1>(pool, x.typed_data(), xd[0], xd[1], w, qd[0], y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -192,3 +252,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4_0_x8_tiles,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8_0_x8_tiles,
                               (Product<Q8_0, ffi::S8>),
                               PZLM_PRODUCT_BINDING_2(ffi::S8, ffi::F16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4_1_x8_tiles, ProductQ4_1,
+                              PZLM_PRODUCT_BINDING_3(ffi::U8, ffi::F32,
+                                                     ffi::F32));

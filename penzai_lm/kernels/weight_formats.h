@@ -19,6 +19,8 @@
 #ifndef PENZAI_LM_KERNELS_WEIGHT_FORMATS_H_
 #define PENZAI_LM_KERNELS_WEIGHT_FORMATS_H_
 
+#include <type_traits>
+
 #include "common.h"
 #include "float_vec.h"
 
@@ -139,37 +141,41 @@ struct Q4Nibbles {
 using Q4 = Q4Nibbles<false>;
 using Q4Centered = Q4Nibbles<true>;
 
-// Q4_0 and Q8_0 (kInt8) in tiles of 16 outputs (matvec_tiles.cc's
-// layout): output n is lane n % 16 of tile n / 16, whose block b (P = 16 or
-// 32 bytes an output) holds the output's byte 4 d + i at 16 P b + 64 d +
-// 4 (n % 16) + i, and its float16 scale at 16 b + n % 16. Read one output at a time
-// (the dequantization), not for products.
-template <bool kInt8>
+// Q4_0, Q8_0 (kInt8) and Q4_1 (kMins) in tiles of 16 outputs
+// (matvec_tiles.cc's layout): output n is lane n % 16 of tile n / 16, whose
+// block b (P = 16 or 32 bytes an output) holds the output's byte 4 d + i at
+// 16 P b + 64 d + 4 (n % 16) + i, and its scale (a float16; Q4_1's a
+// float32, and its offset beside it) at 16 b + n % 16. Read one output at a
+// time (the dequantization), not for products.
+template <bool kInt8, bool kMins = false>
 struct BlockTiles {
   static constexpr int kStep = 32;
   static constexpr int64_t kBlockBytes = kInt8 ? 512 : 256;
+  using S = std::conditional_t<kMins, float, uint16_t>;  // a scale
   const uint8_t* qs;
-  const uint16_t* scale;
+  const S* scale;
+  const float* mins;  // Q4_1's offsets, else unused
   int64_t K;
-  struct Row { const uint8_t* q; const uint16_t* s; };
+  struct Row { const uint8_t* q; const S* s; const float* m; };
   Row row(int64_t n) const {
-    const int64_t t = n / 16, j = n % 16;
-    return {qs + t * (K / 32) * kBlockBytes + 4 * j,
-            scale + t * (K / 32) * 16 + j};
+    const int64_t t = n / 16, j = n % 16, at = t * (K / 32) * 16 + j;
+    return {qs + t * (K / 32) * kBlockBytes + 4 * j, scale + at,
+            kMins ? mins + at : nullptr};
   }
   void Get(Row r, int64_t k, VF* v) const {
     const int64_t b = k / 32;
     uint8_t bytes[kInt8 ? 32 : 16];
     for (int d = 0; d < int(sizeof(bytes)) / 4; ++d)
       std::memcpy(bytes + 4 * d, r.q + kBlockBytes * b + 64 * d, 4);
-    const float s = F16ToF32(r.s[16 * b]);
+    float s;
+    if constexpr (kMins) s = r.s[16 * b]; else s = F16ToF32(r.s[16 * b]);
     VF d = Splat(s);
     if constexpr (kInt8) {
       v[0] = LoadS8(reinterpret_cast<const int8_t*>(bytes)) * d;
       v[1] = LoadS8(reinterpret_cast<const int8_t*>(bytes) + 16) * d;
     } else {
       const U8x16 q = LoadAs<U8x16>(bytes);
-      VF m = Splat(-8.f * s);
+      VF m = Splat(kMins ? r.m[16 * b] : -8.f * s);
       v[0] = LoadU8(q & 15) * d + m;
       v[1] = LoadU8(q >> 4) * d + m;
     }

@@ -47,6 +47,13 @@ def _flat_arrays(qs, scale, mins):
                             (mins, "quant_groups")), QUANT_AXES)
 
 
+def _with_mins(arrays) -> list:
+  """``(qs, scale)`` or ``(qs, scale, mins)`` as ``[qs, scale, mins or
+  None]``."""
+  qs, scale, *mins = arrays
+  return [qs, scale, mins[0] if mins else None]
+
+
 @pz.pytree_dataclass
 class QuantizedLinear(pz.nn.Layer):
   """A linear layer with a quantized weight (see the module docstring).
@@ -63,12 +70,12 @@ class QuantizedLinear(pz.nn.Layer):
     format: The weight layout (`penzai_lm.quantization.formats.LAYOUTS`).
     use_cpu_kernel: Run small products on the CPU kernels (set by the
       engine for models on one CPU device).
-    tiled: ``qs`` and ``scale`` hold a Q4_0 or Q8_0 weight in tiles of 16
-      outputs (`penzai_lm.kernels.tiles`; axes ``quant_tiles`` and
-      ``quant_tile_bytes`` / ``quant_tile_scales``), which the
-      int8-activation decode product reads as one stream; ``mins`` is
-      None. Everything else reads the weight back in rows. Set by
-      `on_cpu_kernels`.
+    tiled: ``qs`` and ``scale`` (and Q4_1's ``mins``) hold a Q4_0, Q8_0 or
+      Q4_1 weight in tiles of 16 outputs (`penzai_lm.kernels.tiles`; axes
+      ``quant_tiles`` and ``quant_tile_bytes`` / ``quant_tile_scales``),
+      which the int8-activation decode product reads as one stream;
+      ``mins`` is None but for Q4_1. Everything else reads the weight back
+      in rows. Set by `on_cpu_kernels`.
     int8_activations: In the decode kernels (at most `MAX_ROWS` rows),
       quantize the activations to int8 blocks of 32 and take integer dot
       products (llama.cpp's scheme; `penzai_lm.kernels.ops.q8`): faster,
@@ -92,12 +99,13 @@ class QuantizedLinear(pz.nn.Layer):
   def _arrays(self):
     """The weight's arrays as ``[N, ...]`` jax arrays, in rows."""
     if self.tiled:
-      return [*tiles.from_tiles(*self._tiles()), None]
+      return _with_mins(tiles.from_tiles(*self._tiles()))
     return _flat_arrays(self.qs, self.scale, self.mins)
 
   def _tiles(self):
-    """A tiled weight's ``qs`` and ``scale`` as ``[T, ...]`` jax arrays."""
-    return tiled.tile_arrays(self.qs, self.scale)
+    """A tiled weight's ``qs``, ``scale`` (and Q4_1's ``mins``) as
+    ``[T, ...]`` jax arrays."""
+    return tiled.tile_arrays(self.qs, self.scale, self.mins)
 
   def on_cpu_kernels(self, int8_activations: bool,
                      memo: dict | None = None, *,
@@ -106,8 +114,8 @@ class QuantizedLinear(pz.nn.Layer):
     calls it, with one ``memo`` per call, and ``donate``:
     `tiled.tiled_params`):
     ``use_cpu_kernel`` set, and with ``int8_activations`` that too, and a
-    Q4_0 or Q8_0 weight of ``N % 16 == 0`` outputs and ``K % 32 == 0``
-    moved into tiles (``tiled``)."""
+    Q4_0, Q8_0 or Q4_1 weight of ``N % 16 == 0`` outputs and ``K % 32 ==
+    0`` moved into tiles (``tiled``)."""
     if not int8_activations:
       return dataclasses.replace(self, use_cpu_kernel=True)
     return tiled.into_tiles(
@@ -188,9 +196,9 @@ class QuantizedLinear(pz.nn.Layer):
     # alive at once, their pages faulted in afresh on every call (see
     # docs/design.md).
     if self.tiled:  # dequantized from the tiles as they lie
-      qs, scale = self._tiles()
+      qs, scale, *mins = self._tiles()
       w = self._tagged(tiles.dequantize(
-          qs, ops.after(x.data_array, scale)).astype(x.dtype))
+          qs, ops.after(x.data_array, scale), *mins).astype(x.dtype))
     else:
       qs, scale, mins = self._arrays()
       w = self._named(qs, ops.after(x.data_array, scale), mins, x.dtype,
@@ -239,8 +247,8 @@ class QuantizedEmbeddingLookup(pz.nn.Layer):
                      memo: dict | None = None, *,
                      donate: bool = False) -> QuantizedEmbeddingLookup:
     """This layer on the CPU kernels, as `QuantizedLinear.on_cpu_kernels`:
-    with ``int8_activations`` a Q4_0 or Q8_0 table moves into the tiles its
-    unembedding takes (the same arrays, through ``memo``)."""
+    with ``int8_activations`` a Q4_0, Q8_0 or Q4_1 table moves into the
+    tiles its unembedding takes (the same arrays, through ``memo``)."""
     layer = dataclasses.replace(self, use_cpu_kernel=True)
     return tiled.into_tiles(layer, memo, donate) if int8_activations else layer
 
@@ -250,9 +258,8 @@ class QuantizedEmbeddingLookup(pz.nn.Layer):
                        f" axes only; got {token_index!r}.")
     ids = token_index.data_array.reshape(-1).astype(jnp.int32)
     if self.tiled:
-      return self._embeddings(
-          token_index, [*tiles.rows(*tiled.tile_arrays(self.qs, self.scale),
-                                    ids), None])
+      return self._embeddings(token_index, _with_mins(tiles.rows(
+          ids, *tiled.tile_arrays(self.qs, self.scale, self.mins))))
     if self.use_cpu_kernel:
       take = ops.rows
     else:

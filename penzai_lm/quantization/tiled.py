@@ -19,7 +19,7 @@ from penzai import pz
 from penzai_lm.kernels import tiles
 
 # Formats that move into tiles, and the axes of a weight there.
-TILED_FORMATS = ("q4_0", "q8_0")
+TILED_FORMATS = tiles.FORMATS
 ROW_AXES = ("quant_out", "quant_in", "quant_groups")
 TILE_AXES = ("quant_tiles", "quant_tile_bytes", "quant_tile_scales")
 
@@ -31,57 +31,63 @@ def _on_host(array) -> bool:
       and all(d.platform == "cpu" for d in array.devices()))
 
 
-def tiled_params(qs, scale, memo: dict, *, donate: bool = False,
-                 unused=None):
-  """``(qs, scale)`` parameters holding the weight of ``qs`` and ``scale``
-  (``[..., quant_out, quant_in]`` and ``[..., quant_groups]`` rows) in
-  tiles, with the same labels; None where the weight cannot tile.
+def tiled_params(qs, scale, mins, fmt: str, memo: dict, *,
+                 donate: bool = False):
+  """``(qs, scale, mins)`` parameters holding the weight of ``qs``,
+  ``scale`` and Q4_1's ``mins`` (``[..., quant_out, quant_in]`` and
+  ``[..., quant_groups]`` rows) in tiles, with the same labels (``mins``
+  None but for Q4_1); None where the weight cannot tile.
 
   Args:
     qs: The layer's ``qs`` parameter.
     scale: Its ``scale`` parameter (one per block of 32 values).
+    mins: Its ``mins`` parameter, or None. Q4_0's (-8 scales) are dropped:
+      the tiles derive them.
+    fmt: The layer's format, one of `TILED_FORMATS`.
     memo: Tiles made so far in this pass, by the rows' ``qs`` array.
-    donate: Delete the rows' arrays (and ``unused``'s: Q4_0's ``mins``
-      parameter, which tiles drop) once the tiles are made.
-    unused: A parameter the tiled layer no longer holds, or None.
+    donate: Delete the rows' arrays once the tiles are made.
   """
-  qv, sv = qs.value, scale.value
-  if qv.positional_shape or sv.positional_shape:
+  parts = (qs, scale, mins)
+  if any(p is not None and p.value.positional_shape for p in parts):
     return None
+  qv, sv = qs.value, scale.value
   stack = [a for a in qv.named_axes if a not in ROW_AXES]
   n, k = qv.named_shape["quant_out"], 32 * sv.named_shape["quant_groups"]
   if not tiles.tileable(n, k):
     return None
   rows_qs = key_array = qv.order_as(*stack, "quant_out",
                                      "quant_in").data_array
+  moving = (scale, mins) if fmt == "q4_1" else (scale,)
   key = id(rows_qs)
   if key not in memo:
-    rows_scale = sv.order_as(*stack, "quant_out", "quant_groups").data_array
-    if _on_host(rows_qs) and _on_host(rows_scale):
+    scales = [p.value.order_as(*stack, "quant_out", "quant_groups").data_array
+              for p in moving]
+    if _on_host(rows_qs) and all(map(_on_host, scales)):
       # In numpy: no XLA program compiled (and its memory kept) per shape.
-      rows_qs, rows_scale = np.asarray(rows_qs), np.asarray(rows_scale)
-    if not tiles.holds(rows_scale):  # scales edited off float16: keep rows
-      return None
-    made = tiles.to_tiles(rows_qs, rows_scale)
+      rows_qs, scales = np.asarray(rows_qs), [np.asarray(a) for a in scales]
+    if fmt != "q4_1" and not tiles.holds(scales[0]):
+      return None  # scales edited off float16: keep rows
+    made = tiles.to_tiles(rows_qs, *scales)
     if isinstance(made[0], np.ndarray):
       made = tuple(map(jnp.asarray, made))
-    memo[key] = (key_array, *made)  # kept alive: its id stays its own
+    memo[key] = (key_array, made)  # kept alive: its id stays its own
     if donate:
-      jax.block_until_ready(memo[key][1:])
-      for part in (qs, scale, unused):
+      jax.block_until_ready(made)
+      for part in parts:
         array = None if part is None else part.value.data_array
         if isinstance(array, jax.Array) and not isinstance(
             array, jax.core.Tracer) and not array.is_deleted():
           array.delete()
-  _, qs_t, scale_t = memo[key]
+  made = memo[key][1]
 
   def param(old, data, second):
     wrap = type(old) if isinstance(old, pz.Parameter) else pz.ParameterValue
     return wrap(value=pz.nx.wrap(data).tag(*stack, "quant_tiles", second),
                 label=old.label)
 
-  return (param(qs, qs_t, "quant_tile_bytes"),
-          param(scale, scale_t, "quant_tile_scales"))
+  return (param(qs, made[0], TILE_AXES[1]),
+          param(scale, made[1], TILE_AXES[2]),
+          param(mins, made[2], TILE_AXES[2]) if len(made) > 2 else None)
 
 
 def into_tiles(layer, memo: dict | None, donate: bool):
@@ -89,12 +95,12 @@ def into_tiles(layer, memo: dict | None, donate: bool):
   its weight in tiles (``tiled``), or as it is where it cannot move."""
   if layer.tiled or layer.format not in TILED_FORMATS:
     return layer
-  params = tiled_params(layer.qs, layer.scale, {} if memo is None else memo,
-                        donate=donate, unused=layer.mins)
+  params = tiled_params(layer.qs, layer.scale, layer.mins, layer.format,
+                        {} if memo is None else memo, donate=donate)
   if params is None:
     return layer
-  return dataclasses.replace(layer, qs=params[0], scale=params[1], mins=None,
-                             tiled=True)
+  return dataclasses.replace(layer, qs=params[0], scale=params[1],
+                             mins=params[2], tiled=True)
 
 
 def flat_arrays(parts, axes: tuple[str, ...]):
@@ -116,7 +122,10 @@ def flat_arrays(parts, axes: tuple[str, ...]):
   return out
 
 
-def tile_arrays(qs, scale):
-  """A tiled weight's ``qs`` and ``scale`` parameters as ``[T, ...]`` jax
-  arrays."""
-  return flat_arrays(((qs, TILE_AXES[1]), (scale, TILE_AXES[2])), TILE_AXES)
+def tile_arrays(qs, scale, mins):
+  """A tiled weight's ``qs``, ``scale`` and ``mins`` parameters (``mins``
+  None but for Q4_1) as ``[T, ...]`` jax arrays: two, or three for Q4_1."""
+  parts = ((qs, TILE_AXES[1]), (scale, TILE_AXES[2]))
+  if mins is not None:
+    parts += ((mins, TILE_AXES[2]),)
+  return flat_arrays(parts, TILE_AXES)

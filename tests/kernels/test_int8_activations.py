@@ -188,19 +188,21 @@ TILE_SHAPES = [(1, 576, 1536), (3, 96, 16), (5, 32, 48), (17, 1536, 32),
 
 
 @pytest.mark.parametrize("rows,k,n", TILE_SHAPES)
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
 def test_in_tiles(rows, k, n, fmt):
-  """Q4_0 and Q8_0 in tiles of 16 outputs (`matvec_tiles.cc`): the same
-  product as in rows, up to the order of the float sums."""
-  if fmt == "q4_0":
-    qs, scale, _, w = _q4(n, k, centered=True)
-    in_rows = ops.q4(_x(rows, k), qs, scale, None, int8_activations=True)
-  else:
+  """Q4_0, Q8_0 and Q4_1 in tiles of 16 outputs (`matvec_tiles.cc`): the
+  same product as in rows, up to the order of the float sums."""
+  if fmt == "q8_0":
     qs, scale, w = _q8(n, k, k // 32)
+    weight = (qs, scale)
     in_rows = ops.q8(_x(rows, k), qs, scale, int8_activations=True)
+  else:
+    qs, scale, mins, w = _q4(n, k, centered=fmt == "q4_0")
+    weight = (qs, scale) if fmt == "q4_0" else (qs, scale, mins)
+    in_rows = ops.q4(_x(rows, k), qs, scale,
+                     None if fmt == "q4_0" else mins, int8_activations=True)
   x = _x(rows, k)
-  qs_t, scale_t = tiles.to_tiles(qs, scale)
-  got = np.asarray(jax.jit(tiles.product)(x, qs_t, scale_t))
+  got = np.asarray(jax.jit(tiles.product)(x, *tiles.to_tiles(*weight)))
   assert got.shape == (rows, n) and got.dtype == np.float32
   _check(got, x, w)
   in_rows = np.asarray(in_rows)
@@ -219,6 +221,7 @@ def test_non_finite_activations_give_nan_rows():
               ops.q4(x, q4s, s4, m4, int8_activations=True),
               ops.q8_16(x, *g16, int8_activations=True),
               tiles.product(x, *tiles.to_tiles(*_q4(16, 64)[:2])),
+              tiles.product(x, *tiles.to_tiles(*_q4(16, 64)[:3])),
               tiles.product(x, *tiles.to_tiles(*_q8(16, 64, 2)[:2]))):
     got = np.asarray(got)
     assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all()
@@ -241,6 +244,12 @@ def test_unsupported_shapes_are_errors():
   with pytest.raises(ValueError, match="tiles of 16 outputs"):  # f32 scales
     tiles.product(_x(1, 64), np.zeros((2, 64 * 8), np.uint8),
                   np.ones((2, 32), np.float32))
+  with pytest.raises(ValueError, match="float32 scale and mins"):  # Q4_1
+    tiles.product(_x(1, 64), np.zeros((2, 64 * 8), np.uint8),
+                  np.ones((2, 32), np.float16), np.ones((2, 32), np.float16))
+  with pytest.raises(ValueError, match="int8 qs, no mins"):
+    tiles.product(_x(1, 64), np.zeros((2, 64 * 16), np.int8),
+                  np.ones((2, 32), np.float16), np.ones((2, 32), np.float16))
   with pytest.raises(ValueError, match=r"must be \[R, 64\]"):
     tiles.product(_x(1, 32), np.zeros((2, 64 * 16), np.int8),
                   np.ones((2, 32), np.float16))

@@ -1,4 +1,4 @@
-"""Q4_0 and Q8_0 weights in tiles of 16 outputs (`penzai_lm.kernels.tiles`): the
+"""Q4_0, Q8_0 and Q4_1 weights in tiles of 16 outputs (`penzai_lm.kernels.tiles`): the
 layout, and a quantized model's layers moving into it. The product itself
 is tested with the other int8-activation products
 (`test_int8_activations.py`)."""
@@ -22,26 +22,38 @@ from penzai_lm.quantization import formats
 from penzai_lm.quantization import quantize
 
 
-@pytest.mark.parametrize("dtype,p", [(np.uint8, 16), (np.int8, 32)])
-def test_the_layout_puts_output_j_in_lane_j(dtype, p):
+@pytest.mark.parametrize("fmt,dtype,p", [("q4_0", np.uint8, 16),
+                                         ("q8_0", np.int8, 32),
+                                         ("q4_1", np.uint8, 16)])
+def test_the_layout_puts_output_j_in_lane_j(fmt, dtype, p):
   rng = np.random.default_rng(0)
   n, k = 48, 96
   info = np.iinfo(dtype)
   qs = rng.integers(info.min, info.max + 1, (n, k // 32 * p), dtype=dtype)
-  scale = rng.standard_normal((n, k // 32)).astype(np.float16).astype(
-      np.float32)
-  qs_t, scale_t = tiles.to_tiles(qs, scale)
+  scale = rng.standard_normal((n, k // 32)).astype(np.float32)
+  mins = rng.standard_normal((n, k // 32)).astype(np.float32)
+  if fmt == "q4_1":  # float32 scales and offsets (Q4_K's products)
+    rows = (qs, scale, mins)
+  else:  # float16 scales, as in the files
+    rows = (qs, scale.astype(np.float16).astype(np.float32))
+  assert tiles.format_of(rows[0], *rows[2:]) == fmt
+  qs_t, *scales_t = tiles.to_tiles(*rows)
   assert isinstance(qs_t, np.ndarray)  # numpy in, numpy out
-  assert scale_t.dtype == np.float16  # 2 bytes a scale, as in the files
-  assert qs_t.shape == (3, 3 * 16 * p) and scale_t.shape == (3, 3 * 16)
+  assert len(scales_t) == len(rows) - 1
+  for scale_t in scales_t:
+    assert scale_t.dtype == (np.float32 if fmt == "q4_1" else np.float16)
+    assert scale_t.shape == (3, 3 * 16)
+  assert qs_t.shape == (3, 3 * 16 * p)
   for t, b, d, j, i in [(0, 0, 0, 0, 0), (2, 1, 3, 15, 2), (1, 2, 1, 7, 3),
                         (2, 2, p // 4 - 1, 9, 1)]:
     assert qs_t[t, 16 * p * b + 64 * d + 4 * j + i] == qs[16 * t + j,
                                                             p * b + 4 * d + i]
-    assert scale_t[t, 16 * b + j] == scale[16 * t + j, b]
-  back = tiles.from_tiles(qs_t, scale_t)
-  np.testing.assert_array_equal(back[0], qs)
-  np.testing.assert_array_equal(back[1], scale)
+    for scale_t, scale in zip(scales_t, rows[1:]):
+      assert scale_t[t, 16 * b + j] == scale[16 * t + j, b]
+  back = tiles.from_tiles(qs_t, *scales_t)
+  assert len(back) == len(rows)
+  for got, want in zip(back, rows):
+    np.testing.assert_array_equal(got, want)
 
 
 def test_leading_axes_are_kept():
@@ -60,21 +72,29 @@ def test_leading_axes_are_kept():
 @pytest.mark.skipif(not ops.available(),
                     reason="no C++ compiler for the kernels")
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 576), (32, 1536)])
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
 def test_dequantized_from_tiles_bit_for_bit(n, k, fmt):
   """A prompt's weight, dequantized from the tiles, is the one its rows
-  give (`formats.dequantize`; `ops.dequantize` for Q4_0, as a prompt in
-  rows dequantizes it)."""
+  give (`formats.dequantize`; `ops.dequantize` for the 4-bit formats, as
+  a prompt in rows dequantizes them)."""
   rng = np.random.default_rng(2)
   scale = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float16).astype(
       np.float32)
   if fmt == "q4_0":
     qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    rows = (qs, scale)
     want = np.asarray(ops.dequantize(qs, scale, -8 * scale))
+  elif fmt == "q4_1":
+    qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scale = scale * np.float32(1 / 3)  # no float16 (as Q4_K's products)
+    mins = rng.uniform(-0.5, 0, (n, k // 32)).astype(np.float32)
+    rows = (qs, scale, mins)
+    want = np.asarray(ops.dequantize(qs, scale, mins))
   else:
     qs = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    rows = (qs, scale)
     want = np.asarray(formats.dequantize(qs, scale, None, "q8_0"))
-  got = np.asarray(tiles.dequantize(*tiles.to_tiles(qs, scale)))
+  got = np.asarray(tiles.dequantize(*tiles.to_tiles(*rows)))
   np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match="tiles of 16 outputs"):
     tiles.dequantize(np.zeros((1, 255), np.uint8), np.zeros((1, 16),
@@ -107,7 +127,7 @@ def _model(fmt):
 
 @pytest.mark.skipif(not ops.available(),
                     reason="no C++ compiler for the kernels")
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
 def test_int8_activations_move_layers_into_tiles(fmt):
   model = _model(fmt)
   x8 = with_cpu_kernels(model, int8_activations=True)
@@ -121,19 +141,25 @@ def test_int8_activations_move_layers_into_tiles(fmt):
   for old, new in zip(before, after):
     assert not old.tiled  # the user's model is not changed
     if new.tiled:
-      assert new.mins is None and new.qs.label == old.qs.label
+      assert new.qs.label == old.qs.label
+      # Q4_0's offsets (-8 scales) are dropped; Q4_1's move too.
+      assert (new.mins is None) == (fmt != "q4_1")
       assert set(new.qs.value.named_shape) == {"blocks", "quant_tiles",
                                                "quant_tile_bytes"}
       # Read back in rows, the weight is the same.
-      qs, scale = tiles.from_tiles(
+      scales = [(new.scale, old.scale)] + (
+          [(new.mins, old.mins)] if fmt == "q4_1" else [])
+      qs, *got = tiles.from_tiles(
           new.qs.value.order_as("blocks", "quant_tiles",
                                 "quant_tile_bytes").data_array,
-          new.scale.value.order_as("blocks", "quant_tiles",
-                                   "quant_tile_scales").data_array)
+          *(a.value.order_as("blocks", "quant_tiles",
+                             "quant_tile_scales").data_array
+            for a, _ in scales))
       np.testing.assert_array_equal(qs, old.qs.value.order_as(
           "blocks", "quant_out", "quant_in").data_array)
-      np.testing.assert_array_equal(scale, old.scale.value.order_as(
-          "blocks", "quant_out", "quant_groups").data_array)
+      for g, (_, want) in zip(got, scales):
+        np.testing.assert_array_equal(g, want.value.order_as(
+            "blocks", "quant_out", "quant_groups").data_array)
   tokens = pz.nx.wrap(np.random.default_rng(0).integers(
       1, 97, (2, 3)).astype(np.int32)).tag("batch", "seq")
   fn = jax.jit(lambda m: m(tokens).untag("batch", "seq", "vocabulary")
@@ -162,7 +188,7 @@ def test_int8_activations_move_layers_into_tiles(fmt):
 
 @pytest.mark.skipif(not ops.available(),
                     reason="no C++ compiler for the kernels")
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
 def test_a_tied_table_moves_once_for_its_lookup_and_unembedding(fmt):
   config = TransformerConfig(
       family="llama", vocab_size=96, hidden_size=64, num_layers=1,
@@ -178,6 +204,8 @@ def test_a_tied_table_moves_once_for_its_lookup_and_unembedding(fmt):
   # One copy: both hold the very same tiles.
   assert lookup.qs.value.data_array is unembed.qs.value.data_array
   assert lookup.scale.value.data_array is unembed.scale.value.data_array
+  if fmt == "q4_1":
+    assert lookup.mins.value.data_array is unembed.mins.value.data_array
   # The lookup's embeddings are the rows' exactly.
   ids = pz.nx.wrap(np.array([[0, 17, 95, 16]], np.int32)).tag("batch", "seq")
   old, = pz.select(model).at_instances_of(
