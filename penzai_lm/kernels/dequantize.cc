@@ -11,8 +11,10 @@
 //          scale + min (ggml's nibble order)
 //   q4_0 and q8_0 in tiles of 16 outputs (matvec_tiles.cc): qs u8[N / 16,
 //          8 K] or s8[N / 16, 16 K], scale f16[N / 16, K / 2] -> nibble *
-//          scale - 8 scale, or q * scale; q4_1 in tiles: qs u8[N / 16, 8 K],
-//          scale and mins f32[N / 16, K / 2] -> nibble * scale + min
+//          scale - 8 scale, or q * scale; q5_0 in tiles: qs u8[N / 16,
+//          10 K], scale f16[N / 16, K / 2] -> (value - 16) * scale; q4_1 in
+//          tiles: qs u8[N / 16, 8 K], scale and mins f32[N / 16, K / 2] ->
+//          nibble * scale + min
 // Each value is one multiply, or one fused multiply-add with the offset
 // (as XLA computes `formats.dequantize` for the 4-bit layouts; its q8_16
 // may round the product first: 1 ulp).
@@ -99,22 +101,22 @@ ffi::Error Q4Blocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> qs,
   return ffi::Error::Success();
 }
 
-// Q4_0 (kInt8 false) and Q8_0 in tiles of 16 outputs (matvec_tiles.cc):
-// the same values as their rows give.
-template <bool kInt8, ffi::DataType Q>
+// Q4_0 (kInt8 false), Q8_0 and Q5_0 (kFive) in tiles of 16 outputs
+// (matvec_tiles.cc): the same values as their rows give.
+template <bool kInt8, ffi::DataType Q, bool kFive = false>
 ffi::Error Tiles(ffi::ThreadPool pool, ffi::Buffer<Q> qs,
                  ffi::Buffer<ffi::F16> scale, ffi::ResultBuffer<ffi::F32> out) {
-  constexpr int64_t kPerValue = kInt8 ? 16 : 8;  // tile bytes per K
+  constexpr int64_t kPerValue = kInt8 ? 16 : kFive ? 10 : 8;  // bytes per K
   auto qd = qs.dimensions(), sd = scale.dimensions(), od = out->dimensions();
   if (qd.size() != 2 || qd[1] % (32 * kPerValue) != 0 || sd.size() != 2 ||
       sd[0] != qd[0] || sd[1] * 2 * kPerValue != qd[1] || od.size() != 2 ||
       od[0] != 16 * qd[0] || od[1] * kPerValue != qd[1])
     return ffi::Error::InvalidArgument(
-        "dequantize tiles: qs [T, 8 K] (Q4_0) or [T, 16 K] (Q8_0), f16 "
-        "scale [T, K / 2], out [16 T, K]");
+        "dequantize tiles: qs [T, 8 K] (Q4_0), [T, 16 K] (Q8_0) or [T, 10 K] "
+        "(Q5_0), f16 scale [T, K / 2], out [16 T, K]");
   const int64_t K = qd[1] / kPerValue;
   Write(pool,
-        BlockTiles<kInt8>{reinterpret_cast<const uint8_t*>(qs.untyped_data()),
+        BlockTiles<kInt8, false, kFive>{reinterpret_cast<const uint8_t*>(qs.untyped_data()),
                           reinterpret_cast<const uint16_t*>(
                               scale.untyped_data()), nullptr, K},
         out->typed_data(), 16 * qd[0], K);
@@ -151,6 +153,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     pzlm_dequantize_q8_0_tiles, (Tiles<true, ffi::S8>),
     ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>()
+        .Arg<ffi::Buffer<ffi::F16>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    pzlm_dequantize_q5_0_tiles, (Tiles<false, ffi::U8, true>),
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>()
         .Arg<ffi::Buffer<ffi::F16>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     pzlm_dequantize_q4_1_tiles, Q4_1Tiles,

@@ -62,6 +62,12 @@ inline Bytes High4(Bytes b) {
 inline Bytes Flip(Bytes b) {
   return {_mm512_xor_si512(b.v, _mm512_set1_epi8(char(0x80)))};
 }
+// v with bit e of each byte of h as its bit 4 (a 5-bit value's high bit).
+inline Bytes WithBit4(Bytes v, Bytes h, int e) {
+  const __m512i at4 = e <= 4 ? _mm512_slli_epi32(h.v, 4 - e)
+                             : _mm512_srli_epi32(h.v, e - 4);
+  return {_mm512_ternarylogic_epi32(v.v, at4, _mm512_set1_epi8(0x10), 0xF8)};
+}
 inline Ints NoInts() { return {_mm512_setzero_si512()}; }
 // acc + Σ u * s per lane (u unsigned, s signed).
 inline Ints DotUS(Ints acc, Bytes u, Bytes s) {
@@ -166,6 +172,14 @@ inline Bytes Flip(Bytes b) {
   const __m256i m = _mm256_set1_epi8(char(0x80));
   return {_mm256_xor_si256(b.lo, m), _mm256_xor_si256(b.hi, m)};
 }
+inline Bytes WithBit4(Bytes v, Bytes h, int e) {
+  const __m256i m = _mm256_set1_epi8(0x10);
+  auto at4 = [e, m](__m256i x) {
+    return _mm256_and_si256(e <= 4 ? _mm256_slli_epi32(x, 4 - e)
+                                   : _mm256_srli_epi32(x, e - 4), m);
+  };
+  return {_mm256_or_si256(v.lo, at4(h.lo)), _mm256_or_si256(v.hi, at4(h.hi))};
+}
 inline Ints NoInts() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline __m256i Dot8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
@@ -267,6 +281,10 @@ inline Bytes High4(Bytes b) {
 inline Bytes Flip(Bytes b) {
   for (auto& x : b.v) x ^= 0x80;
   return b;
+}
+inline Bytes WithBit4(Bytes v, Bytes h, int e) {
+  for (int j = 0; j < 64; ++j) v.v[j] |= ((h.v[j] >> e) & 1) << 4;
+  return v;
 }
 inline Ints NoInts() { return Ints{}; }
 inline Ints DotUS(Ints acc, Bytes u, Bytes s) {

@@ -1,5 +1,5 @@
-// Q4_0, Q8_0 and Q4_1 products with int8 activations, on weights repacked
-// in tiles of 16 outputs (as llama.cpp repacks them for its CPU products),
+// Q4_0, Q8_0, Q4_1 and Q5_0 products with int8 activations, on weights
+// repacked in tiles of 16 outputs (as llama.cpp repacks them for its CPU products),
 // called through the XLA FFI.
 //
 // Why: in the out-major layout (matvec_x8.cc) a 64-byte step holds 4
@@ -14,18 +14,20 @@
 //
 // Layout (`penzai_lm.kernels.tiles` writes it; T = N / 16 tiles, tile t
 // holds outputs 16 t .. 16 t + 15, lane j output 16 t + j; P bytes a block
-// of 32 values: 16 for Q4_0, 32 for Q8_0):
-//   qs:    u8 (Q4_0) or s8 (Q8_0) [T, K / 32 * 16 P]: byte 16 P b + 64 d +
-//          4 j + i of tile t is byte 4 d + i of block b of output 16 t + j
-//          (Q4_0 in ggml's nibble order: its low nibble is value 4 d + i
-//          of the block, its high nibble value 16 + 4 d + i);
+// of 32 values: 16 for Q4_0 and Q4_1, 32 for Q8_0, 20 for Q5_0):
+//   qs:    u8 (Q4_0, Q4_1, Q5_0) or s8 (Q8_0) [T, K / 32 * 16 P]: byte
+//          16 P b + 64 d + 4 j + i of tile t is byte 4 d + i of block b of
+//          output 16 t + j (4-bit values in ggml's nibble order: the low
+//          nibble is value 4 d + i of the block, the high nibble value
+//          16 + 4 d + i; Q5_0's 5th bits in its last 4 bytes, d = 4: bit e
+//          of byte i is the 5th bit of value 4 e + i);
 //   scale: f16[T, K / 32 * 16]: 16 b + j is block b's scale of output
 //          16 t + j (the formats' scales are float16s: 18 bytes a block of
 //          Q4_0, 34 of Q8_0, as in llama.cpp's files); Q4_1's f32 (its
 //          rows from Q4_K blocks hold products of two scales);
 //   mins:  Q4_1 only, f32[T, K / 32 * 16], laid out as scale.
 // Q4_0: w = (nibble - 8) * scale; Q8_0: w = q * scale; Q4_1: w = nibble *
-// scale + min.
+// scale + min; Q5_0: w = (5-bit value - 16) * scale.
 //
 // The activations are quantized as matvec_x8.cc quantizes them (llama.cpp's
 // quantize_row_q8_0), so the product is the float product of the rounded
@@ -78,6 +80,22 @@ struct Q4_1 : Q4_0 {
   using S = float;
   static constexpr bool kMins = true;
   static constexpr float kOffset = 1.f;
+};
+struct Q5_0 {
+  using S = uint16_t;
+  static constexpr bool kMins = false;
+  static constexpr int kDwords = 5;
+  static constexpr float kOffset = -16.f;
+  static void Decode(const uint8_t* p, Bytes (&v)[8]) {
+    const Bytes high = LoadBytes(p + 256);
+#pragma GCC unroll 4
+    for (int d = 0; d < 4; ++d) {
+      const Bytes w = LoadBytes(p + 64 * d);
+      v[d] = WithBit4(Low4(w), high, d);
+      v[4 + d] = WithBit4(High4(w), high, 4 + d);
+    }
+  }
+  static Ints Dot(Ints acc, Bytes w, Bytes x) { return DotUS(acc, w, x); }
 };
 struct Q8_0 {
   using S = uint16_t;
@@ -215,8 +233,9 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       2 * sd[1] != xd[1] || yd.size() != 2 || yd[0] != xd[0] ||
       yd[1] != kOutputs * qd[0])
     return ffi::Error::InvalidArgument(
-        "tiles: x [R, K] with K % 32 == 0, qs [T, 8 K] (Q4_0) or [T, 16 K] "
-        "(Q8_0) and f16 scale [T, K / 2] (tiles of 16 outputs), y [R, 16 T]");
+        "tiles: x [R, K] with K % 32 == 0, qs [T, 8 K] (Q4_0), [T, 16 K] "
+        "(Q8_0) or [T, 10 K] (Q5_0) and f16 scale [T, K / 2] (tiles of 16 "
+        "outputs), y [R, 16 T]");
   const Weights<F> w{reinterpret_cast<const uint8_t*>(qs.untyped_data()),
                      reinterpret_cast<const uint16_t*>(scale.untyped_data()),
                      nullptr};
@@ -252,6 +271,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4_0_x8_tiles,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q8_0_x8_tiles,
                               (Product<Q8_0, ffi::S8>),
                               PZLM_PRODUCT_BINDING_2(ffi::S8, ffi::F16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q5_0_x8_tiles,
+                              (Product<Q5_0, ffi::U8>),
+                              PZLM_PRODUCT_BINDING_2(ffi::U8, ffi::F16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pzlm_matvec_q4_1_x8_tiles, ProductQ4_1,
                               PZLM_PRODUCT_BINDING_3(ffi::U8, ffi::F32,
                                                      ffi::F32));

@@ -1,42 +1,46 @@
-"""Q4_0, Q8_0 and Q4_1 weights in tiles of 16 outputs, for the
+"""Q4_0, Q8_0, Q4_1 and Q5_0 weights in tiles of 16 outputs, for the
 int8-activation decode products (`matvec_tiles.cc`).
 
 A weight in rows is ``qs: [N, K // 32 * P]`` (P bytes a block of 32
 values: Q4_0's and Q4_1's ``uint8`` nibble pairs in ggml's order, P = 16;
 Q8_0's ``int8`` values, P = 32), ``scale: f32[N, K // 32]`` and, for Q4_1,
-``mins: f32[N, K // 32]`` (`penzai_lm.quantization.formats`). In tiles,
-output ``16 t + j`` is lane ``j`` of tile ``t``, and each block of 32
-values of a tile's 16 outputs lies in ``16 P`` consecutive bytes, so that
-the product dots a tile's outputs at once and reads each thread's tiles as
-one stream (as llama.cpp repacks Q4_0 and Q8_0 for its CPU products):
+``mins: f32[N, K // 32]`` (`penzai_lm.quantization.formats`). Q5_0's rows
+are Q8_0 rows whose values all lie in [-16, 15], as the GGUF loader keeps
+Q5_0 blocks. In tiles, output ``16 t + j`` is lane ``j`` of tile ``t``, and
+each block of 32 values of a tile's 16 outputs lies in ``16 P`` consecutive
+bytes, so that the product dots a tile's outputs at once and reads each
+thread's tiles as one stream (as llama.cpp repacks Q4_0 and Q8_0 for its
+CPU products):
 
 * ``qs: [T, K // 32 * 16 P]``, T = N // 16: byte ``16 P b + 64 d + 4 j + i``
-  of tile ``t`` is byte ``4 d + i`` of block ``b`` of output ``16 t + j``;
+  of tile ``t`` is byte ``4 d + i`` of block ``b`` of output ``16 t + j``.
+  Q5_0 (P = 20) holds each value plus 16 (0 .. 31): its low 4 bits as
+  Q4_0's nibbles (d < 4), its 5th bits in 4 bytes more (d = 4: bit ``e``
+  of byte ``i`` is the 5th bit of value ``4 e + i``), 22 bytes a block with
+  its scale, as in llama.cpp's files;
 * ``scale: [T, K // 32 * 16]``: ``16 b + j`` is the scale of block ``b``
-  of output ``16 t + j``: a float16 for Q4_0 and Q8_0 (their scales are
-  float16s: 18 bytes a block of Q4_0 and 34 of Q8_0, as in llama.cpp's
-  files), a float32 for Q4_1 (whose rows from Q4_K blocks hold products of
-  two scales);
+  of output ``16 t + j``: a float16 for Q4_0, Q8_0 and Q5_0 (their scales
+  are float16s in the files), a float32 for Q4_1 (whose rows from Q4_K
+  blocks hold products of two scales);
 * ``mins`` (Q4_1): as ``scale``, float32.
 
-The format follows from the arrays: ``int8`` qs are Q8_0, ``uint8`` qs
-Q4_1 with ``mins`` and Q4_0 without. The same bytes, scales and offsets as
-the rows, moved: `to_tiles` and `from_tiles` are each other's inverse,
-exactly; `to_tiles` refuses Q4_0 or Q8_0 scales that a float16 does not
-hold exactly.
+The same values, scales and offsets as the rows, moved: `to_tiles` and
+`from_tiles` are each other's inverse, exactly; `to_tiles` refuses scales
+of Q4_0, Q8_0 or Q5_0 that a float16 does not hold exactly.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from penzai_lm.kernels import ops
 
 OUTPUTS = 16  # outputs per tile
-FORMATS = ("q4_0", "q8_0", "q4_1")
-# format -> (bytes a block of 32 values, scales' dtype, product,
-# dequantization)
+FORMATS = ("q4_0", "q8_0", "q4_1", "q5_0")
+# format -> (tile bytes a block of 32 values of one output, scales' dtype,
+# product, dequantization)
 _FORMATS = {
     "q4_0": (16, jnp.float16, "pzlm_matvec_q4_0_x8_tiles",
              "pzlm_dequantize_q4_0_tiles"),
@@ -44,6 +48,8 @@ _FORMATS = {
              "pzlm_dequantize_q8_0_tiles"),
     "q4_1": (16, jnp.float32, "pzlm_matvec_q4_1_x8_tiles",
              "pzlm_dequantize_q4_1_tiles"),
+    "q5_0": (20, jnp.float16, "pzlm_matvec_q5_0_x8_tiles",
+             "pzlm_dequantize_q5_0_tiles"),
 }
 
 
@@ -52,18 +58,28 @@ def tileable(n: int, k: int) -> bool:
   return n > 0 and n % OUTPUTS == 0 and k > 0 and k % 32 == 0
 
 
-def format_of(qs, mins=None) -> str:
-  """The format of a weight whose values are ``qs`` (see the module
-  docstring), or a ValueError."""
+def tile_format(qs, scale, mins=None) -> str:
+  """The format of a weight in tiles (see the module docstring), or a
+  ValueError: Q8_0 for ``int8`` qs, Q4_1 for ``uint8`` qs with ``mins``,
+  Q5_0 for ``uint8`` qs of 20 bytes a scale, Q4_0 for other ``uint8``."""
   dtype = jnp.dtype(qs.dtype)
+  if dtype == jnp.uint8 and mins is not None:
+    return "q4_1"
   if dtype == jnp.uint8:
-    return "q4_0" if mins is None else "q4_1"
+    five = qs.shape and scale.shape and qs.shape[-1] == 20 * scale.shape[-1]
+    return "q5_0" if five else "q4_0"
   if dtype == jnp.int8 and mins is None:
     return "q8_0"
   raise ValueError(
-      f"tiles hold Q4_0 (uint8 qs), Q4_1 (uint8 qs and mins) or Q8_0 (int8"
-      f" qs, no mins), not {dtype} qs{' with' if mins is not None else ''}"
-      f"{' mins' if mins is not None else ''}.")
+      f"tiles hold Q4_0 or Q5_0 (uint8 qs), Q4_1 (uint8 qs and mins) or Q8_0"
+      f" (int8 qs, no mins), not {dtype} qs"
+      f"{'' if mins is None else ' with mins'}.")
+
+
+def five_bits(qs) -> bool:
+  """Whether Q8_0 rows ``qs`` are Q5_0's: ``int8`` values in [-16, 15]."""
+  return jnp.dtype(qs.dtype) == jnp.int8 and bool(
+      ((qs >= -16) & (qs <= 15)).all())
 
 
 def holds(scale) -> bool:
@@ -71,70 +87,149 @@ def holds(scale) -> bool:
   return bool((scale.astype(jnp.float16).astype(scale.dtype) == scale).all())
 
 
-def to_tiles(qs, scale, mins=None):
+def _xp(a):
+  return np if isinstance(a, np.ndarray) else jnp
+
+
+def _tile(q, p: int):
+  """Bytes ``[..., N, B * p]`` (B blocks of p bytes an output) -> ``[...,
+  T, B, 16 p]``: byte ``64 d + 4 j + i`` of a tile's block is byte
+  ``4 d + i`` of output ``16 t + j``'s."""
+  *lead, n, size = q.shape
+  t, b, m = n // OUTPUTS, size // p, len(lead)
+  q = q.reshape(*lead, t, OUTPUTS, b, p // 4, 4)
+  return q.transpose(*range(m), m, m + 2, m + 3, m + 1, m + 4).reshape(
+      *lead, t, b, OUTPUTS * p)
+
+
+def _untile(q, p: int):
+  """`_tile`'s inverse: ``[..., T, B, 16 p]`` -> ``[..., N, B * p]``."""
+  *lead, t, b, _ = q.shape
+  m = len(lead)
+  q = q.reshape(*lead, t, b, p // 4, OUTPUTS, 4)
+  return q.transpose(*range(m), m, m + 3, m + 1, m + 2, m + 4).reshape(
+      *lead, t * OUTPUTS, b * p)
+
+
+def _five_bit_parts(qs):
+  """Q5_0 rows ``int8[..., N, K]`` -> nibble pairs ``[..., N, K // 32,
+  16]`` (ggml's order) and 5th bits ``[..., N, K // 32, 4]`` (bit ``e`` of
+  byte ``i``: value ``4 e + i``), ``uint8``."""
+  xp = _xp(qs)
+  *lead, n, k = qs.shape
+  u = (qs.astype(xp.int16) + 16).astype(xp.uint8).reshape(*lead, n, k // 32,
+                                                          32)
+  nibbles = (u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)
+  bits = ((u >> 4) & 1).reshape(*lead, n, k // 32, 8, 4)
+  shifts = xp.arange(8, dtype=xp.uint8).reshape(8, 1)
+  high = (bits << shifts).sum(axis=-2, dtype=xp.uint8)
+  return nibbles, high
+
+
+def _five_bit_values(nibbles, high):
+  """`_five_bit_parts`' inverse, blockwise: ``[..., 16]`` and ``[..., 4]``
+  bytes -> ``int8[..., 32]`` values."""
+  xp = _xp(nibbles)
+  low = xp.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
+  v = xp.arange(32)
+  bit = (high[..., v % 4] >> (v // 4).astype(xp.uint8)) & 1
+  return ((low | (bit << 4)).astype(xp.int16) - 16).astype(xp.int8)
+
+
+def to_tiles(qs, scale, mins=None, fmt: str | None = None):
   """Rows ``qs: [..., N, K // 32 * P]``, ``scale: f32[..., N, K // 32]``
   and Q4_1's ``mins`` (as ``scale``) -> the same arrays in tiles (leading
   axes, such as a layer stack's, kept): ``(qs, scale)``, or ``(qs, scale,
   mins)`` for Q4_1; numpy arrays for numpy arrays (no XLA program to
-  compile), else jax arrays."""
-  fmt = format_of(qs, mins)
+  compile), else jax arrays. ``fmt`` is Q8_0 for ``int8`` qs, Q4_1 for
+  ``uint8`` qs with ``mins``, Q4_0 without, unless given: ``"q5_0"`` for
+  Q8_0 rows of 5-bit values (`five_bits`)."""
+  if fmt is None:
+    fmt = ("q8_0" if jnp.dtype(qs.dtype) == jnp.int8
+           else "q4_0" if mins is None else "q4_1")
+  if fmt not in _FORMATS:
+    raise ValueError(f"to_tiles: fmt {fmt!r} is none of {FORMATS}.")
   p, scale_dtype = _FORMATS[fmt][:2]
+  row_bytes = 32 if fmt == "q5_0" else p
   *lead, n, size = qs.shape
-  k = 32 * size // p
-  if (not tileable(n, k) or size % p
+  k = 32 * size // row_bytes
+  wrong = (jnp.dtype(qs.dtype) != (jnp.int8 if fmt in ("q8_0", "q5_0")
+                                   else jnp.uint8)
+           or (mins is None) != (fmt != "q4_1"))
+  if wrong or (fmt == "q5_0" and not five_bits(qs)):
+    raise ValueError(
+        f"to_tiles: {fmt} takes {'int8' if row_bytes == 32 else 'uint8'} qs"
+        f"{' in [-16, 15]' if fmt == 'q5_0' else ''}"
+        f"{' and mins' if fmt == 'q4_1' else ', no mins'}; got {qs.dtype} qs"
+        f"{'' if mins is None else ' and mins'}.")
+  if (not tileable(n, k) or size % row_bytes
       or tuple(scale.shape) != (*lead, n, k // 32)
       or (mins is not None and tuple(mins.shape) != tuple(scale.shape))):
     raise ValueError(
         f"to_tiles: qs {qs.shape}, scale {scale.shape}"
         f"{'' if mins is None else f' and mins {mins.shape}'} are not a"
         f" weight of N % {OUTPUTS} == 0 outputs and K % 32 == 0 values (qs"
-        f" [..., N, K // 32 * {p}], scale{'' if mins is None else ' and mins'}"
-        " [..., N, K // 32]).")
+        f" [..., N, K // 32 * {row_bytes}], scale"
+        f"{'' if mins is None else ' and mins'} [..., N, K // 32]).")
   if scale_dtype == jnp.float16 and not holds(scale):
     raise ValueError(
         f"to_tiles: the scales are not all float16s ({fmt}'s are); tiles"
         " keep them as float16, which would round them.")
   t, b, m = n // OUTPUTS, k // 32, len(lead)
-  qs = qs.reshape(*lead, t, OUTPUTS, b, p // 4, 4)
-  qs = qs.transpose(*range(m), m, m + 2, m + 3, m + 1, m + 4)
+  if fmt == "q5_0":
+    nibbles, high = _five_bit_parts(qs)
+    tiled = _xp(qs).concatenate(
+        [_tile(nibbles.reshape(*lead, n, b * 16), 16),
+         _tile(high.reshape(*lead, n, b * 4), 4)], axis=-1)
+  else:
+    tiled = _tile(qs, p)
 
   def per_block(a):
     a = a.astype(scale_dtype).reshape(*lead, t, OUTPUTS, b)
     return a.transpose(*range(m), m, m + 2, m + 1).reshape(
         *lead, t, b * OUTPUTS)
 
-  return (qs.reshape(*lead, t, b * p * OUTPUTS),
+  return (tiled.reshape(*lead, t, b * p * OUTPUTS),
           *map(per_block, (scale,) if mins is None else (scale, mins)))
 
 
 def from_tiles(qs, scale, mins=None):
-  """Tiles -> rows (`to_tiles`' inverse, as many arrays as given), numpy
-  or jax as `to_tiles`."""
-  p = _FORMATS[format_of(qs, mins)][0]
+  """Tiles -> rows (`to_tiles`' inverse, as many arrays as given; Q5_0's
+  rows are Q8_0's), numpy or jax as `to_tiles`."""
+  fmt = tile_format(qs, scale, mins)
+  p = _FORMATS[fmt][0]
   *lead, t, size = qs.shape
   b, m = size // (p * OUTPUTS), len(lead)
-  qs = qs.reshape(*lead, t, b, p // 4, OUTPUTS, 4)
-  qs = qs.transpose(*range(m), m, m + 3, m + 1, m + 2, m + 4)
+  blocks = qs.reshape(*lead, t, b, p * OUTPUTS)
+  if fmt == "q5_0":
+    nibbles = _untile(blocks[..., :256], 16).reshape(*lead, t * OUTPUTS, b,
+                                                     16)
+    high = _untile(blocks[..., 256:], 4).reshape(*lead, t * OUTPUTS, b, 4)
+    rows = _five_bit_values(nibbles, high).reshape(*lead, t * OUTPUTS, b * 32)
+  else:
+    rows = _untile(blocks, p)
 
   def per_block(a):
     a = a.reshape(*lead, t, b, OUTPUTS).astype(jnp.float32)
     return a.transpose(*range(m), m, m + 2, m + 1).reshape(
         *lead, t * OUTPUTS, b)
 
-  return (qs.reshape(*lead, t * OUTPUTS, b * p),
-          *map(per_block, (scale,) if mins is None else (scale, mins)))
+  return (rows, *map(per_block, (scale,) if mins is None else (scale, mins)))
 
 
 def rows(ids, qs, scale, mins=None):
   """Rows ``ids`` (``int32[n]``) of a weight in tiles, in rows: ``qs
-  [n, K // 32 * P]``, ``scale [n, K // 32]`` and Q4_1's ``mins`` (as many
-  arrays as given: a tied table's lookup)."""
-  p = _FORMATS[format_of(qs, mins)][0]
+  [n, K // 32 * P]`` (Q5_0's as Q8_0's), ``scale [n, K // 32]`` and Q4_1's
+  ``mins`` (as many arrays as given: a tied table's lookup)."""
+  fmt = tile_format(qs, scale, mins)
+  p = _FORMATS[fmt][0]
   t, size = qs.shape
   b = size // (p * OUTPUTS)
   tile, lane = ids // OUTPUTS, ids % OUTPUTS
   q = qs.reshape(t, b, p // 4, OUTPUTS, 4)[tile, :, :, lane, :]
-  return (q.reshape(-1, b * p),
+  if fmt == "q5_0":
+    q = _five_bit_values(q[:, :, :4].reshape(-1, b, 16), q[:, :, 4])
+  return (q.reshape(q.shape[0], -1),
           *(a.reshape(t, b, OUTPUTS)[tile, :, lane].astype(jnp.float32)
             for a in ((scale,) if mins is None else (scale, mins))))
 
@@ -144,7 +239,7 @@ def _checked(qs, scale, mins, what: str) -> tuple[str, int, int]:
   if not ops.available():
     raise RuntimeError("penzai_lm's CPU kernels are not available here;"
                        " check ops.available() before calling them.")
-  fmt = format_of(qs, mins)
+  fmt = tile_format(qs, scale, mins)
   p, scale_dtype = _FORMATS[fmt][:2]
   scales = (scale,) if mins is None else (scale, mins)
   if len(qs.shape) != 2 or any(len(a.shape) != 2 for a in scales):
@@ -167,8 +262,8 @@ def _checked(qs, scale, mins, what: str) -> tuple[str, int, int]:
 
 def product(x: jax.Array, qs: jax.Array, scale: jax.Array,
             mins: jax.Array | None = None) -> jax.Array:
-  """``x @ w.T`` for ``x: f32[R, K]`` and a Q4_0, Q8_0 or Q4_1 weight in
-  tiles, with x quantized to int8 blocks as `ops.q8` quantizes it:
+  """``x @ w.T`` for ``x: f32[R, K]`` and a Q4_0, Q8_0, Q4_1 or Q5_0 weight
+  in tiles, with x quantized to int8 blocks as `ops.q8` quantizes it:
   ``f32[R, N]``, the float product of the rounded activations with ``w``."""
   fmt, t, k = _checked(qs, scale, mins, "tiles.product")
   if len(x.shape) != 2 or x.shape[1] != k:

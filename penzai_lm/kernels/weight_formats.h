@@ -141,16 +141,16 @@ struct Q4Nibbles {
 using Q4 = Q4Nibbles<false>;
 using Q4Centered = Q4Nibbles<true>;
 
-// Q4_0, Q8_0 (kInt8) and Q4_1 (kMins) in tiles of 16 outputs
-// (matvec_tiles.cc's layout): output n is lane n % 16 of tile n / 16, whose
-// block b (P = 16 or 32 bytes an output) holds the output's byte 4 d + i at
-// 16 P b + 64 d + 4 (n % 16) + i, and its scale (a float16; Q4_1's a
-// float32, and its offset beside it) at 16 b + n % 16. Read one output at a
-// time (the dequantization), not for products.
-template <bool kInt8, bool kMins = false>
+// Q4_0, Q8_0 (kInt8), Q4_1 (kMins) and Q5_0 (kFive) in tiles of 16
+// outputs (matvec_tiles.cc's layout): output n is lane n % 16 of tile
+// n / 16, whose block b (P = 16, 32 or 20 bytes an output) holds the
+// output's byte 4 d + i at 16 P b + 64 d + 4 (n % 16) + i, and its scale (a
+// float16; Q4_1's a float32, and its offset beside it) at 16 b + n % 16.
+// Read one output at a time (the dequantization), not for products.
+template <bool kInt8, bool kMins = false, bool kFive = false>
 struct BlockTiles {
   static constexpr int kStep = 32;
-  static constexpr int64_t kBlockBytes = kInt8 ? 512 : 256;
+  static constexpr int64_t kBlockBytes = kInt8 ? 512 : kFive ? 320 : 256;
   using S = std::conditional_t<kMins, float, uint16_t>;  // a scale
   const uint8_t* qs;
   const S* scale;
@@ -164,9 +164,19 @@ struct BlockTiles {
   }
   void Get(Row r, int64_t k, VF* v) const {
     const int64_t b = k / 32;
-    uint8_t bytes[kInt8 ? 32 : 16];
+    uint8_t bytes[kInt8 ? 32 : kFive ? 20 : 16];
     for (int d = 0; d < int(sizeof(bytes)) / 4; ++d)
       std::memcpy(bytes + 4 * d, r.q + kBlockBytes * b + 64 * d, 4);
+    if constexpr (kFive) {  // w = (value - 16) * scale, exactly
+      int8_t q[32];
+      for (int v = 0; v < 32; ++v)
+        q[v] = int8_t(((bytes[v % 16] >> (v < 16 ? 0 : 4)) & 15) |
+                      (((bytes[16 + v % 4] >> (v / 4)) & 1) << 4)) - 16;
+      const VF d = Splat(F16ToF32(r.s[16 * b]));
+      v[0] = LoadS8(q) * d;
+      v[1] = LoadS8(q + 16) * d;
+      return;
+    }
     float s;
     if constexpr (kMins) s = r.s[16 * b]; else s = F16ToF32(r.s[16 * b]);
     VF d = Splat(s);

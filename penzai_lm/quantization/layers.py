@@ -74,7 +74,8 @@ class QuantizedLinear(pz.nn.Layer):
       Q4_1 weight in tiles of 16 outputs (`penzai_lm.kernels.tiles`; axes
       ``quant_tiles`` and ``quant_tile_bytes`` / ``quant_tile_scales``),
       which the int8-activation decode product reads as one stream;
-      ``mins`` is None but for Q4_1. Everything else reads the weight back
+      ``mins`` is None but for Q4_1. A Q8_0 weight of 5-bit values (Q5_0
+      blocks) lies in Q5_0 tiles. Everything else reads the weight back
       in rows. Set by `on_cpu_kernels`.
     int8_activations: In the decode kernels (at most `MAX_ROWS` rows),
       quantize the activations to int8 blocks of 32 and take integer dot

@@ -36,7 +36,9 @@ def tiled_params(qs, scale, mins, fmt: str, memo: dict, *,
   """``(qs, scale, mins)`` parameters holding the weight of ``qs``,
   ``scale`` and Q4_1's ``mins`` (``[..., quant_out, quant_in]`` and
   ``[..., quant_groups]`` rows) in tiles, with the same labels (``mins``
-  None but for Q4_1); None where the weight cannot tile.
+  None but for Q4_1); None where the weight cannot tile. Q8_0 rows whose
+  values all lie in [-16, 15] (Q5_0 blocks, as the GGUF loader keeps them)
+  move into Q5_0 tiles: 22 bytes a block against 34.
 
   Args:
     qs: The layer's ``qs`` parameter.
@@ -67,7 +69,9 @@ def tiled_params(qs, scale, mins, fmt: str, memo: dict, *,
       rows_qs, scales = np.asarray(rows_qs), [np.asarray(a) for a in scales]
     if fmt != "q4_1" and not tiles.holds(scales[0]):
       return None  # scales edited off float16: keep rows
-    made = tiles.to_tiles(rows_qs, *scales)
+    if fmt == "q8_0" and tiles.five_bits(rows_qs):
+      fmt = "q5_0"  # Q5_0 blocks the loader kept in Q8_0 rows: 5 bits do
+    made = tiles.to_tiles(rows_qs, *scales, fmt=fmt)
     if isinstance(made[0], np.ndarray):
       made = tuple(map(jnp.asarray, made))
     memo[key] = (key_array, made)  # kept alive: its id stays its own

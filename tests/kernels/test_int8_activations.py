@@ -188,12 +188,15 @@ TILE_SHAPES = [(1, 576, 1536), (3, 96, 16), (5, 32, 48), (17, 1536, 32),
 
 
 @pytest.mark.parametrize("rows,k,n", TILE_SHAPES)
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1", "q5_0"])
 def test_in_tiles(rows, k, n, fmt):
-  """Q4_0, Q8_0 and Q4_1 in tiles of 16 outputs (`matvec_tiles.cc`): the
-  same product as in rows, up to the order of the float sums."""
-  if fmt == "q8_0":
+  """Q4_0, Q8_0, Q4_1 and Q5_0 in tiles of 16 outputs (`matvec_tiles.cc`):
+  the same product as in rows, up to the order of the float sums."""
+  if fmt in ("q8_0", "q5_0"):
     qs, scale, w = _q8(n, k, k // 32)
+    if fmt == "q5_0":  # Q5_0's values, in Q8_0 rows as the loader keeps them
+      qs = qs.clip(-16, 15)
+      w = qs.astype(np.float64) * np.repeat(scale, 32, axis=1)
     weight = (qs, scale)
     in_rows = ops.q8(_x(rows, k), qs, scale, int8_activations=True)
   else:
@@ -202,7 +205,8 @@ def test_in_tiles(rows, k, n, fmt):
     in_rows = ops.q4(_x(rows, k), qs, scale,
                      None if fmt == "q4_0" else mins, int8_activations=True)
   x = _x(rows, k)
-  got = np.asarray(jax.jit(tiles.product)(x, *tiles.to_tiles(*weight)))
+  got = np.asarray(jax.jit(tiles.product)(
+      x, *tiles.to_tiles(*weight, fmt=fmt)))
   assert got.shape == (rows, n) and got.dtype == np.float32
   _check(got, x, w)
   in_rows = np.asarray(in_rows)
@@ -222,7 +226,10 @@ def test_non_finite_activations_give_nan_rows():
               ops.q8_16(x, *g16, int8_activations=True),
               tiles.product(x, *tiles.to_tiles(*_q4(16, 64)[:2])),
               tiles.product(x, *tiles.to_tiles(*_q4(16, 64)[:3])),
-              tiles.product(x, *tiles.to_tiles(*_q8(16, 64, 2)[:2]))):
+              tiles.product(x, *tiles.to_tiles(*_q8(16, 64, 2)[:2])),
+              tiles.product(x, *tiles.to_tiles(
+                  _q8(16, 64, 2)[0].clip(-16, 15), _q8(16, 64, 2)[1],
+                  fmt="q5_0"))):
     got = np.asarray(got)
     assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all()
 

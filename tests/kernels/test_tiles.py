@@ -1,4 +1,4 @@
-"""Q4_0, Q8_0 and Q4_1 weights in tiles of 16 outputs (`penzai_lm.kernels.tiles`): the
+"""Q4_0, Q8_0, Q4_1 and Q5_0 weights in tiles of 16 outputs (`penzai_lm.kernels.tiles`): the
 layout, and a quantized model's layers moving into it. The product itself
 is tested with the other int8-activation products
 (`test_int8_activations.py`)."""
@@ -36,8 +36,8 @@ def test_the_layout_puts_output_j_in_lane_j(fmt, dtype, p):
     rows = (qs, scale, mins)
   else:  # float16 scales, as in the files
     rows = (qs, scale.astype(np.float16).astype(np.float32))
-  assert tiles.format_of(rows[0], *rows[2:]) == fmt
   qs_t, *scales_t = tiles.to_tiles(*rows)
+  assert tiles.tile_format(qs_t, *scales_t) == fmt
   assert isinstance(qs_t, np.ndarray)  # numpy in, numpy out
   assert len(scales_t) == len(rows) - 1
   for scale_t in scales_t:
@@ -56,6 +56,44 @@ def test_the_layout_puts_output_j_in_lane_j(fmt, dtype, p):
     np.testing.assert_array_equal(got, want)
 
 
+def test_q5_0_holds_5_bit_values_in_nibbles_and_a_5th_bit_word():
+  """Q8_0 rows of values in [-16, 15] (Q5_0 blocks as the loader keeps
+  them) -> 20 bytes an output a block: Q4_0's nibbles of value + 16, then
+  4 bytes whose bit e of byte i is the 5th bit of value 4 e + i."""
+  rng = np.random.default_rng(5)
+  n, k = 32, 96
+  qs = rng.integers(-16, 16, (n, k), dtype=np.int8)
+  scale = rng.standard_normal((n, k // 32)).astype(np.float16).astype(
+      np.float32)
+  assert tiles.five_bits(qs) and not tiles.five_bits(qs.astype(np.int16))
+  qs_t, scale_t = tiles.to_tiles(qs, scale, fmt="q5_0")
+  assert qs_t.dtype == np.uint8 and qs_t.shape == (2, 3 * 16 * 20)
+  assert tiles.tile_format(qs_t, scale_t) == "q5_0"
+  u = qs.astype(np.int32) + 16
+  for t, b, d, j, i in [(0, 0, 0, 0, 0), (1, 2, 3, 15, 3), (1, 1, 2, 6, 1)]:
+    o, base = 16 * t + j, 320 * b
+    byte = qs_t[t, base + 64 * d + 4 * j + i]
+    assert byte & 15 == u[o, 32 * b + 4 * d + i] & 15
+    assert byte >> 4 == u[o, 32 * b + 16 + 4 * d + i] & 15
+    high = qs_t[t, base + 256 + 4 * j + i]
+    for e in range(8):
+      assert (high >> e) & 1 == u[o, 32 * b + 4 * e + i] >> 4
+  for got, want in zip(tiles.from_tiles(qs_t, scale_t), (qs, scale)):
+    np.testing.assert_array_equal(got, want)
+  # jax arrays tile the same, and rows come back the same from the tiles.
+  on_jax = tiles.to_tiles(jax.numpy.asarray(qs), jax.numpy.asarray(scale),
+                          fmt="q5_0")
+  np.testing.assert_array_equal(np.asarray(on_jax[0]), qs_t)
+  ids = jax.numpy.array([0, 17, 31], jax.numpy.int32)
+  got_qs, got_scale = tiles.rows(ids, *on_jax)
+  np.testing.assert_array_equal(np.asarray(got_qs), qs[[0, 17, 31]])
+  np.testing.assert_array_equal(np.asarray(got_scale), scale[[0, 17, 31]])
+  qs[3, 40] = 16  # a 6-bit value: not Q5_0
+  assert not tiles.five_bits(qs)
+  with pytest.raises(ValueError, match=r"in \[-16, 15\]"):
+    tiles.to_tiles(qs, scale, fmt="q5_0")
+
+
 def test_leading_axes_are_kept():
   rng = np.random.default_rng(1)
   qs = rng.integers(0, 256, (2, 3, 32, 64), dtype=np.uint8)
@@ -72,7 +110,7 @@ def test_leading_axes_are_kept():
 @pytest.mark.skipif(not ops.available(),
                     reason="no C++ compiler for the kernels")
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 576), (32, 1536)])
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1", "q5_0"])
 def test_dequantized_from_tiles_bit_for_bit(n, k, fmt):
   """A prompt's weight, dequantized from the tiles, is the one its rows
   give (`formats.dequantize`; `ops.dequantize` for the 4-bit formats, as
@@ -90,11 +128,16 @@ def test_dequantized_from_tiles_bit_for_bit(n, k, fmt):
     mins = rng.uniform(-0.5, 0, (n, k // 32)).astype(np.float32)
     rows = (qs, scale, mins)
     want = np.asarray(ops.dequantize(qs, scale, mins))
+  elif fmt == "q5_0":
+    qs = rng.integers(-16, 16, (n, k), dtype=np.int8)
+    rows = (qs, scale)
+    want = np.asarray(formats.dequantize(qs, scale, None, "q8_0"))
   else:
     qs = rng.integers(-128, 128, (n, k), dtype=np.int8)
     rows = (qs, scale)
     want = np.asarray(formats.dequantize(qs, scale, None, "q8_0"))
-  got = np.asarray(tiles.dequantize(*tiles.to_tiles(*rows)))
+  got = np.asarray(tiles.dequantize(*tiles.to_tiles(
+      *rows, fmt=fmt)))
   np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match="tiles of 16 outputs"):
     tiles.dequantize(np.zeros((1, 255), np.uint8), np.zeros((1, 16),
@@ -118,16 +161,24 @@ def test_shapes_that_do_not_tile_are_refused(n, k):
 
 
 def _model(fmt):
+  """A small quantized model; "q5_0": Q8_0 whose values are clipped to
+  [-16, 15], as Q5_0 blocks load."""
   config = TransformerConfig(
       family="llama", vocab_size=97, hidden_size=64, num_layers=2,
       num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
       max_position_embeddings=256)
-  return quantize(build_transformer(config, seed=0), fmt)
+  model = quantize(build_transformer(config, seed=0),
+                   "q8_0" if fmt == "q5_0" else fmt)
+  if fmt != "q5_0":
+    return model
+  return pz.select(model).at_instances_of(QuantizedLinear).apply(
+      lambda l: dataclasses.replace(l, qs=dataclasses.replace(
+          l.qs, value=pz.nx.nmap(lambda q: q.clip(-16, 15))(l.qs.value))))
 
 
 @pytest.mark.skipif(not ops.available(),
                     reason="no C++ compiler for the kernels")
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1", "q5_0"])
 def test_int8_activations_move_layers_into_tiles(fmt):
   model = _model(fmt)
   x8 = with_cpu_kernels(model, int8_activations=True)
