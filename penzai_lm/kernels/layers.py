@@ -181,9 +181,10 @@ def with_cpu_kernels(model, *, int8_activations: bool = False,
     int8_activations: Also switch on the ``int8_activations`` field of the
       layers that have one (quantized layers: their small products then
       quantize the activations to int8 blocks, `ops.q8`, and so do their
-      prompts where the CPU has AMX tiles, `ops.int8_gemm_isa`). Layers
-      already on the kernels keep their setting unless this is set. Q4_0
-      and Q8_0 weights move into the kernels' tiles
+      prompts where the CPU has AMX tiles, `ops.int8_gemm_isa`, or the
+      weight lies in tiles). Layers already on the kernels keep their
+      setting unless this is set. Q4_0, Q8_0 and Q4_1 weights (and Q8_0
+      weights of 5-bit values, Q5_0's) move into the kernels' tiles
       (`penzai_lm.kernels.tiles`): new arrays, made while ``model`` still
       holds its own.
     donate: With ``int8_activations``, delete each weight's arrays as it
