@@ -76,14 +76,14 @@ TARGETS = (
     "pzlm_matvec_q4_0", "pzlm_matvec_q8_x8", "pzlm_matvec_q4_x8",
     "pzlm_matvec_q4_0_x8", "pzlm_matvec_q8_16_x8", "pzlm_matvec_q4_0_x8_tiles",
     "pzlm_matvec_q8_0_x8_tiles", "pzlm_matvec_q4_1_x8_tiles",
-    "pzlm_matvec_q5_0_x8_tiles",
+    "pzlm_matvec_q5_0_x8_tiles", "pzlm_matvec_q8_16_x8_tiles",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
     "pzlm_decode_attention_f16", "pzlm_prompt_attention_f32",
     "pzlm_prompt_attention_bf16", "pzlm_prompt_attention_f16", "pzlm_rows",
     "pzlm_after", "pzlm_sample", "pzlm_split", "pzlm_dequantize_q8", "pzlm_dequantize_q8_16",
     "pzlm_dequantize_q4", "pzlm_dequantize_q4_0_tiles",
     "pzlm_dequantize_q8_0_tiles", "pzlm_dequantize_q4_1_tiles",
-    "pzlm_dequantize_q5_0_tiles",
+    "pzlm_dequantize_q5_0_tiles", "pzlm_dequantize_q8_16_tiles",
 )
 _DIR = pathlib.Path(__file__).parent
 _SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "matvec_tiles.cc",

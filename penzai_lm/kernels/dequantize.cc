@@ -14,7 +14,8 @@
 //          scale - 8 scale, or q * scale; q5_0 in tiles: qs u8[N / 16,
 //          10 K], scale f16[N / 16, K / 2] -> (value - 16) * scale; q4_1 in
 //          tiles: qs u8[N / 16, 8 K], scale and mins f32[N / 16, K / 2] ->
-//          nibble * scale + min
+//          nibble * scale + min; q8_16 in tiles: qs s8[N / 16, 16 K], scale
+//          and mins f32[N / 16, K] -> q * scale + min
 // Each value is one multiply, or one fused multiply-add with the offset
 // (as XLA computes `formats.dequantize` for the 4-bit layouts; its q8_16
 // may round the product first: 1 ulp).
@@ -123,23 +124,28 @@ ffi::Error Tiles(ffi::ThreadPool pool, ffi::Buffer<Q> qs,
   return ffi::Error::Success();
 }
 
-// Q4_1 in tiles of 16 outputs, float32 scales and offsets.
-ffi::Error Q4_1Tiles(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> qs,
-                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins,
-                     ffi::ResultBuffer<ffi::F32> out) {
+// Q4_1 (kInt8 false) and q8_16 in tiles of 16 outputs, float32 scales and
+// offsets: one a block of 32 values (Q4_1) or of 16 (q8_16).
+template <bool kInt8, ffi::DataType Q>
+ffi::Error TilesWithMins(ffi::ThreadPool pool, ffi::Buffer<Q> qs,
+                         ffi::Buffer<ffi::F32> scale,
+                         ffi::Buffer<ffi::F32> mins,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  constexpr int64_t kPerValue = kInt8 ? 16 : 8;  // tile bytes per K
   auto qd = qs.dimensions(), sd = scale.dimensions(), md = mins.dimensions(),
        od = out->dimensions();
-  if (qd.size() != 2 || qd[1] % 256 != 0 || sd.size() != 2 ||
-      sd[0] != qd[0] || sd[1] * 16 != qd[1] || md.size() != 2 ||
+  const int64_t K = qd.size() == 2 ? qd[1] / kPerValue : 0;
+  if (qd.size() != 2 || qd[1] % (32 * kPerValue) != 0 || sd.size() != 2 ||
+      sd[0] != qd[0] || sd[1] != (kInt8 ? K : K / 2) || md.size() != 2 ||
       md[0] != sd[0] || md[1] != sd[1] || od.size() != 2 ||
-      od[0] != 16 * qd[0] || od[1] * 8 != qd[1])
+      od[0] != 16 * qd[0] || od[1] != K)
     return ffi::Error::InvalidArgument(
-        "dequantize q4_1 tiles: qs [T, 8 K], f32 scale and mins [T, K / 2], "
-        "out [16 T, K]");
-  const int64_t K = qd[1] / 8;
+        "dequantize tiles: qs [T, 8 K] (Q4_1) or [T, 16 K] (q8_16), f32 "
+        "scale and mins [T, K / 2] (Q4_1) or [T, K] (q8_16), out [16 T, K]");
   Write(pool,
-        BlockTiles<false, true>{qs.typed_data(), scale.typed_data(),
-                                mins.typed_data(), K},
+        BlockTiles<kInt8, true>{
+            reinterpret_cast<const uint8_t*>(qs.untyped_data()),
+            scale.typed_data(), mins.typed_data(), K},
         out->typed_data(), 16 * qd[0], K);
   return ffi::Error::Success();
 }
@@ -159,8 +165,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>()
         .Arg<ffi::Buffer<ffi::F16>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    pzlm_dequantize_q4_1_tiles, Q4_1Tiles,
+    pzlm_dequantize_q4_1_tiles, (TilesWithMins<false, ffi::U8>),
     ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::U8>>()
+        .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+        .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    pzlm_dequantize_q8_16_tiles, (TilesWithMins<true, ffi::S8>),
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::S8>>()
         .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
         .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -1,12 +1,13 @@
-"""Q4_0, Q8_0, Q4_1 and Q5_0 weights in tiles of 16 outputs, for the
-int8-activation decode products (`matvec_tiles.cc`).
+"""Q4_0, Q8_0, Q4_1, Q5_0 and q8_16 weights in tiles of 16 outputs, for the
+int8-activation products (`matvec_tiles.cc`).
 
 A weight in rows is ``qs: [N, K // 32 * P]`` (P bytes a block of 32
 values: Q4_0's and Q4_1's ``uint8`` nibble pairs in ggml's order, P = 16;
 Q8_0's ``int8`` values, P = 32), ``scale: f32[N, K // 32]`` and, for Q4_1,
-``mins: f32[N, K // 32]`` (`penzai_lm.quantization.formats`). Q5_0's rows
-are Q8_0 rows whose values all lie in [-16, 15], as the GGUF loader keeps
-Q5_0 blocks. In tiles, output ``16 t + j`` is lane ``j`` of tile ``t``, and
+``mins: f32[N, K // 32]`` (`penzai_lm.quantization.formats`); q8_16 (the
+K-quants kept) is ``int8`` values with a float32 scale and offset per
+group of 16: ``[N, K // 16]``. Q5_0's rows are Q8_0 rows whose values all
+lie in [-16, 15], as the GGUF loader keeps Q5_0 blocks. In tiles, output ``16 t + j`` is lane ``j`` of tile ``t``, and
 each block of 32 values of a tile's 16 outputs lies in ``16 P`` consecutive
 bytes, so that the product dots a tile's outputs at once and reads each
 thread's tiles as one stream (as llama.cpp repacks Q4_0 and Q8_0 for its
@@ -21,8 +22,9 @@ CPU products):
 * ``scale: [T, K // 32 * 16]``: ``16 b + j`` is the scale of block ``b``
   of output ``16 t + j``: a float16 for Q4_0, Q8_0 and Q5_0 (their scales
   are float16s in the files), a float32 for Q4_1 (whose rows from Q4_K
-  blocks hold products of two scales);
-* ``mins`` (Q4_1): as ``scale``, float32.
+  blocks hold products of two scales); q8_16's ``[T, K // 16 * 16]``
+  float32s, ``16 g + j`` group ``g``'s;
+* ``mins`` (Q4_1, q8_16): as ``scale``, float32.
 
 The same values, scales and offsets as the rows, moved: `to_tiles` and
 `from_tiles` are each other's inverse, exactly; `to_tiles` refuses scales
@@ -38,18 +40,20 @@ import numpy as np
 from penzai_lm.kernels import ops
 
 OUTPUTS = 16  # outputs per tile
-FORMATS = ("q4_0", "q8_0", "q4_1", "q5_0")
+FORMATS = ("q4_0", "q8_0", "q4_1", "q5_0", "q8_16")
 # format -> (tile bytes a block of 32 values of one output, scales' dtype,
-# product, dequantization)
+# values a scale, product, dequantization)
 _FORMATS = {
-    "q4_0": (16, jnp.float16, "pzlm_matvec_q4_0_x8_tiles",
+    "q4_0": (16, jnp.float16, 32, "pzlm_matvec_q4_0_x8_tiles",
              "pzlm_dequantize_q4_0_tiles"),
-    "q8_0": (32, jnp.float16, "pzlm_matvec_q8_0_x8_tiles",
+    "q8_0": (32, jnp.float16, 32, "pzlm_matvec_q8_0_x8_tiles",
              "pzlm_dequantize_q8_0_tiles"),
-    "q4_1": (16, jnp.float32, "pzlm_matvec_q4_1_x8_tiles",
+    "q4_1": (16, jnp.float32, 32, "pzlm_matvec_q4_1_x8_tiles",
              "pzlm_dequantize_q4_1_tiles"),
-    "q5_0": (20, jnp.float16, "pzlm_matvec_q5_0_x8_tiles",
+    "q5_0": (20, jnp.float16, 32, "pzlm_matvec_q5_0_x8_tiles",
              "pzlm_dequantize_q5_0_tiles"),
+    "q8_16": (32, jnp.float32, 16, "pzlm_matvec_q8_16_x8_tiles",
+              "pzlm_dequantize_q8_16_tiles"),
 }
 
 
@@ -60,20 +64,20 @@ def tileable(n: int, k: int) -> bool:
 
 def tile_format(qs, scale, mins=None) -> str:
   """The format of a weight in tiles (see the module docstring), or a
-  ValueError: Q8_0 for ``int8`` qs, Q4_1 for ``uint8`` qs with ``mins``,
-  Q5_0 for ``uint8`` qs of 20 bytes a scale, Q4_0 for other ``uint8``."""
+  ValueError: Q8_0 for ``int8`` qs, q8_16 with ``mins``; Q4_1 for
+  ``uint8`` qs with ``mins``, Q5_0 for ``uint8`` qs of 20 bytes a scale,
+  Q4_0 for other ``uint8``."""
   dtype = jnp.dtype(qs.dtype)
+  if dtype == jnp.int8:
+    return "q8_0" if mins is None else "q8_16"
   if dtype == jnp.uint8 and mins is not None:
     return "q4_1"
   if dtype == jnp.uint8:
     five = qs.shape and scale.shape and qs.shape[-1] == 20 * scale.shape[-1]
     return "q5_0" if five else "q4_0"
-  if dtype == jnp.int8 and mins is None:
-    return "q8_0"
   raise ValueError(
-      f"tiles hold Q4_0 or Q5_0 (uint8 qs), Q4_1 (uint8 qs and mins) or Q8_0"
-      f" (int8 qs, no mins), not {dtype} qs"
-      f"{'' if mins is None else ' with mins'}.")
+      f"tiles hold Q4_0 or Q5_0 (uint8 qs), Q4_1 (uint8 qs and mins), Q8_0"
+      f" (int8 qs) or q8_16 (int8 qs and mins), not {dtype} qs.")
 
 
 def five_bits(qs) -> bool:
@@ -142,40 +146,45 @@ def to_tiles(qs, scale, mins=None, fmt: str | None = None):
   axes, such as a layer stack's, kept): ``(qs, scale)``, or ``(qs, scale,
   mins)`` for Q4_1; numpy arrays for numpy arrays (no XLA program to
   compile), else jax arrays. ``fmt`` is Q8_0 for ``int8`` qs, Q4_1 for
-  ``uint8`` qs with ``mins``, Q4_0 without, unless given: ``"q5_0"`` for
-  Q8_0 rows of 5-bit values (`five_bits`)."""
+  ``uint8`` qs with ``mins``, Q4_0 without, q8_16 for ``int8`` qs with
+  ``mins``, unless given: ``"q5_0"`` for Q8_0 rows of 5-bit values
+  (`five_bits`)."""
   if fmt is None:
-    fmt = ("q8_0" if jnp.dtype(qs.dtype) == jnp.int8
-           else "q4_0" if mins is None else "q4_1")
+    if jnp.dtype(qs.dtype) == jnp.int8:
+      fmt = "q8_0" if mins is None else "q8_16"
+    else:
+      fmt = "q4_0" if mins is None else "q4_1"
   if fmt not in _FORMATS:
     raise ValueError(f"to_tiles: fmt {fmt!r} is none of {FORMATS}.")
-  p, scale_dtype = _FORMATS[fmt][:2]
+  p, scale_dtype, group = _FORMATS[fmt][:3]
   row_bytes = 32 if fmt == "q5_0" else p
+  with_mins = fmt in ("q4_1", "q8_16")
   *lead, n, size = qs.shape
   k = 32 * size // row_bytes
-  wrong = (jnp.dtype(qs.dtype) != (jnp.int8 if fmt in ("q8_0", "q5_0")
+  wrong = (jnp.dtype(qs.dtype) != (jnp.int8 if row_bytes == 32
                                    else jnp.uint8)
-           or (mins is None) != (fmt != "q4_1"))
+           or (mins is None) == with_mins)
   if wrong or (fmt == "q5_0" and not five_bits(qs)):
     raise ValueError(
         f"to_tiles: {fmt} takes {'int8' if row_bytes == 32 else 'uint8'} qs"
         f"{' in [-16, 15]' if fmt == 'q5_0' else ''}"
-        f"{' and mins' if fmt == 'q4_1' else ', no mins'}; got {qs.dtype} qs"
+        f"{' and mins' if with_mins else ', no mins'}; got {qs.dtype} qs"
         f"{'' if mins is None else ' and mins'}.")
   if (not tileable(n, k) or size % row_bytes
-      or tuple(scale.shape) != (*lead, n, k // 32)
+      or tuple(scale.shape) != (*lead, n, k // group)
       or (mins is not None and tuple(mins.shape) != tuple(scale.shape))):
     raise ValueError(
         f"to_tiles: qs {qs.shape}, scale {scale.shape}"
         f"{'' if mins is None else f' and mins {mins.shape}'} are not a"
         f" weight of N % {OUTPUTS} == 0 outputs and K % 32 == 0 values (qs"
         f" [..., N, K // 32 * {row_bytes}], scale"
-        f"{'' if mins is None else ' and mins'} [..., N, K // 32]).")
+        f"{'' if mins is None else ' and mins'} [..., N, K // {group}]).")
   if scale_dtype == jnp.float16 and not holds(scale):
     raise ValueError(
         f"to_tiles: the scales are not all float16s ({fmt}'s are); tiles"
         " keep them as float16, which would round them.")
   t, b, m = n // OUTPUTS, k // 32, len(lead)
+  groups = k // group
   if fmt == "q5_0":
     nibbles, high = _five_bit_parts(qs)
     tiled = _xp(qs).concatenate(
@@ -185,9 +194,9 @@ def to_tiles(qs, scale, mins=None, fmt: str | None = None):
     tiled = _tile(qs, p)
 
   def per_block(a):
-    a = a.astype(scale_dtype).reshape(*lead, t, OUTPUTS, b)
+    a = a.astype(scale_dtype).reshape(*lead, t, OUTPUTS, groups)
     return a.transpose(*range(m), m, m + 2, m + 1).reshape(
-        *lead, t, b * OUTPUTS)
+        *lead, t, groups * OUTPUTS)
 
   return (tiled.reshape(*lead, t, b * p * OUTPUTS),
           *map(per_block, (scale,) if mins is None else (scale, mins)))
@@ -197,9 +206,10 @@ def from_tiles(qs, scale, mins=None):
   """Tiles -> rows (`to_tiles`' inverse, as many arrays as given; Q5_0's
   rows are Q8_0's), numpy or jax as `to_tiles`."""
   fmt = tile_format(qs, scale, mins)
-  p = _FORMATS[fmt][0]
+  p, _, group = _FORMATS[fmt][:3]
   *lead, t, size = qs.shape
   b, m = size // (p * OUTPUTS), len(lead)
+  groups = b * 32 // group
   blocks = qs.reshape(*lead, t, b, p * OUTPUTS)
   if fmt == "q5_0":
     nibbles = _untile(blocks[..., :256], 16).reshape(*lead, t * OUTPUTS, b,
@@ -210,9 +220,9 @@ def from_tiles(qs, scale, mins=None):
     rows = _untile(blocks, p)
 
   def per_block(a):
-    a = a.reshape(*lead, t, b, OUTPUTS).astype(jnp.float32)
+    a = a.reshape(*lead, t, groups, OUTPUTS).astype(jnp.float32)
     return a.transpose(*range(m), m, m + 2, m + 1).reshape(
-        *lead, t * OUTPUTS, b)
+        *lead, t * OUTPUTS, groups)
 
   return (rows, *map(per_block, (scale,) if mins is None else (scale, mins)))
 
@@ -222,7 +232,7 @@ def rows(ids, qs, scale, mins=None):
   [n, K // 32 * P]`` (Q5_0's as Q8_0's), ``scale [n, K // 32]`` and Q4_1's
   ``mins`` (as many arrays as given: a tied table's lookup)."""
   fmt = tile_format(qs, scale, mins)
-  p = _FORMATS[fmt][0]
+  p, _, group = _FORMATS[fmt][:3]
   t, size = qs.shape
   b = size // (p * OUTPUTS)
   tile, lane = ids // OUTPUTS, ids % OUTPUTS
@@ -230,7 +240,8 @@ def rows(ids, qs, scale, mins=None):
   if fmt == "q5_0":
     q = _five_bit_values(q[:, :, :4].reshape(-1, b, 16), q[:, :, 4])
   return (q.reshape(q.shape[0], -1),
-          *(a.reshape(t, b, OUTPUTS)[tile, :, lane].astype(jnp.float32)
+          *(a.reshape(t, b * 32 // group, OUTPUTS)[tile, :, lane].astype(
+              jnp.float32)
             for a in ((scale,) if mins is None else (scale, mins))))
 
 
@@ -240,7 +251,7 @@ def _checked(qs, scale, mins, what: str) -> tuple[str, int, int]:
     raise RuntimeError("penzai_lm's CPU kernels are not available here;"
                        " check ops.available() before calling them.")
   fmt = tile_format(qs, scale, mins)
-  p, scale_dtype = _FORMATS[fmt][:2]
+  p, scale_dtype, group = _FORMATS[fmt][:3]
   scales = (scale,) if mins is None else (scale, mins)
   if len(qs.shape) != 2 or any(len(a.shape) != 2 for a in scales):
     raise ValueError(f"{what}: qs {qs.shape} and scale {scale.shape} must"
@@ -248,22 +259,22 @@ def _checked(qs, scale, mins, what: str) -> tuple[str, int, int]:
   t, size = qs.shape
   k = size // (p // 2)
   if size % (p * OUTPUTS) or any(
-      tuple(a.shape) != (t, k // 2) or jnp.dtype(a.dtype) != scale_dtype
-      for a in scales):
+      tuple(a.shape) != (t, OUTPUTS * k // group)
+      or jnp.dtype(a.dtype) != scale_dtype for a in scales):
     want = jnp.dtype(scale_dtype).name
     raise ValueError(
         f"{what}: qs {qs.shape} {qs.dtype} and scale {scale.shape}"
         f" {scale.dtype}{'' if mins is None else f', mins {mins.shape} {mins.dtype}'}"
         f" are not a {fmt} weight in tiles of {OUTPUTS} outputs (qs"
         f" [T, {p // 2} K], {want} scale{'' if mins is None else ' and mins'}"
-        " [T, K // 2]; `to_tiles` makes them).")
+        f" [T, {'K // 2' if group == 32 else 'K'}]; `to_tiles` makes them).")
   return fmt, t, k
 
 
 def product(x: jax.Array, qs: jax.Array, scale: jax.Array,
             mins: jax.Array | None = None) -> jax.Array:
-  """``x @ w.T`` for ``x: f32[R, K]`` and a Q4_0, Q8_0, Q4_1 or Q5_0 weight
-  in tiles, with x quantized to int8 blocks as `ops.q8` quantizes it:
+  """``x @ w.T`` for ``x: f32[R, K]`` and a weight in tiles (any of
+  `FORMATS`), with x quantized to int8 blocks as `ops.q8` quantizes it:
   ``f32[R, N]``, the float product of the rounded activations with ``w``."""
   fmt, t, k = _checked(qs, scale, mins, "tiles.product")
   if len(x.shape) != 2 or x.shape[1] != k:
@@ -271,7 +282,7 @@ def product(x: jax.Array, qs: jax.Array, scale: jax.Array,
                      f" {fmt} weight of K = {k} in tiles.")
   out = jax.ShapeDtypeStruct((x.shape[0], t * OUTPUTS), jnp.float32)
   scales = (scale,) if mins is None else (scale, mins)
-  return jax.ffi.ffi_call(_FORMATS[fmt][2], out)(
+  return jax.ffi.ffi_call(_FORMATS[fmt][3], out)(
       x.astype(jnp.float32), qs, *scales)
 
 
@@ -282,4 +293,4 @@ def dequantize(qs: jax.Array, scale: jax.Array,
   fmt, t, k = _checked(qs, scale, mins, "tiles.dequantize")
   out = jax.ShapeDtypeStruct((t * OUTPUTS, k), jnp.float32)
   scales = (scale,) if mins is None else (scale, mins)
-  return jax.ffi.ffi_call(_FORMATS[fmt][3], out)(qs, *scales)
+  return jax.ffi.ffi_call(_FORMATS[fmt][4], out)(qs, *scales)

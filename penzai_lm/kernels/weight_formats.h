@@ -141,12 +141,14 @@ struct Q4Nibbles {
 using Q4 = Q4Nibbles<false>;
 using Q4Centered = Q4Nibbles<true>;
 
-// Q4_0, Q8_0 (kInt8), Q4_1 (kMins) and Q5_0 (kFive) in tiles of 16
-// outputs (matvec_tiles.cc's layout): output n is lane n % 16 of tile
-// n / 16, whose block b (P = 16, 32 or 20 bytes an output) holds the
-// output's byte 4 d + i at 16 P b + 64 d + 4 (n % 16) + i, and its scale (a
-// float16; Q4_1's a float32, and its offset beside it) at 16 b + n % 16.
-// Read one output at a time (the dequantization), not for products.
+// Q4_0, Q8_0 (kInt8), Q4_1 (kMins), q8_16 (kInt8 and kMins) and Q5_0
+// (kFive) in tiles of 16 outputs (matvec_tiles.cc's layout): output n is
+// lane n % 16 of tile n / 16, whose block b (P = 16, 32 or 20 bytes an
+// output) holds the output's byte 4 d + i at 16 P b + 64 d + 4 (n % 16) +
+// i, and its scale (a float16; Q4_1's and q8_16's float32s, and their
+// offsets alike) at 16 b + n % 16 (q8_16: 16 (2 b + g) + n % 16 for group
+// g of 16 values). Read one output at a time (the dequantization), not for
+// products.
 template <bool kInt8, bool kMins = false, bool kFive = false>
 struct BlockTiles {
   static constexpr int kStep = 32;
@@ -157,8 +159,10 @@ struct BlockTiles {
   const float* mins;  // Q4_1's offsets, else unused
   int64_t K;
   struct Row { const uint8_t* q; const S* s; const float* m; };
+  static constexpr int64_t kGroups = kInt8 && kMins ? 2 : 1;  // a block
   Row row(int64_t n) const {
-    const int64_t t = n / 16, j = n % 16, at = t * (K / 32) * 16 + j;
+    const int64_t t = n / 16, j = n % 16,
+                  at = t * (K / 32) * 16 * kGroups + j;
     return {qs + t * (K / 32) * kBlockBytes + 4 * j, scale + at,
             kMins ? mins + at : nullptr};
   }
@@ -175,6 +179,13 @@ struct BlockTiles {
       const VF d = Splat(F16ToF32(r.s[16 * b]));
       v[0] = LoadS8(q) * d;
       v[1] = LoadS8(q + 16) * d;
+      return;
+    }
+    if constexpr (kInt8 && kMins) {  // q8_16, as Q8Group16
+      const int8_t* q = reinterpret_cast<const int8_t*>(bytes);
+      v[0] = LoadS8(q) * Splat(r.s[32 * b]) + Splat(r.m[32 * b]);
+      v[1] = LoadS8(q + 16) * Splat(r.s[32 * b + 16]) +
+             Splat(r.m[32 * b + 16]);
       return;
     }
     float s;

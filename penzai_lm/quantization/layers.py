@@ -70,11 +70,11 @@ class QuantizedLinear(pz.nn.Layer):
     format: The weight layout (`penzai_lm.quantization.formats.LAYOUTS`).
     use_cpu_kernel: Run small products on the CPU kernels (set by the
       engine for models on one CPU device).
-    tiled: ``qs`` and ``scale`` (and Q4_1's ``mins``) hold a Q4_0, Q8_0 or
-      Q4_1 weight in tiles of 16 outputs (`penzai_lm.kernels.tiles`; axes
+    tiled: ``qs`` and ``scale`` (and ``mins``) hold a Q4_0, Q8_0, Q4_1 or
+      q8_16 weight in tiles of 16 outputs (`penzai_lm.kernels.tiles`; axes
       ``quant_tiles`` and ``quant_tile_bytes`` / ``quant_tile_scales``),
-      which the int8-activation decode product reads as one stream;
-      ``mins`` is None but for Q4_1. A Q8_0 weight of 5-bit values (Q5_0
+      which the int8-activation products read as one stream; ``mins`` is
+      None but for Q4_1 and q8_16. A Q8_0 weight of 5-bit values (Q5_0
       blocks) lies in Q5_0 tiles. Everything else reads the weight back
       in rows. Set by `on_cpu_kernels`.
     int8_activations: In the decode kernels (at most `MAX_ROWS` rows),
@@ -116,8 +116,8 @@ class QuantizedLinear(pz.nn.Layer):
     calls it, with one ``memo`` per call, and ``donate``:
     `tiled.tiled_params`):
     ``use_cpu_kernel`` set, and with ``int8_activations`` that too, and a
-    Q4_0, Q8_0 or Q4_1 weight of ``N % 16 == 0`` outputs and ``K % 32 ==
-    0`` moved into tiles (``tiled``)."""
+    weight of ``N % 16 == 0`` outputs and ``K % 32 == 0`` in a format
+    `penzai_lm.kernels.tiles` holds moved into tiles (``tiled``)."""
     if not int8_activations:
       return dataclasses.replace(self, use_cpu_kernel=True)
     return tiled.into_tiles(
@@ -252,8 +252,8 @@ class QuantizedEmbeddingLookup(pz.nn.Layer):
                      memo: dict | None = None, *,
                      donate: bool = False) -> QuantizedEmbeddingLookup:
     """This layer on the CPU kernels, as `QuantizedLinear.on_cpu_kernels`:
-    with ``int8_activations`` a Q4_0, Q8_0 or Q4_1 table moves into the
-    tiles its unembedding takes (the same arrays, through ``memo``)."""
+    with ``int8_activations`` a table in a format of the tiles moves into
+    the tiles its unembedding takes (the same arrays, through ``memo``)."""
     layer = dataclasses.replace(self, use_cpu_kernel=True)
     return tiled.into_tiles(layer, memo, donate) if int8_activations else layer
 

@@ -34,17 +34,18 @@ def _on_host(array) -> bool:
 def tiled_params(qs, scale, mins, fmt: str, memo: dict, *,
                  donate: bool = False):
   """``(qs, scale, mins)`` parameters holding the weight of ``qs``,
-  ``scale`` and Q4_1's ``mins`` (``[..., quant_out, quant_in]`` and
+  ``scale`` and ``mins`` (``[..., quant_out, quant_in]`` and
   ``[..., quant_groups]`` rows) in tiles, with the same labels (``mins``
-  None but for Q4_1); None where the weight cannot tile. Q8_0 rows whose
+  None but for Q4_1 and q8_16); None where the weight cannot tile. Q8_0 rows whose
   values all lie in [-16, 15] (Q5_0 blocks, as the GGUF loader keeps them)
   move into Q5_0 tiles: 22 bytes a block against 34.
 
   Args:
     qs: The layer's ``qs`` parameter.
-    scale: Its ``scale`` parameter (one per block of 32 values).
+    scale: Its ``scale`` parameter (one per block of 32 values; q8_16's
+      per group of 16).
     mins: Its ``mins`` parameter, or None. Q4_0's (-8 scales) are dropped:
-      the tiles derive them.
+      the tiles derive them; Q4_1's and q8_16's move too.
     fmt: The layer's format, one of `TILED_FORMATS`.
     memo: Tiles made so far in this pass, by the rows' ``qs`` array.
     donate: Delete the rows' arrays once the tiles are made.
@@ -54,12 +55,13 @@ def tiled_params(qs, scale, mins, fmt: str, memo: dict, *,
     return None
   qv, sv = qs.value, scale.value
   stack = [a for a in qv.named_axes if a not in ROW_AXES]
-  n, k = qv.named_shape["quant_out"], 32 * sv.named_shape["quant_groups"]
+  n, k = qv.named_shape["quant_out"], qv.named_shape["quant_in"]
+  k *= 2 if jnp.dtype(qv.dtype) == jnp.uint8 else 1  # 4-bit pairs
   if not tiles.tileable(n, k):
     return None
   rows_qs = key_array = qv.order_as(*stack, "quant_out",
                                      "quant_in").data_array
-  moving = (scale, mins) if fmt == "q4_1" else (scale,)
+  moving = (scale, mins) if fmt in ("q4_1", "q8_16") else (scale,)
   key = id(rows_qs)
   if key not in memo:
     scales = [p.value.order_as(*stack, "quant_out", "quant_groups").data_array
@@ -67,7 +69,7 @@ def tiled_params(qs, scale, mins, fmt: str, memo: dict, *,
     if _on_host(rows_qs) and all(map(_on_host, scales)):
       # In numpy: no XLA program compiled (and its memory kept) per shape.
       rows_qs, scales = np.asarray(rows_qs), [np.asarray(a) for a in scales]
-    if fmt != "q4_1" and not tiles.holds(scales[0]):
+    if len(moving) == 1 and not tiles.holds(scales[0]):
       return None  # scales edited off float16: keep rows
     if fmt == "q8_0" and tiles.five_bits(rows_qs):
       fmt = "q5_0"  # Q5_0 blocks the loader kept in Q8_0 rows: 5 bits do
@@ -128,7 +130,8 @@ def flat_arrays(parts, axes: tuple[str, ...]):
 
 def tile_arrays(qs, scale, mins):
   """A tiled weight's ``qs``, ``scale`` and ``mins`` parameters (``mins``
-  None but for Q4_1) as ``[T, ...]`` jax arrays: two, or three for Q4_1."""
+  None but for Q4_1 and q8_16) as ``[T, ...]`` jax arrays: two, or three
+  with ``mins``."""
   parts = ((qs, TILE_AXES[1]), (scale, TILE_AXES[2]))
   if mins is not None:
     parts += ((mins, TILE_AXES[2]),)

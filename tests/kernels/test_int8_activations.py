@@ -188,11 +188,16 @@ TILE_SHAPES = [(1, 576, 1536), (3, 96, 16), (5, 32, 48), (17, 1536, 32),
 
 
 @pytest.mark.parametrize("rows,k,n", TILE_SHAPES)
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1", "q5_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1", "q5_0", "q8_16"])
 def test_in_tiles(rows, k, n, fmt):
-  """Q4_0, Q8_0, Q4_1 and Q5_0 in tiles of 16 outputs (`matvec_tiles.cc`):
-  the same product as in rows, up to the order of the float sums."""
-  if fmt in ("q8_0", "q5_0"):
+  """Q4_0, Q8_0, Q4_1, Q5_0 and q8_16 in tiles of 16 outputs
+  (`matvec_tiles.cc`): the same product as in rows, up to the order of the
+  float sums."""
+  if fmt == "q8_16":
+    qs, scale, mins, w = _q8_16(n, k)
+    weight = (qs, scale, mins)
+    in_rows = ops.q8_16(_x(rows, k), qs, scale, mins, int8_activations=True)
+  elif fmt in ("q8_0", "q5_0"):
     qs, scale, w = _q8(n, k, k // 32)
     if fmt == "q5_0":  # Q5_0's values, in Q8_0 rows as the loader keeps them
       qs = qs.clip(-16, 15)
@@ -229,7 +234,8 @@ def test_non_finite_activations_give_nan_rows():
               tiles.product(x, *tiles.to_tiles(*_q8(16, 64, 2)[:2])),
               tiles.product(x, *tiles.to_tiles(
                   _q8(16, 64, 2)[0].clip(-16, 15), _q8(16, 64, 2)[1],
-                  fmt="q5_0"))):
+                  fmt="q5_0")),
+              tiles.product(x, *tiles.to_tiles(*_q8_16(16, 64)[:3]))):
     got = np.asarray(got)
     assert np.isfinite(got[0]).all() and np.isnan(got[1:]).all()
 
@@ -254,9 +260,12 @@ def test_unsupported_shapes_are_errors():
   with pytest.raises(ValueError, match="float32 scale and mins"):  # Q4_1
     tiles.product(_x(1, 64), np.zeros((2, 64 * 8), np.uint8),
                   np.ones((2, 32), np.float16), np.ones((2, 32), np.float16))
-  with pytest.raises(ValueError, match="int8 qs, no mins"):
+  with pytest.raises(ValueError, match="float32 scale and mins"):  # q8_16
     tiles.product(_x(1, 64), np.zeros((2, 64 * 16), np.int8),
-                  np.ones((2, 32), np.float16), np.ones((2, 32), np.float16))
+                  np.ones((2, 64), np.float16), np.ones((2, 64), np.float16))
+  with pytest.raises(ValueError, match=r"not float32 qs"):
+    tiles.product(_x(1, 64), np.zeros((2, 64 * 16), np.float32),
+                  np.ones((2, 64), np.float32), np.ones((2, 64), np.float32))
   with pytest.raises(ValueError, match=r"must be \[R, 64\]"):
     tiles.product(_x(1, 32), np.zeros((2, 64 * 16), np.int8),
                   np.ones((2, 32), np.float16))

@@ -1,4 +1,4 @@
-"""Q4_0, Q8_0, Q4_1 and Q5_0 weights in tiles of 16 outputs (`penzai_lm.kernels.tiles`): the
+"""Q4_0, Q8_0, Q4_1, Q5_0 and q8_16 weights in tiles of 16 outputs (`penzai_lm.kernels.tiles`): the
 layout, and a quantized model's layers moving into it. The product itself
 is tested with the other int8-activation products
 (`test_int8_activations.py`)."""
@@ -24,15 +24,17 @@ from penzai_lm.quantization import quantize
 
 @pytest.mark.parametrize("fmt,dtype,p", [("q4_0", np.uint8, 16),
                                          ("q8_0", np.int8, 32),
-                                         ("q4_1", np.uint8, 16)])
+                                         ("q4_1", np.uint8, 16),
+                                         ("q8_16", np.int8, 32)])
 def test_the_layout_puts_output_j_in_lane_j(fmt, dtype, p):
   rng = np.random.default_rng(0)
   n, k = 48, 96
+  group = 16 if fmt == "q8_16" else 32  # values a scale
   info = np.iinfo(dtype)
   qs = rng.integers(info.min, info.max + 1, (n, k // 32 * p), dtype=dtype)
-  scale = rng.standard_normal((n, k // 32)).astype(np.float32)
-  mins = rng.standard_normal((n, k // 32)).astype(np.float32)
-  if fmt == "q4_1":  # float32 scales and offsets (Q4_K's products)
+  scale = rng.standard_normal((n, k // group)).astype(np.float32)
+  mins = rng.standard_normal((n, k // group)).astype(np.float32)
+  if fmt in ("q4_1", "q8_16"):  # float32 scales and offsets (K-quants')
     rows = (qs, scale, mins)
   else:  # float16 scales, as in the files
     rows = (qs, scale.astype(np.float16).astype(np.float32))
@@ -41,15 +43,17 @@ def test_the_layout_puts_output_j_in_lane_j(fmt, dtype, p):
   assert isinstance(qs_t, np.ndarray)  # numpy in, numpy out
   assert len(scales_t) == len(rows) - 1
   for scale_t in scales_t:
-    assert scale_t.dtype == (np.float32 if fmt == "q4_1" else np.float16)
-    assert scale_t.shape == (3, 3 * 16)
+    assert scale_t.dtype == (np.float16 if len(rows) == 2 else np.float32)
+    assert scale_t.shape == (3, k // group * 16)
   assert qs_t.shape == (3, 3 * 16 * p)
   for t, b, d, j, i in [(0, 0, 0, 0, 0), (2, 1, 3, 15, 2), (1, 2, 1, 7, 3),
                         (2, 2, p // 4 - 1, 9, 1)]:
     assert qs_t[t, 16 * p * b + 64 * d + 4 * j + i] == qs[16 * t + j,
                                                             p * b + 4 * d + i]
     for scale_t, scale in zip(scales_t, rows[1:]):
-      assert scale_t[t, 16 * b + j] == scale[16 * t + j, b]
+      for g in range(32 // group):  # the block's groups
+        at = 32 // group * b + g
+        assert scale_t[t, 16 * at + j] == scale[16 * t + j, at]
   back = tiles.from_tiles(qs_t, *scales_t)
   assert len(back) == len(rows)
   for got, want in zip(back, rows):
@@ -110,7 +114,7 @@ def test_leading_axes_are_kept():
 @pytest.mark.skipif(not ops.available(),
                     reason="no C++ compiler for the kernels")
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 576), (32, 1536)])
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1", "q5_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1", "q5_0", "q8_16"])
 def test_dequantized_from_tiles_bit_for_bit(n, k, fmt):
   """A prompt's weight, dequantized from the tiles, is the one its rows
   give (`formats.dequantize`; `ops.dequantize` for the 4-bit formats, as
@@ -132,6 +136,11 @@ def test_dequantized_from_tiles_bit_for_bit(n, k, fmt):
     qs = rng.integers(-16, 16, (n, k), dtype=np.int8)
     rows = (qs, scale)
     want = np.asarray(formats.dequantize(qs, scale, None, "q8_0"))
+  elif fmt == "q8_16":  # as the kernel in rows dequantizes it
+    qs = rng.integers(-32, 32, (n, k), dtype=np.int8)
+    scale = rng.uniform(1e-3, 0.1, (n, k // 16)).astype(np.float32)
+    rows = (qs, scale, rng.uniform(-1, 0, (n, k // 16)).astype(np.float32))
+    want = np.asarray(ops.dequantize(*rows))
   else:
     qs = rng.integers(-128, 128, (n, k), dtype=np.int8)
     rows = (qs, scale)
@@ -162,23 +171,39 @@ def test_shapes_that_do_not_tile_are_refused(n, k):
 
 def _model(fmt):
   """A small quantized model; "q5_0": Q8_0 whose values are clipped to
-  [-16, 15], as Q5_0 blocks load."""
+  [-16, 15], as Q5_0 blocks load; "q8_16": Q8_0 with a scale and an
+  offset per group of 16, as K-quants load."""
   config = TransformerConfig(
       family="llama", vocab_size=97, hidden_size=64, num_layers=2,
       num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
       max_position_embeddings=256)
   model = quantize(build_transformer(config, seed=0),
-                   "q8_0" if fmt == "q5_0" else fmt)
-  if fmt != "q5_0":
-    return model
-  return pz.select(model).at_instances_of(QuantizedLinear).apply(
-      lambda l: dataclasses.replace(l, qs=dataclasses.replace(
-          l.qs, value=pz.nx.nmap(lambda q: q.clip(-16, 15))(l.qs.value))))
+                   "q8_0" if fmt in ("q5_0", "q8_16") else fmt)
+  if fmt == "q5_0":
+    return pz.select(model).at_instances_of(QuantizedLinear).apply(
+        lambda l: dataclasses.replace(l, qs=dataclasses.replace(
+            l.qs, value=pz.nx.nmap(lambda q: q.clip(-16, 15))(l.qs.value))))
+  if fmt == "q8_16":
+    def groups_of_16(l):
+      scale = l.scale.value.untag("quant_groups")
+      scale = pz.nx.nmap(lambda s: s.repeat(2) * np.float32(0.75))(
+          scale).tag("quant_groups")
+      mins = pz.nx.nmap(lambda s: -s * np.arange(1, s.shape[0] + 1))(
+          scale.untag("quant_groups")).tag("quant_groups")
+      return dataclasses.replace(
+          l, format="q8_16",
+          scale=dataclasses.replace(l.scale, value=scale),
+          mins=pz.ParameterValue(value=mins,
+                                 label=l.scale.label.replace(".scale",
+                                                             ".mins")))
+    return pz.select(model).at_instances_of(QuantizedLinear).apply(
+        groups_of_16)
+  return model
 
 
 @pytest.mark.skipif(not ops.available(),
                     reason="no C++ compiler for the kernels")
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1", "q5_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1", "q5_0", "q8_16"])
 def test_int8_activations_move_layers_into_tiles(fmt):
   model = _model(fmt)
   x8 = with_cpu_kernels(model, int8_activations=True)
@@ -193,13 +218,13 @@ def test_int8_activations_move_layers_into_tiles(fmt):
     assert not old.tiled  # the user's model is not changed
     if new.tiled:
       assert new.qs.label == old.qs.label
-      # Q4_0's offsets (-8 scales) are dropped; Q4_1's move too.
-      assert (new.mins is None) == (fmt != "q4_1")
+      # Q4_0's offsets (-8 scales) are dropped; Q4_1's and q8_16's move.
+      assert (new.mins is None) == (fmt not in ("q4_1", "q8_16"))
       assert set(new.qs.value.named_shape) == {"blocks", "quant_tiles",
                                                "quant_tile_bytes"}
       # Read back in rows, the weight is the same.
       scales = [(new.scale, old.scale)] + (
-          [(new.mins, old.mins)] if fmt == "q4_1" else [])
+          [(new.mins, old.mins)] if new.mins is not None else [])
       qs, *got = tiles.from_tiles(
           new.qs.value.order_as("blocks", "quant_tiles",
                                 "quant_tile_bytes").data_array,
