@@ -85,22 +85,15 @@ struct Q4_1 : Q4_0 {
   static constexpr bool kMins = true;
   static constexpr float kOffset = 1.f;
 };
-struct Q5_0 {
-  using S = uint16_t;
-  static constexpr bool kMins = false;
-  static constexpr int kGroups = 1;
+struct Q5_0 : Q4_0 {  // Q4_0's nibbles, then a vector of 5th bits
   static constexpr int kDwords = 5;
   static constexpr float kOffset = -16.f;
   static void Decode(const uint8_t* p, Bytes (&v)[8]) {
+    Q4_0::Decode(p, v);
     const Bytes high = LoadBytes(p + 256);
-#pragma GCC unroll 4
-    for (int d = 0; d < 4; ++d) {
-      const Bytes w = LoadBytes(p + 64 * d);
-      v[d] = WithBit4(Low4(w), high, d);
-      v[4 + d] = WithBit4(High4(w), high, 4 + d);
-    }
+#pragma GCC unroll 8
+    for (int e = 0; e < 8; ++e) v[e] = WithBit4(v[e], high, e);
   }
-  static Ints Dot(Ints acc, Bytes w, Bytes x) { return DotUS(acc, w, x); }
 };
 struct Q8_0 {
   using S = uint16_t;
