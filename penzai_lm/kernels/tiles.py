@@ -7,9 +7,10 @@ Q8_0's ``int8`` values, P = 32), ``scale: f32[N, K // 32]`` and, for Q4_1,
 ``mins: f32[N, K // 32]`` (`penzai_lm.quantization.formats`); q8_16 (the
 K-quants kept) is ``int8`` values with a float32 scale and offset per
 group of 16: ``[N, K // 16]``. Q5_0's rows are Q8_0 rows whose values all
-lie in [-16, 15], as the GGUF loader keeps Q5_0 blocks. In tiles, output ``16 t + j`` is lane ``j`` of tile ``t``, and
-each block of 32 values of a tile's 16 outputs lies in ``16 P`` consecutive
-bytes, so that the product dots a tile's outputs at once and reads each
+lie in [-16, 15], as the GGUF loader keeps Q5_0 blocks. In tiles, output
+``16 t + j`` is lane ``j`` of tile ``t``, and each block of 32 values of a
+tile's 16 outputs lies in ``16 P`` consecutive bytes, so that the product
+dots a tile's outputs at once and reads each
 thread's tiles as one stream (as llama.cpp repacks Q4_0 and Q8_0 for its
 CPU products):
 
@@ -262,9 +263,10 @@ def _checked(qs, scale, mins, what: str) -> tuple[str, int, int]:
       tuple(a.shape) != (t, OUTPUTS * k // group)
       or jnp.dtype(a.dtype) != scale_dtype for a in scales):
     want = jnp.dtype(scale_dtype).name
+    got_mins = "" if mins is None else f", mins {mins.shape} {mins.dtype}"
     raise ValueError(
         f"{what}: qs {qs.shape} {qs.dtype} and scale {scale.shape}"
-        f" {scale.dtype}{'' if mins is None else f', mins {mins.shape} {mins.dtype}'}"
+        f" {scale.dtype}{got_mins}"
         f" are not a {fmt} weight in tiles of {OUTPUTS} outputs (qs"
         f" [T, {p // 2} K], {want} scale{'' if mins is None else ' and mins'}"
         f" [T, {'K // 2' if group == 32 else 'K'}]; `to_tiles` makes them).")

@@ -11,10 +11,10 @@ them like any other weight. Formats: `penzai_lm.quantization.formats`.
 On CPU the engine sets ``use_cpu_kernel``: products of up to
 `penzai_lm.kernels.layers.MAX_ROWS` rows (decoding), and with
 ``int8_activations`` prompts on AMX or on a weight in tiles, read the
-quantized blocks in the kernels; everything else dequantizes to the activations'
-dtype and contracts with penzai's `contract` (on GPU, XLA fuses that), or
-on CPU in bfloat16 and float32 as `penzai_lm.kernels.layers.kernel_contract`
-does.
+quantized blocks in the kernels; everything else dequantizes to the
+activations' dtype and contracts with penzai's `contract` (on GPU, XLA
+fuses that), or on CPU in bfloat16 and float32 as
+`penzai_lm.kernels.layers.kernel_contract` does.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class QuantizedLinear(pz.nn.Layer):
       and off by the activations' rounding. Prompts (`ops.GEMM_ROWS` rows
       or more) do the same on the AMX tiles where the CPU has them
       (`ops.int8_gemm_isa`), else on the weight's tiles (``tiled``), else
-      run in float. Applies to every layout
-      with ``K % 32 == 0``; other shapes ignore it. Set by
+      run in float. Applies to every layout with ``K % 32 == 0``; other
+      shapes ignore it. Set by
       ``penzai_lm.kernels.with_cpu_kernels(model, int8_activations=True)``.
   """
 
@@ -105,8 +105,8 @@ class QuantizedLinear(pz.nn.Layer):
     return _flat_arrays(self.qs, self.scale, self.mins)
 
   def _tiles(self):
-    """A tiled weight's ``qs``, ``scale`` (and Q4_1's ``mins``) as
-    ``[T, ...]`` jax arrays."""
+    """A tiled weight's ``qs``, ``scale`` (and ``mins``, Q4_1's and
+    q8_16's) as ``[T, ...]`` jax arrays."""
     return tiled.tile_arrays(self.qs, self.scale, self.mins)
 
   def on_cpu_kernels(self, int8_activations: bool,

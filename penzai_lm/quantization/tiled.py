@@ -36,9 +36,9 @@ def tiled_params(qs, scale, mins, fmt: str, memo: dict, *,
   """``(qs, scale, mins)`` parameters holding the weight of ``qs``,
   ``scale`` and ``mins`` (``[..., quant_out, quant_in]`` and
   ``[..., quant_groups]`` rows) in tiles, with the same labels (``mins``
-  None but for Q4_1 and q8_16); None where the weight cannot tile. Q8_0 rows whose
-  values all lie in [-16, 15] (Q5_0 blocks, as the GGUF loader keeps them)
-  move into Q5_0 tiles: 22 bytes a block against 34.
+  None but for Q4_1 and q8_16); None where the weight cannot tile. Q8_0
+  rows whose values all lie in [-16, 15] (Q5_0 blocks, as the GGUF loader
+  keeps them) move into Q5_0 tiles: 22 bytes a block against 34.
 
   Args:
     qs: The layer's ``qs`` parameter.

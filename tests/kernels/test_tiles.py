@@ -1,7 +1,7 @@
-"""Q4_0, Q8_0, Q4_1, Q5_0 and q8_16 weights in tiles of 16 outputs (`penzai_lm.kernels.tiles`): the
-layout, and a quantized model's layers moving into it. The product itself
-is tested with the other int8-activation products
-(`test_int8_activations.py`)."""
+"""Q4_0, Q8_0, Q4_1, Q5_0 and q8_16 weights in tiles of 16 outputs
+(`penzai_lm.kernels.tiles`): the layout, and a quantized model's layers
+moving into it. The product itself is tested with the other
+int8-activation products (`test_int8_activations.py`)."""
 
 import dataclasses
 import math
