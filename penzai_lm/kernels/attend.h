@@ -38,12 +38,17 @@ inline bool Attended(int32_t p, int32_t q_pos, int32_t window) {
 // One task: slots [lo, hi) (at most kChunk) of one row and group. Writes
 // the scores' maximum m[Q], the softmax numerators' sum[Q] and the
 // unnormalized output part[Q, D]; s is scratch for Q x kChunk scores.
-template <typename T>
-void Partial(const Shape& sh, const float* q, const T* k, const T* v,
-             const int32_t* kv_pos, int32_t q_pos, int32_t window,
-             float softcap, int64_t lo, int64_t hi, float* s, float* m,
-             float* sum, float* part) {
-  const int64_t Q = sh.Q, D = sh.D, n = hi - lo;
+// kQ > 0 fixes Q (= sh.Q) at compile time, so that the query heads'
+// accumulators stay in registers: with Q known only at run time they went
+// through the stack, a store and a load around every multiply-add (a third
+// of the kernel's time in perf, SmolLM2's Q = 3).
+template <typename T, int kQ>
+void PartialQ(const Shape& sh, const float* q, const T* k, const T* v,
+              const int32_t* kv_pos, int32_t q_pos, int32_t window,
+              float softcap, int64_t lo, int64_t hi, float* s, float* m,
+              float* sum, float* part) {
+  constexpr int kAcc = kQ > 0 ? kQ : kMaxQ;
+  const int64_t Q = kQ > 0 ? kQ : sh.Q, D = sh.D, n = hi - lo;
   // Scores: each key is read once and used by every query head.
   for (int64_t l = lo; l < hi; ++l) {
     float* sl = s + (l - lo);
@@ -56,7 +61,7 @@ void Partial(const Shape& sh, const float* q, const T* k, const T* v,
     // not follow in time: ask for the row 4 slots ahead.
     if (l + 4 < hi)
       for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(key + 4 * D + d);
-    V16 acc[kMaxQ];
+    V16 acc[kAcc];
     for (int64_t h = 0; h < Q; ++h) acc[h] = V16{};
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
@@ -111,7 +116,7 @@ void Partial(const Shape& sh, const float* q, const T* k, const T* v,
   for (int64_t d = 0; d < D; ++d) {
     const T* vr = v + d * sh.L;
     const bool ahead = d + 1 < D;  // the next feature's run, prefetched
-    V16 acc[kMaxQ];
+    V16 acc[kAcc];
     for (int64_t h = 0; h < Q; ++h) acc[h] = V16{};
     int64_t l = lo;
     for (; l + 16 <= hi; l += 16) {
@@ -126,6 +131,27 @@ void Partial(const Shape& sh, const float* q, const T* k, const T* v,
         t += s[h * kChunk + (j - lo)] * ToF32(vr[j]);
       part[h * D + d] = t;
     }
+  }
+}
+
+// `PartialQ` for any Q: fixed for 1 to 8 query heads a group (the
+// families' 1 to 8), else at run time.
+template <typename T>
+void Partial(const Shape& sh, const float* q, const T* k, const T* v,
+             const int32_t* kv_pos, int32_t q_pos, int32_t window,
+             float softcap, int64_t lo, int64_t hi, float* s, float* m,
+             float* sum, float* part) {
+  switch (sh.Q) {
+#define PZLM_PARTIAL_Q(N)                                                  \
+  case N:                                                                 \
+    return PartialQ<T, N>(sh, q, k, v, kv_pos, q_pos, window, softcap, lo, \
+                          hi, s, m, sum, part);
+    PZLM_PARTIAL_Q(1) PZLM_PARTIAL_Q(2) PZLM_PARTIAL_Q(3) PZLM_PARTIAL_Q(4)
+    PZLM_PARTIAL_Q(5) PZLM_PARTIAL_Q(6) PZLM_PARTIAL_Q(7) PZLM_PARTIAL_Q(8)
+#undef PZLM_PARTIAL_Q
+    default:
+      return PartialQ<T, 0>(sh, q, k, v, kv_pos, q_pos, window, softcap, lo,
+                            hi, s, m, sum, part);
   }
 }
 

@@ -68,6 +68,8 @@ SHAPES = [
     (3, 2, 3, 64, 300),   # several chunks of slots, tails of 16
     (3, 1, 4, 12, 37),    # one key/value head, a head size below 16
     (2, 4, 1, 80, 129),   # one query head per group, 80 = 5 x 16
+    (1, 2, 7, 64, 50),    # 7 query heads a group (fixed at compile time)
+    (2, 1, 12, 32, 70),   # 12: more than the fixed counts (1-8)
 ]
 WINDOW_SOFTCAP = [(2**31 - 1, None), (7, None), (2**31 - 1, 0.7)]
 DTYPES = ["float32", "bfloat16", "float16"]
