@@ -260,16 +260,22 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K,
   });
 }
 
+// Whether x [R, K] (K % 32 == 0), qs [T, 2 kDwords K], scale [T, kGroups
+// K / 2] and y [R, 16 T] are a product of format F in tiles.
+template <typename F, typename Dims>
+bool Fits(const Dims& xd, const Dims& qd, const Dims& sd, const Dims& yd) {
+  return xd.size() == 2 && xd[1] % 32 == 0 && qd.size() == 2 &&
+         qd[1] == 2 * F::kDwords * xd[1] && sd.size() == 2 &&
+         sd[0] == qd[0] && 2 * sd[1] == F::kGroups * xd[1] &&
+         yd.size() == 2 && yd[0] == xd[0] && yd[1] == kOutputs * qd[0];
+}
+
 template <typename F, ffi::DataType Q>
 ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                    ffi::Buffer<Q> qs, ffi::Buffer<ffi::F16> scale,
                    ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions(),
-       yd = y->dimensions();
-  if (xd.size() != 2 || xd[1] % 32 != 0 || qd.size() != 2 ||
-      qd[1] != 2 * F::kDwords * xd[1] || sd.size() != 2 || sd[0] != qd[0] ||
-      2 * sd[1] != xd[1] || yd.size() != 2 || yd[0] != xd[0] ||
-      yd[1] != kOutputs * qd[0])
+  if (!Fits<F>(x.dimensions(), qs.dimensions(), scale.dimensions(),
+               y->dimensions()))
     return ffi::Error::InvalidArgument(
         "tiles: x [R, K] with K % 32 == 0, qs [T, 8 K] (Q4_0), [T, 16 K] "
         "(Q8_0) or [T, 10 K] (Q5_0) and f16 scale [T, K / 2] (tiles of 16 "
@@ -277,7 +283,8 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const Weights<F> w{reinterpret_cast<const uint8_t*>(qs.untyped_data()),
                      reinterpret_cast<const uint16_t*>(scale.untyped_data()),
                      nullptr};
-  Run<F>(pool, x.typed_data(), xd[0], xd[1], w, qd[0], y->typed_data());
+  Run<F>(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], w,
+         qs.dimensions()[0], y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -288,20 +295,17 @@ ffi::Error ProductMins(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                        ffi::Buffer<Q> qs, ffi::Buffer<ffi::F32> scale,
                        ffi::Buffer<ffi::F32> mins,
                        ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions(),
-       md = mins.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || xd[1] % 32 != 0 || qd.size() != 2 ||
-      qd[1] != 2 * F::kDwords * xd[1] || sd.size() != 2 || sd[0] != qd[0] ||
-      2 * sd[1] != F::kGroups * xd[1] || md.size() != 2 || md[0] != sd[0] ||
-      md[1] != sd[1] || yd.size() != 2 || yd[0] != xd[0] ||
-      yd[1] != kOutputs * qd[0])
+  auto sd = scale.dimensions(), md = mins.dimensions();
+  if (!Fits<F>(x.dimensions(), qs.dimensions(), sd, y->dimensions()) ||
+      md.size() != 2 || md[0] != sd[0] || md[1] != sd[1])
     return ffi::Error::InvalidArgument(
         "tiles: x [R, K] with K % 32 == 0, qs [T, 8 K] (Q4_1) or [T, 16 K] "
         "(q8_16), f32 scale and mins [T, K / 2] (Q4_1) or [T, K] (q8_16) "
         "(tiles of 16 outputs), y [R, 16 T]");
   const Weights<F> w{reinterpret_cast<const uint8_t*>(qs.untyped_data()),
                      scale.typed_data(), mins.typed_data()};
-  Run<F>(pool, x.typed_data(), xd[0], xd[1], w, qd[0], y->typed_data());
+  Run<F>(pool, x.typed_data(), x.dimensions()[0], x.dimensions()[1], w,
+         qs.dimensions()[0], y->typed_data());
   return ffi::Error::Success();
 }
 
