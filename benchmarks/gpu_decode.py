@@ -24,8 +24,8 @@ attention layers, for the TTFT comparison), ``penzai_lm-layers`` (a
 per-layer model, one copy), ``penzai_lm-scan``
 (`Engine(unstack_layer_stacks=False)`: decodes the stack as a scan, one
 copy), and the peers ``transformers-eager`` (``generate`` with its dynamic
-cache) and ``transformers-compile`` (static cache, ``torch.compile`` of the
-forward pass). ``--formats int8`` adds penzai_lm with int8 weight-only quantization.
+cache) and ``transformers-compile`` (static cache, with which ``generate``
+compiles the forward pass itself on CUDA). ``--formats int8`` adds penzai_lm with int8 weight-only quantization.
 Extra XLA flags for the penzai_lm processes (``--xla-flags``) make sweeps of
 XLA:GPU options one command.
 
@@ -202,9 +202,12 @@ def transformers_child(spec: dict) -> dict:
   model.generation_config.eos_token_id = None
   model.generation_config.pad_token_id = 0
   if spec["engine"] == "transformers-compile":
+    # A static cache makes generate compile the forward pass itself on
+    # CUDA (transformers' auto-compile: fullgraph, "reduce-overhead"), as
+    # its users run it. Wrapping `model.forward` in torch.compile besides
+    # failed on an H200 with transformers 5.17 and torch 2.11 ("accessing
+    # tensor output of CUDAGraphs that has been overwritten").
     model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead",
-                                  fullgraph=True)
   clock = _TokenClock()
   model.register_forward_pre_hook(clock.pre_hook, with_kwargs=True)
 

@@ -38,7 +38,8 @@ class _TokenClock:
 
       def __call__(self, input_ids, scores, **kwargs):
         clock.token_times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool,
+                           device=input_ids.device)
 
     return Stamp()
 
