@@ -3,6 +3,8 @@
     penzai-lm generate "The capital of France is"
     penzai-lm generate --chat --temperature 0.7 "Write a haiku about JAX"
     echo "Once upon a time" | penzai-lm generate --max-new-tokens 64 --json
+    penzai-lm generate --model model-Q4_K_M.gguf --quantize keep \
+        --int8-activations "Hello"
     penzai-lm chat
 
 Text streams to stdout; a stats line (time to first token, prefill and decode
@@ -32,6 +34,7 @@ import jax
 
 import penzai_lm
 from penzai_lm import generation
+from penzai_lm import kernels
 from penzai_lm.circuits.graph_command import add_graph_command
 from penzai_lm.generation.chat import ChatSession
 from penzai_lm.paths import jax_cache_dir
@@ -68,6 +71,11 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
                       " file's own blocks (Q8_0, Q4_x, Q5_x, K-quants), or"
                       " quantize them"
                       " (decoding reads the blocks in compiled CPU kernels)")
+  parser.add_argument("--int8-activations", action="store_true",
+                      help="with --quantize, on CPU: round the activations"
+                      " of the quantized products to int8 blocks, as"
+                      " llama.cpp does (faster; not exact against the"
+                      " dequantized weights)")
   parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
   parser.add_argument("--min-new-tokens", type=int, default=0,
                       help="tokens to generate before a stop token may end"
@@ -180,9 +188,17 @@ def _load(args):
   start = time.perf_counter()
   # Generation decodes on per-layer weights; loading them that way saves the
   # copy the engine would otherwise make of a layer stack.
+  if args.int8_activations and args.quantize is None:
+    raise ValueError("--int8-activations applies to quantized weights: add"
+                     " --quantize keep (a GGUF file's own blocks) or"
+                     " --quantize q8_0 / q4_0 / q4_1 / int8.")
   model, tokenizer = penzai_lm.load(args.model, dtype=args.dtype,
                                     use_layer_stack=False,
                                     quantize=args.quantize)
+  if args.int8_activations:
+    # The weights move into the kernels' tiles; donate: no second copy.
+    model = kernels.with_cpu_kernels(model, int8_activations=True,
+                                     donate=True)
   print(f"[loaded in {time.perf_counter() - start:.1f}s]", file=sys.stderr)
   return model, tokenizer
 

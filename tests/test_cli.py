@@ -10,10 +10,12 @@ import sys
 import threading
 import time
 
+from penzai import pz
 import pytest
 import tokenizers
 
 from penzai_lm import cli
+from penzai_lm.quantization import QuantizedLinear
 from penzai_lm.tokenizer import Tokenizer
 from tests.checkpoints.corrupt_file_builders import valid_hf
 
@@ -45,6 +47,23 @@ def test_generate_with_the_files_own_quantized_blocks(capsys):
                       "--json", "--quantize", "keep")
   assert code == 0
   assert "Paris" in json.loads(out)["texts"][0]
+
+
+def test_int8_activations_generate_and_need_quantized_weights(capsys):
+  code, out, _ = _run(capsys, "generate", PROMPT, "--max-new-tokens", "4",
+                      "--json", "--quantize", "keep", "--int8-activations")
+  assert code == 0
+  assert "Paris" in json.loads(out)["texts"][0]
+  code, out, err = _run(capsys, "generate", PROMPT, "--max-new-tokens", "4",
+                        "--int8-activations")
+  assert code == 2 and not out
+  assert "--int8-activations" in err and "--quantize keep" in err
+  args = cli.build_parser().parse_args(
+      ["generate", PROMPT, "--quantize", "keep", "--int8-activations"])
+  model, _ = cli._load(args)  # pylint: disable=protected-access
+  layers = pz.select(model).at_instances_of(QuantizedLinear).get_sequence()
+  assert layers and all(layer.int8_activations for layer in layers)
+  assert all(layer.tiled for layer in layers)  # SmolLM2's Q8_0: all tile
 
 
 def test_streamed_text_equals_the_json_text(capsys):
