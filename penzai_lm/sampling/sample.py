@@ -360,8 +360,11 @@ def sample_next(
   batch, vocab = logits.shape
   step = jnp.broadcast_to(jnp.asarray(step, jnp.int32), (batch,))
   keys = row_keys(settings.seed, step)
-  noise = row_gumbels(keys, noise_size(vocab, settings.top_k_cap))
-  coin = row_coins(keys)
+  size = noise_size(vocab, settings.top_k_cap)
+
+  def draws():
+    return row_gumbels(keys, size), row_coins(keys)
+
   banned = settings.banned_tokens
   if extra_bans is not None:
     if extra_bans.shape != (batch, vocab):
@@ -371,12 +374,21 @@ def sample_next(
   if uses_kernel(kernel):
     from penzai_lm.kernels import ops  # pylint: disable=g-import-not-at-top
     _, chunk = filters.chunk_shape(vocab)
+    # Greedy rows read neither noise nor coin, so a step whose rows are all
+    # greedy skips the draw (XLA:CPU runs threefry as a loop of its own;
+    # docs/cpu-speed.md).
+    noise, coin = jax.lax.cond(
+        jnp.any(~filters.is_greedy(settings.temperature)), draws,
+        lambda: (jnp.zeros((batch, size), jnp.float32),
+                 jnp.zeros((batch,), jnp.float32)))
     params = jnp.stack([jnp.asarray(getattr(settings, name), jnp.float32)
                         for name in KERNEL_PARAMS], axis=1)
     return ops.sample(logits, params, settings.top_k, state.counts,
                       state.seen, settings.logit_bias, banned, noise, coin,
                       param_names=KERNEL_PARAMS,
                       num=min(settings.top_k_cap, vocab), chunk=chunk)
+
+  noise, coin = draws()
 
   def processed(penalise: bool):
     out = logits
