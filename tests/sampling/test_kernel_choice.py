@@ -8,11 +8,13 @@ sampler is static: it comes from `FIELDS` (each `SamplingField`'s
 """
 
 import dataclasses
+import functools
 import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from penzai_lm.kernels import ops
@@ -83,3 +85,32 @@ def test_sample_next_calls_the_kernel_exactly_when_uses_kernel_says(kernel):
       init_sampler_state(jnp.zeros((batch, 1), jnp.int32), vocab_size=vocab),
       0, kernel=kernel).as_text()
   assert ("pzlm_sample" in hlo) == uses_kernel(kernel)
+
+
+@pytest.mark.skipif(not ops.available(), reason="no C++ compiler for the kernels")
+def test_greedy_rows_beside_sampled_ones_change_nothing_on_the_kernel():
+  """The kernel path draws noise only when some row samples: a sampled row
+  picks the same tokens beside greedy rows as in a batch of sampled rows,
+  and the same as the JAX sampler; greedy rows take the argmax."""
+  vocab, steps = 300, 12
+  logits = jax.random.normal(jax.random.key(3), (3, vocab)) * 2.0
+  state = init_sampler_state(jnp.zeros((3, 1), jnp.int32),
+                             jnp.zeros((3, 1), bool), vocab_size=vocab)
+  kernel = jax.jit(functools.partial(sample_next, kernel=True))
+  plain = jax.jit(sample_next)
+
+  def tokens(sampler, temperature):
+    settings = SamplingSettings.make(3, vocab, temperature=temperature,
+                                     top_k=[0, 5, 0], seed=[11, 12, 13])
+    return np.stack([np.asarray(sampler(logits, settings, state, step)[0])
+                     for step in range(steps)])
+
+  mixed = tokens(kernel, [0.0, 1.0, 0.0])
+  sampled = tokens(kernel, [1.0, 1.0, 1.0])
+  greedy = tokens(kernel, [0.0, 0.0, 0.0])
+  np.testing.assert_array_equal(mixed[:, 1], sampled[:, 1])
+  np.testing.assert_array_equal(mixed, tokens(plain, [0.0, 1.0, 0.0]))
+  np.testing.assert_array_equal(greedy, np.broadcast_to(
+      np.argmax(np.asarray(logits), axis=-1), greedy.shape))
+  np.testing.assert_array_equal(mixed[:, [0, 2]], greedy[:, [0, 2]])
+  assert len(set(sampled[:, 1].tolist())) > 1  # it does sample
