@@ -183,15 +183,15 @@ def _read_prompt(args) -> str:
 
 
 def _load(args):
+  if args.int8_activations and args.quantize is None:
+    raise ValueError("--int8-activations applies to quantized weights: add"
+                     " --quantize keep (a GGUF file's own blocks) or"
+                     " --quantize q8_0 / q4_0 / q4_1 / int8.")
   print(f"[loading {args.model or 'the default model'}]", file=sys.stderr,
         flush=True)
   start = time.perf_counter()
   # Generation decodes on per-layer weights; loading them that way saves the
   # copy the engine would otherwise make of a layer stack.
-  if args.int8_activations and args.quantize is None:
-    raise ValueError("--int8-activations applies to quantized weights: add"
-                     " --quantize keep (a GGUF file's own blocks) or"
-                     " --quantize q8_0 / q4_0 / q4_1 / int8.")
   model, tokenizer = penzai_lm.load(args.model, dtype=args.dtype,
                                     use_layer_stack=False,
                                     quantize=args.quantize)
