@@ -208,8 +208,7 @@ def transformers_child(spec: dict) -> dict:
     # failed on an H200 with transformers 5.17 and torch 2.11 ("accessing
     # tensor output of CUDAGraphs that has been overwritten").
     model.generation_config.cache_implementation = "static"
-  clock = _TokenClock()
-  model.register_forward_pre_hook(clock.pre_hook, with_kwargs=True)
+  clock = _TokenClock(model)
 
   def run(prompts, new):
     ids = torch.tensor(prompts, device=device)

@@ -15,18 +15,32 @@ from peers.common import run_record
 
 
 class _TokenClock:
-  """Forward pre-hook + stopping criterion that timestamp a HF generate."""
+  """Forward pre-hook + stopping criterion that timestamp a HF generate.
 
-  def __init__(self):
+  The hook times the first forward call (the prefill) of each run and then
+  removes itself: with a static cache, generate compiles the later calls
+  with fullgraph=True, and torch.compile cannot trace time.perf_counter.
+  ``reset()`` arms it again for the next run.
+  """
+
+  def __init__(self, model):
+    self.model = model
     self.prefill_start = None
     self.token_times = []
+    self._hook = None
+    self.reset()
 
   def reset(self):
     self.prefill_start, self.token_times = None, []
+    if self._hook is not None:
+      self._hook.remove()
+    self._hook = self.model.register_forward_pre_hook(self.pre_hook,
+                                                      with_kwargs=True)
 
   def pre_hook(self, module, args, kwargs):  # pylint: disable=unused-argument
     if self.prefill_start is None:
       self.prefill_start = time.perf_counter()
+    self._hook.remove()
 
   def criterion(self):
     import torch  # pylint: disable=g-import-not-at-top
@@ -71,8 +85,7 @@ def run(spec: dict) -> dict:
   out = dict(load_s=time.perf_counter() - start, runs=[])
   prompts, new = spec["prompts"], spec["new"]
   ids = torch.tensor(prompts)
-  clock = _TokenClock()
-  model.register_forward_pre_hook(clock.pre_hook, with_kwargs=True)
+  clock = _TokenClock(model)
   kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new,
                 do_sample=False,
                 stopping_criteria=transformers.StoppingCriteriaList(
