@@ -3,7 +3,7 @@
 Loads the model (``--weights``: float32 or bfloat16 from the default file,
 or a kept GGUF variant from the peers' folder, ``benchmarks/peers/
 make_ggufs.py``; ``--x8``: int8 activations), generates once to compile,
-then traces one greedy generate (``--prompt`` tokens in, ``--new`` out)
+then traces one greedy generate (``--batch`` rows of ``--prompt`` tokens in, ``--new`` out)
 with ``jax.profiler`` and sums the decode program's ops per step: the
 kernel calls (``ffi_call``: the products, attention, the sampler) apart
 from XLA's own ops, with their count per step and the costliest kinds.
@@ -81,23 +81,25 @@ def main():
                       help="int8 activations (with_cpu_kernels)")
   parser.add_argument("--prompt", type=int, default=128)
   parser.add_argument("--new", type=int, default=64)
+  parser.add_argument("--batch", type=int, default=1,
+                      help="rows (the same prompt in each)")
   parser.add_argument("--top", type=int, default=10)
   args = parser.parse_args()
   model = load(args.weights, args.x8)
   engine = default_engine()
-  prompt = list(range(100, 100 + args.prompt))
-  engine.generate(model, [prompt], max_new_tokens=args.new, temperature=0.0)
+  prompts = [list(range(100, 100 + args.prompt))] * args.batch
+  engine.generate(model, prompts, max_new_tokens=args.new, temperature=0.0)
   with tempfile.TemporaryDirectory() as folder:
     with jax.profiler.trace(folder, create_perfetto_trace=True):
-      timings = engine.generate(model, [prompt], max_new_tokens=args.new,
+      timings = engine.generate(model, prompts, max_new_tokens=args.new,
                                 temperature=0.0).timings
     (path,) = glob.glob(f"{folder}/**/perfetto_trace.json.gz",
                         recursive=True)
     spent, count = step_ops(path, timings.decode_steps)
   other = sum(v for k, v in spent.items() if k != "ffi")
-  print(f"{args.weights}{' x8' if args.x8 else ''}: {timings.decode_steps}"
-        f" steps traced, {timings.decode_tokens_per_s:.1f} tok/s under the"
-        f" profiler")
+  print(f"{args.weights}{' x8' if args.x8 else ''}, batch {args.batch}:"
+        f" {timings.decode_steps} steps traced,"
+        f" {timings.decode_tokens_per_s:.1f} tok/s a row under the profiler")
   ops = sum(count.values()) - count["ffi"]
   print(f"kernel calls: {spent['ffi']:.0f} us a step ({count['ffi']:.0f}"
         f" calls); XLA's ops: {other:.0f} us ({ops:.0f} ops)")
