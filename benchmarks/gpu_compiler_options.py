@@ -45,7 +45,6 @@ import os
 import shutil
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from gpu_decode import SHAPES
 from gpu_decode import _prompts
+from gpu_decode import bandwidth_child
 from penzai_lm.generation import Engine
 from penzai_lm.model import TransformerConfig
 from penzai_lm.model import build_transformer
@@ -68,20 +68,6 @@ VARIANTS = {
                  "xla_gpu_graph_min_graph_size": 1},
 }
 GREEDY = dict(temperature=0.0, stop_tokens=[])
-
-
-def read_bandwidth() -> float:
-  """GB/s of a jitted sum over a 4 GiB bfloat16 array (256 MiB off GPU)."""
-  n = (4 << 30 if jax.default_backend() == "gpu" else 256 << 20) // 2
-  x = jnp.ones((n // 4096, 4096), jnp.bfloat16)
-  total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-  total(x).block_until_ready()
-  times = []
-  for _ in range(8):
-    start = time.perf_counter()
-    total(x).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return x.nbytes / min(times) / 1e9
 
 
 def engine_for(options) -> Engine:
@@ -116,7 +102,7 @@ def main():
     if v not in VARIANTS:
       parser.error(f"unknown variant {v!r}; choose from {list(VARIANTS)}")
 
-  bandwidth = read_bandwidth()
+  bandwidth = bandwidth_child(dict(repeats=3))["read_gb_s"]
   print(f"device {jax.devices()[0].device_kind}: read {bandwidth:.0f} GB/s",
         flush=True)
   results = dict(read_gb_s=bandwidth, device=jax.devices()[0].device_kind)

@@ -182,11 +182,26 @@ def _read_prompt(args) -> str:
   return sys.stdin.read()
 
 
-def _load(args):
-  if args.int8_activations and args.quantize is None:
+def _check_int8_activations(quantize: str | None) -> None:
+  """Refuses --int8-activations where it would change nothing: without
+  quantized weights, off CPU, or without the CPU kernels."""
+  if quantize is None:
     raise ValueError("--int8-activations applies to quantized weights: add"
                      " --quantize keep (a GGUF file's own blocks) or"
                      " --quantize q8_0 / q4_0 / q4_1 / int8.")
+  if jax.default_backend() != "cpu":
+    raise ValueError("--int8-activations runs on the CPU kernels, but JAX's"
+                     f" default device here is {jax.default_backend()}; run"
+                     " with JAX_PLATFORMS=cpu, or leave the flag off.")
+  if not kernels.ops.available():
+    raise ValueError("--int8-activations needs penzai_lm's CPU kernels,"
+                     " which could not be built here (is a C++ compiler"
+                     " installed?); leave the flag off.")
+
+
+def _load(args):
+  if args.int8_activations:
+    _check_int8_activations(args.quantize)
   print(f"[loading {args.model or 'the default model'}]", file=sys.stderr,
         flush=True)
   start = time.perf_counter()
