@@ -94,16 +94,24 @@ inline Floats Add(Floats a, Floats b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline float Total(Floats a) { return _mm512_reduce_add_ps(a.v); }
 inline Floats Splat(float v) { return {_mm512_set1_ps(v)}; }
 // The lane sums of 4 vectors at once.
+inline __m256 Halves(Floats a) {
+  return _mm256_add_ps(
+      _mm512_castps512_ps256(a.v),
+      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+}
 inline void Total4(const Floats* a, float* out) {
-  __m256 t[4];
-  for (int i = 0; i < 4; ++i)
-    t[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i].v),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(
-                             _mm512_castps_pd(a[i].v), 1)));
-  __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]),
-                            _mm256_hadd_ps(t[2], t[3]));
+  __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(Halves(a[0]), Halves(a[1])),
+                            _mm256_hadd_ps(Halves(a[2]), Halves(a[3])));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u),
                                 _mm256_extractf128_ps(u, 1)));
+}
+// One vector's lane sum in Total4's order, so that an output's result does
+// not depend on the size of the block it was summed in.
+inline float TotalAs4(Floats a) {
+  __m256 h = _mm256_hadd_ps(Halves(a), Halves(a));
+  h = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h),
+                                  _mm256_extractf128_ps(h, 1)));
 }
 inline Floats LoadFloats(const float* p) { return {_mm512_loadu_ps(p)}; }
 // 16 float16 values (their bits) as floats.
@@ -354,16 +362,18 @@ inline Floats Spread(const float* p, int n) {
 }
 #endif
 
-// The lane sums of n vectors.
+// The lane sums of n vectors, each added up in the same order for any n.
 template <int n>
 inline void Totals(const Floats* a, float* out) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
   if constexpr (n == 4) {
     Total4(a, out);
-    return;
+  } else {
+    for (int i = 0; i < n; ++i) out[i] = TotalAs4(a[i]);
   }
-#endif
+#else
   for (int i = 0; i < n; ++i) out[i] = Total(a[i]);
+#endif
 }
 
 // Σ w * x per lane for signed int8 weights: `Signed(w)` once per weight

@@ -35,19 +35,25 @@ namespace {
 
 using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 
-// Blocks: with AVX-512, 32 registers of 16 floats: 4 rows x 4 outputs of
-// accumulators plus the decoded weights fit. With AVX2, 16 registers of 8
-// floats: 2 rows x 2 outputs x 2 accumulators plus the decoded weights
-// (4 x 4, which spills, measured the same end to end within this
-// machine's noise: SmolLM2 f32 decode 31.0 / 31.5 tok/s at batch 1, 113 /
-// 117 at batch 8).
+// Blocks: kOuts outputs of kRowPass rows at a time. With AVX-512 one
+// output: its weights are one run of memory, read front to back. Blocks of
+// 4 outputs read 4 runs side by side, which an AMD EPYC (Zen 4) streamed at
+// 2/3 of the rate (SmolLM2's bfloat16 products 14.4 -> 11.4 ms a step, Q8_0
+// 10.0 -> 7.5; docs/cpu-speed.md), and at 8 rows, where the products are
+// compute-bound, they were no faster. With AVX2, 16 registers of 8 floats:
+// 2 rows x 2 outputs x 2 accumulators plus the decoded weights (4 x 4,
+// which spills, measured the same end to end within this machine's noise:
+// SmolLM2 f32 decode 31.0 / 31.5 tok/s at batch 1, 113 / 117 at batch 8;
+// one output at a time is not measured on an AVX2 machine). Each output's
+// sum runs in the same order for any block, so a row's results do not
+// depend on the other rows of its batch.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int kOuts = 2;
 constexpr int kRowPass = 2;
 constexpr int kInVecs = 4;
 constexpr int kInVecsRows = 2;
 #else
-constexpr int kOuts = 4;
+constexpr int kOuts = 1;
 constexpr int kRowPass = 4;
 constexpr int kInVecs = 16;
 constexpr int kInVecsRows = 4;

@@ -120,6 +120,56 @@ def test_dequantize_equals_the_formats_bit_for_bit(fmt, n, k):
     assert (np.abs(got - want) <= 2.0**-23 * terms).all()
 
 
+def _products(rng, k, n):
+  """Each out-major product the kernels have, as fn(x) -> f32[R, N]."""
+  w = rng.standard_normal((n, k)).astype(np.float32)
+  out = {}
+  for dtype in ("float32", "bfloat16", "float16"):
+    wd = jnp.asarray(w).astype(dtype)
+    out[dtype] = lambda x, wd=wd: ops.dense(x, wd, out_major=True)
+  wb = jnp.asarray(w).astype("bfloat16")
+  out["bfloat16 rows"] = lambda x: ops.dense(x.astype(jnp.bfloat16), wb,
+                                             out_major=True)
+  for fmt in ("int8", "q8_0", "q4_0", "q4_1"):
+    q = formats.quantize(w, fmt)
+    for x8 in (False, True):
+      if fmt.startswith("q4"):
+        fn = lambda x, q=q, x8=x8: ops.q4(x, q.qs, q.scale, q.mins,
+                                          int8_activations=x8)
+      else:
+        fn = lambda x, q=q, x8=x8: ops.q8(x, q.qs, q.scale,
+                                          int8_activations=x8)
+      out[fmt + (" x8" if x8 else "")] = fn
+  groups = k // 16
+  qs = rng.integers(-128, 128, (n, k), dtype=np.int8)
+  scale = rng.uniform(1e-3, 1e-1, (n, groups)).astype(np.float32)
+  mins = rng.uniform(-1e-1, 1e-1, (n, groups)).astype(np.float32)
+  for x8 in (False, True):
+    out["q8_16" + (" x8" if x8 else "")] = (
+        lambda x, x8=x8: ops.q8_16(x, qs, scale, mins, int8_activations=x8))
+  return out
+
+
+@pytest.mark.parametrize("k,n", [(576, 1030), (96, 71)])
+def test_a_row_is_the_same_alone_and_in_a_batch(k, n):
+  """Bit for bit: a row's products do not depend on the rows beside it.
+  The kernels take one output at a time for a single row and blocks of
+  outputs for several (matvec.cc, matvec_x8.cc); each output's sum runs in
+  the same order either way. bfloat16 rows are the exception past 4 rows,
+  where they are widened to float32 (a faster product at 8 rows)."""
+  rng = np.random.default_rng(7)
+  x = _x(8, k, seed=3)
+  for name, fn in _products(rng, k, n).items():
+    product = jax.jit(fn)
+    batch = 4 if name == "bfloat16 rows" else 8
+    together = np.asarray(product(x[:batch]))
+    for rows in ([2], [1, 2], [0, 1, 2, 3], [3, 0], [5, 6], [3, 0, 7]):
+      if max(rows) >= batch:
+        continue
+      alone = np.asarray(product(x[rows]))
+      np.testing.assert_array_equal(alone, together[rows], err_msg=name)
+
+
 def test_bad_shapes_are_errors_not_garbage():
   x = _x(2, 64)
   with pytest.raises(Exception, match="w must be"):
