@@ -35,25 +35,31 @@ namespace {
 
 using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 
-// Blocks: kOuts outputs of kRowPass rows at a time. With AVX-512 one
-// output: its weights are one run of memory, read front to back. Blocks of
-// 4 outputs read 4 runs side by side, which an AMD EPYC (Zen 4) streamed at
-// 2/3 of the rate (SmolLM2's bfloat16 products 14.4 -> 11.4 ms a step, Q8_0
-// 10.0 -> 7.5; docs/cpu-speed.md), and at 8 rows, where the products are
-// compute-bound, they were no faster. With AVX2, 16 registers of 8 floats:
-// 2 rows x 2 outputs x 2 accumulators plus the decoded weights (4 x 4,
-// which spills, measured the same end to end within this machine's noise:
-// SmolLM2 f32 decode 31.0 / 31.5 tok/s at batch 1, 113 / 117 at batch 8;
-// one output at a time is not measured on an AVX2 machine). Each output's
-// sum runs in the same order for any block, so a row's results do not
-// depend on the other rows of its batch.
+// Blocks: kOuts outputs of kRowPass rows at a time, where the rows take
+// several passes over each chunk of outputs (the later passes read the
+// weights from cache, and a block's decoded weights serve 4 outputs'
+// worth of multiply-adds). Rows that fit in one pass (decoding up to 4
+// rows) stream the weights from memory, one output at a time with
+// AVX-512: its weights are one run of memory, read front to back. Blocks
+// of 4 read 4 runs side by side, which an AMD EPYC (Zen 4) streamed at 2/3
+// of the rate (SmolLM2's bfloat16 products 14.4 -> 11.4 ms a step, Q8_0
+// 10.0 -> 7.5; docs/cpu-speed.md); at 8 rows blocks of 4 decoded float32
+// 1.16x faster. With AVX2, 16 registers of 8 floats: 2 rows x 2 outputs x
+// 2 accumulators plus the decoded weights (4 x 4, which spills, measured
+// the same end to end within this machine's noise: SmolLM2 f32 decode
+// 31.0 / 31.5 tok/s at batch 1, 113 / 117 at batch 8); one output at a
+// time is not measured on an AVX2 machine. Each output's sum runs in the
+// same order in any block, so a row's results do not depend on the other
+// rows of its batch.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int kOuts = 2;
+constexpr int kStreamOuts = 2;
 constexpr int kRowPass = 2;
 constexpr int kInVecs = 4;
 constexpr int kInVecsRows = 2;
 #else
-constexpr int kOuts = 1;
+constexpr int kOuts = 4;
+constexpr int kStreamOuts = 1;
 constexpr int kRowPass = 4;
 constexpr int kInVecs = 16;
 constexpr int kInVecsRows = 4;
@@ -91,13 +97,23 @@ void OutBlock(const W& w, const float* x, float* y, int64_t K, int64_t N,
   }
 }
 
-// Outputs [n0, n1) of `rows` (<= 4) rows.
-template <int RB, typename W>
+// Outputs [n0, n1) of `rows` (<= 4) rows, in blocks of OUTS.
+template <int RB, int OUTS, typename W>
 void OutRange(const W& w, const float* x, float* y, int64_t K, int64_t N,
               int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + kOuts <= n1; n += kOuts) OutBlock<RB, kOuts>(w, x, y, K, N, n);
+  for (; n + OUTS <= n1; n += OUTS) OutBlock<RB, OUTS>(w, x, y, K, N, n);
   for (; n < n1; ++n) OutBlock<RB, 1>(w, x, y, K, N, n);
+}
+
+template <int RB, typename W>
+void OutRows(const W& w, const float* x, float* y, int64_t K, int64_t N,
+             int64_t n0, int64_t n1, bool passes) {
+  if (passes) {
+    OutRange<RB, kOuts>(w, x, y, K, N, n0, n1);
+  } else {
+    OutRange<RB, kStreamOuts>(w, x, y, K, N, n0, n1);
+  }
 }
 
 template <typename W>
@@ -105,15 +121,16 @@ void OutMajor(ffi::ThreadPool& pool, const W& w, const float* x, float* y,
               int64_t R, int64_t K, int64_t N) {
   // Chunks of 64 outputs: their weights stay in L1/L2 between the passes
   // over the rows, kRowPass rows a pass.
+  const bool passes = R > kRowPass;
   ParallelOutputs(pool, N, 64, [=, &w](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < R; r0 += kRowPass) {
       const float* xr = x + r0 * K;
       float* yr = y + r0 * N;
       switch (std::min<int64_t>(kRowPass, R - r0)) {
-        case 1: OutRange<1>(w, xr, yr, K, N, n0, n1); break;
-        case 2: OutRange<2>(w, xr, yr, K, N, n0, n1); break;
-        case 3: OutRange<3>(w, xr, yr, K, N, n0, n1); break;
-        default: OutRange<4>(w, xr, yr, K, N, n0, n1); break;
+        case 1: OutRows<1>(w, xr, yr, K, N, n0, n1, passes); break;
+        case 2: OutRows<2>(w, xr, yr, K, N, n0, n1, passes); break;
+        case 3: OutRows<3>(w, xr, yr, K, N, n0, n1, passes); break;
+        default: OutRows<4>(w, xr, yr, K, N, n0, n1, passes); break;
       }
     }
   });
@@ -250,7 +267,8 @@ template <int RB>
 void Bf16Range(const uint16_t* w, const uint16_t* x, float* y, int64_t K,
                int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  for (; n + kOuts <= n1; n += kOuts) Bf16Block<RB, kOuts>(w, x, y, K, N, n);
+  for (; n + kStreamOuts <= n1; n += kStreamOuts)
+    Bf16Block<RB, kStreamOuts>(w, x, y, K, N, n);
   for (; n < n1; ++n) Bf16Block<RB, 1>(w, x, y, K, N, n);
 }
 #endif
