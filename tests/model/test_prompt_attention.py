@@ -76,9 +76,11 @@ def _prepared_layers(model, prompt_attention):
 
 
 def test_the_engine_chooses_the_prompt_attention():
-  model = build_transformer(
+  built = build_transformer(
       CONFIGS["llama_gqa"].replace(use_layer_stack=False), seed=2)
-  # On CPU, "auto" keeps penzai's chain; cuDNN needs a GPU.
+  # On CPU, "auto" keeps penzai's chain; cuDNN needs a GPU. (On a GPU
+  # machine the model is built there, and moved to the CPU for this.)
+  model = jax.device_put(built, jax.devices("cpu")[0])
   assert not on_gpus(model) and not on_one_gpu(model)
   assert _prepared_layers(model, "auto") == 0
   assert _prepared_layers(model, None) == 0
@@ -90,6 +92,8 @@ def test_the_engine_chooses_the_prompt_attention():
   assert len(engine._prepared) == 0  # pylint: disable=protected-access
   with pytest.raises(ValueError, match="prompt_attention must be one of"):
     Engine(prompt_attention="flash")
+  if on_one_gpu(built):  # On one GPU, "auto" fuses prompts with cuDNN.
+    assert _prepared_layers(built, "auto") == built.config.num_layers
 
 
 def test_generate_and_sessions_match_with_fused_prompts():
