@@ -93,12 +93,13 @@ inline Floats Mul(Floats a, Floats b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Floats Add(Floats a, Floats b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline float Total(Floats a) { return _mm512_reduce_add_ps(a.v); }
 inline Floats Splat(float v) { return {_mm512_set1_ps(v)}; }
-// The lane sums of 4 vectors at once.
+// A vector's two halves added (the first step of a lane sum).
 inline __m256 Halves(Floats a) {
   return _mm256_add_ps(
       _mm512_castps512_ps256(a.v),
       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
 }
+// The lane sums of 4 vectors at once.
 inline void Total4(const Floats* a, float* out) {
   __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(Halves(a[0]), Halves(a[1])),
                             _mm256_hadd_ps(Halves(a[2]), Halves(a[3])));

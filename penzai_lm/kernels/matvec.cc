@@ -37,8 +37,9 @@ using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 
 // Blocks: kOuts outputs of kRowPass rows at a time, where the rows take
 // several passes over each chunk of outputs (the later passes read the
-// weights from cache, and a block's decoded weights serve 4 outputs'
-// worth of multiply-adds). Rows that fit in one pass (decoding up to 4
+// weights from cache, the products are compute-bound, and a block loads
+// each step of a row's activations once for kOuts outputs). Rows that
+// fit in one pass (decoding up to 4
 // rows) stream the weights from memory, one output at a time with
 // AVX-512: its weights are one run of memory, read front to back. Blocks
 // of 4 read 4 runs side by side, which an AMD EPYC (Zen 4) streamed at 2/3
