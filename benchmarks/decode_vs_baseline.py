@@ -53,6 +53,25 @@ print(json.dumps(dict(tok_s=statistics.median(rates),
 """
 
 
+FORMATS = ("f32", "bf16", "q8_0", "q4_0", "q4_1", "q4_k_m")
+
+
+def check_args(parser, args) -> None:
+  """Refuses unknown variants and a baseline that is not a checkout, before
+  any process runs."""
+  for variant in args.variants.split(","):
+    base = variant.removesuffix("-x8")
+    if base not in FORMATS or (variant.endswith("-x8")
+                               and base in ("f32", "bf16")):
+      parser.error(f"unknown variant {variant!r}: one of {', '.join(FORMATS)},"
+                   " the quantized ones also with the suffix -x8")
+  if not os.path.isfile(os.path.join(args.baseline, "penzai_lm",
+                                     "__init__.py")):
+    parser.error(f"--baseline {args.baseline!r} is not a penzai_lm checkout"
+                 " (no penzai_lm/__init__.py there); make one with: git"
+                 " worktree add /tmp/before HEAD~1")
+
+
 def run_child(args, variant: str, checkout: str) -> float:
   """Median decode tok/s of one fresh process importing from ``checkout``."""
   env = dict(os.environ, PYTHONPATH=checkout)
@@ -78,6 +97,7 @@ def main():
   parser.add_argument("--prompt", type=int, default=128)
   parser.add_argument("--new", type=int, default=64)
   args = parser.parse_args()
+  check_args(parser, args)
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   sides = [("baseline", os.path.abspath(args.baseline)), ("this", here)]
   rates = {}
