@@ -296,9 +296,10 @@ class Engine:
     """`Runtime.lower` on this engine's runtime."""
     return self.runtime.lower(name, fn, static, args, **kwargs)
 
-  def compile_ahead(self, name: str, fn, static, args, **kwargs) -> float:
-    """`Runtime.compile_ahead` on this engine's runtime."""
-    return self.runtime.compile_ahead(name, fn, static, args, **kwargs)
+  def lower_ahead(self, name: str, fn, static, args, **kwargs
+                  ) -> Pending | None:
+    """`Runtime.lower_ahead` on this engine's runtime."""
+    return self.runtime.lower_ahead(name, fn, static, args, **kwargs)
 
 
 _DEFAULT_ENGINE = Engine(runtime=default_runtime())

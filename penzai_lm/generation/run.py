@@ -179,7 +179,9 @@ class Run:
     On a first request XLA compiles the decode program on another thread:
     beside the prefill's compile, or, for a ``streamed`` run whose prefill
     emits the first tokens, after it, so that those come sooner (a new
-    SmolLM2 process: first streamed token 5.44 -> 4.39 s). Unstreamed, a
+    SmolLM2 process: first streamed token 5.44 -> 4.39 s). There the
+    prefill compiles on another thread while this one traces the decode
+    program, which then waits for neither (4.33 -> 4.13 s). Unstreamed, a
     whole first request ends sooner beside it (SmolLM2's first `generate`
     took 5.9 s the other way, against 5.2; docs/cpu-speed.md)."""
     prepared = self._prepared
@@ -197,42 +199,49 @@ class Run:
     pending = self._engine.lower(
         "prefill", prefill_lib.prefill_program,
         (shape, prepared.treedef, prepared.layout, stacked),
-        args, shape=shape, blocks=prepared.blocks,
+        args, shape=shape, blocks=runs_on.blocks,  # Over a stack: one.
         parameters=prepared.parameters)
     first_request = (pending.out_info is not None
                      and prepared.layout.placement is None)
     later = streamed and self.request.prefill.emits_first
-    if first_request and not later:
-      # XLA builds the decode program (its carry is the prefill's output)
-      # on another core while the prefill compiles and runs (SmolLM2 fp32:
-      # first generate 4.1 -> 2.7 s of compile+trace). Its tracing counts
-      # in the prefill's compile seconds below, which run from the start
-      # of the prefill's lowering.
-      self._compile_decode_ahead(pending.out_info)
-    program, seconds = pending.compile()
-    self.timings.compile_s += seconds
-    start = time.perf_counter()
-    carry = program(*args)  # Dispatched: it runs while the host goes on.
-    traced = 0.0
-    if first_request and later:
-      # The first tokens do not wait for the decode program: it is traced
-      # while the prefill runs, and XLA compiles it after the prefill's
-      # compile rather than beside it (docs/cpu-speed.md).
-      traced = self._compile_decode_ahead(pending.out_info)
-      self.timings.compile_s += traced
-    self.carry = jax.block_until_ready(carry)
+    decode = None
+    if first_request:
+      if later:
+        pending.start_compile()
+      # Traced here, beside the prefill's compile. Its tracing counts in the
+      # prefill's compile seconds below, which run from the start of the
+      # prefill's lowering.
+      decode = self._lower_decode(pending.out_info)
+      if not later and decode is not None:
+        # XLA builds the decode program (its carry is the prefill's
+        # output) on another core while the prefill compiles and runs
+        # (SmolLM2 fp32: first generate 4.1 -> 2.7 s of compile+trace).
+        decode.start_compile()
+        decode = None
+    try:
+      program, seconds = pending.compile()
+      self.timings.compile_s += seconds
+      start = time.perf_counter()
+      self.carry = jax.block_until_ready(program(*args))
+    except BaseException:
+      if decode is not None:
+        decode.abandon()
+      raise
+    if decode is not None:
+      # After the prefill's compile and run rather than beside them
+      # (docs/cpu-speed.md); the first tokens are out now.
+      decode.start_compile()
     self.view = self.carry.host_view()
-    # The timed parts stay disjoint: the tracing counts in compile_s only.
-    self.timings.prefill_s = time.perf_counter() - start - traced
+    self.timings.prefill_s = time.perf_counter() - start
     if self.view.t:
       self.timings.time_to_first_token_s = self.timings.prefill_s
       self._after_call()
 
-  def _compile_decode_ahead(self, carry_info) -> float:
-    """Traces the decode program for a carry like ``carry_info`` and has
-    XLA compile it on another thread; returns the seconds traced."""
+  def _lower_decode(self, carry_info):
+    """The decode program for a carry like ``carry_info``, traced for a
+    compile on another thread (None: cached or being made)."""
     prepared = self._prepared
-    return self._engine.compile_ahead(
+    return self._engine.lower_ahead(
         "decode", programs.decode_program, self._decode_static(),
         (prepared.model_leaves, carry_info, self._decode_inputs(0)),
         shape=self.request.decode, donate=(1,), blocks=prepared.blocks,

@@ -6,8 +6,8 @@
   is about notebooks that patch and generate many times.
   Tracing (`ProgramCache.lower`) runs on the caller's thread, under its JAX
   settings; XLA's compile (`Pending.compile`) may run on another
-  (`ProgramCache.compile_ahead`: a request's decode program compiles while
-  its prefill does).
+  (`ProgramCache.lower_ahead` and `Pending.start_compile`: a request's
+  decode program compiles while its prefill runs).
 It is thread-safe (a runtime, the default one included, is shared by
 every thread that generates): a lock guards the LRU, and concurrent misses
 of one key wait for the first thread's program instead of each compiling
@@ -143,32 +143,21 @@ class ProgramCache:
       raise
     return Pending(self, key, start, lowered=lowered, options=options)
 
-  def compile_ahead(self, name: str, fn: Callable, static: Any, args: tuple,
-                    compiler_options: Callable[[], dict[str, Any]],
-                    donate: tuple[int, ...] = ()) -> float:
-    """Traces a program now and compiles it in a background thread, so XLA
-    builds it while the caller compiles or runs another; a `get` of it
-    waits for that thread. Returns the seconds spent tracing (0 if the
-    program is cached or being made). A failed background compilation is
-    left to the next `get`, which compiles again and raises."""
+  def lower_ahead(self, name: str, fn: Callable, static: Any, args: tuple,
+                  compiler_options: Callable[[], dict[str, Any]],
+                  donate: tuple[int, ...] = ()) -> "Pending | None":
+    """Traces a program now, for XLA to compile later (`Pending.start_compile`
+    or `Pending.compile`); None if it is cached or being made (a `get` of
+    it then waits for the maker). Until it is compiled, a `get` of it waits
+    for that compile."""
     key = _program_key(name, static, args)
     if key is None:
-      return 0.0  # `get` warns and compiles it as usual.
+      return None  # `get` warns and compiles it as usual.
     with self._lock:
       if key in self._programs or self._making.busy(key):
-        return 0.0
+        return None
     pending = self.lower(name, fn, static, args, compiler_options, donate)
-    if pending.done:
-      return 0.0
-    traced = time.perf_counter() - pending.start
-    # Not a daemon: at interpreter exit Python waits for it. A daemon
-    # thread still inside XLA's compiler when Python finalizes is stopped by
-    # a forced unwind through C++ frames, which aborts the process
-    # ("FATAL: exception not rethrown", exit -6: a CLI run cancelled by
-    # Ctrl-C while the decode program compiled did this).
-    threading.Thread(target=pending.compile_quietly, daemon=False,
-                     name=f"penzai_lm compile {name}").start()
-    return traced
+    return None if pending.done else pending
 
   def _finish(self, key, program) -> None:
     with self._lock:
@@ -218,6 +207,9 @@ class Pending:
     self._cache, self._key, self.start = cache, key, start
     self._program, self._waited = program, waited
     self._lowered, self._options = lowered, options or {}
+    self._thread: threading.Thread | None = None
+    self._outcome: tuple | None = None
+    self._error: BaseException | None = None
     self.done = program is not None
 
   @property
@@ -225,8 +217,40 @@ class Pending:
     """The outputs' ``jax.ShapeDtypeStruct``s (None for a cache hit)."""
     return None if self._lowered is None else self._lowered.out_info
 
+  def start_compile(self) -> None:
+    """Has XLA compile the program on another thread from now on; `compile`
+    then waits for it, and raises what it raised. A compile nobody waits
+    for that fails is left to the cache's next `get`, which compiles again
+    and raises."""
+    if self.done or self._thread is not None:
+      return
+    # Not a daemon: at interpreter exit Python waits for it. A daemon
+    # thread still inside XLA's compiler when Python finalizes is stopped by
+    # a forced unwind through C++ frames, which aborts the process
+    # ("FATAL: exception not rethrown", exit -6: a CLI run cancelled by
+    # Ctrl-C while the decode program compiled did this).
+    self._thread = threading.Thread(
+        target=self._compile_in_thread, daemon=False,
+        name=f"penzai_lm compile {self._key[0] if self._key else ''}")
+    self._thread.start()
+
+  def abandon(self) -> None:
+    """Gives up a program traced but not to be compiled (its caller
+    failed): the cache's next `get` of it compiles it instead of waiting
+    for this one."""
+    if not self.done and self._thread is None:
+      self._cache._release(self._key)  # pylint: disable=protected-access
+
   def compile(self):
     """``(compiled, seconds)`` as `ProgramCache.get` returns them."""
+    if self._thread is not None:
+      self._thread.join()
+      if self._error is not None:
+        raise self._error
+      return self._outcome
+    return self._compile_here()
+
+  def _compile_here(self):
     if self.done:
       seconds = time.perf_counter() - self.start if self._waited else 0.0
       return self._program, seconds
@@ -244,8 +268,8 @@ class Pending:
       release_freed_memory()
     return program, time.perf_counter() - self.start
 
-  def compile_quietly(self) -> None:
+  def _compile_in_thread(self) -> None:
     try:
-      self.compile()
-    except Exception:  # pylint: disable=broad-except
-      pass  # The next `get` compiles it again and raises.
+      self._outcome = self._compile_here()
+    except BaseException as e:  # pylint: disable=broad-except
+      self._error = e  # Raised by `compile` in the thread that waits.

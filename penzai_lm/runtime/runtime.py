@@ -5,8 +5,8 @@ on-disk `ProgramStore` it compiles through, and the XLA compile options of
 its programs (`compiler_options.default_compiler_options` unless given).
 Programs are asked for by name ("prefill", "decode" and "forward" today),
 a static key and example arguments: `program` compiles (or finds) one,
-`lower` traces it and leaves the compile for later, and `compile_ahead`
-compiles it in the background.
+`lower` traces it and leaves the compile for later, and `lower_ahead`
+traces one for XLA to compile in the background (`Pending.start_compile`).
 
 `forward` runs a model call as one compiled program (`forward.py`). The
 default runtime (`default_runtime()`) serves top-level model calls
@@ -159,12 +159,12 @@ class Runtime:
         name, fn, static, args,
         self._options_for(name, shape, blocks, parameters), donate)
 
-  def compile_ahead(self, name: str, fn, static, args, *, shape, donate=(),
-                    blocks: int | None = None,
-                    parameters: int | None = None) -> float:
-    """Traces ``fn``'s program and compiles it in the background (see
-    `ProgramCache.compile_ahead`); returns the seconds spent tracing."""
-    return self.programs.compile_ahead(
+  def lower_ahead(self, name: str, fn, static, args, *, shape, donate=(),
+                  blocks: int | None = None, parameters: int | None = None
+                  ) -> Pending | None:
+    """``fn``'s program traced for a compile on another thread, or None if
+    it is cached or being made: see `ProgramCache.lower_ahead`."""
+    return self.programs.lower_ahead(
         name, fn, static, args,
         self._options_for(name, shape, blocks, parameters), donate)
 

@@ -1,6 +1,6 @@
 """A first request compiles its decode program on another thread while the
-prefill compiles and runs (ProgramCache.compile_ahead), and a new process
-compiles nothing else for it."""
+prefill compiles and runs (ProgramCache.lower_ahead, Pending.start_compile),
+and a new process compiles nothing else for it."""
 
 import json
 import pathlib
@@ -62,13 +62,17 @@ def test_decode_compiles_on_its_own_thread_once(model):
 
 def test_a_streamed_first_request_compiles_decode_after_its_prefill(model):
   # The first tokens come from the prefill; the decode program is traced
-  # while it runs and compiled on its own thread, once.
+  # while the prefill compiles, and compiled on its own thread, once, after
+  # the prefill has run.
   engine = Engine(program_store=None)
   rows = prompts([4, 6], seed=44)
   events = []
   threads = _compile_threads(lambda: events.extend(
       engine.stream(model, rows, chunk_size=2, **GREEDY)))
-  assert dict(threads)["jit(decode_program)"] == "penzai_lm compile decode"
+  # The prefill compiled on a thread of its own too, while this one traced
+  # the decode program.
+  assert dict(threads) == {"jit(prefill_program)": "penzai_lm compile prefill",
+                           "jit(decode_program)": "penzai_lm compile decode"}
   assert engine.compilations == 2
   got = {}
   for e in events:
@@ -99,6 +103,33 @@ def test_a_failed_background_compile_is_raised_by_the_decode_call(model):
   with pytest.raises(Exception, match="xla_no_such_option_pzlm"):
     engine.generate(model, prompts([4], seed=43), **GREEDY)
   assert engine.compilations == 1  # The prefill.
+
+
+def test_a_failed_streamed_prefill_leaves_no_decode_program_waiting(model):
+  # The decode program was traced beside the prefill's failed compile and
+  # never compiled: the next request compiles it rather than waiting for it.
+  failing = threading.Event()
+  failing.set()
+
+  def options(name, shape):
+    del shape
+    return ({"xla_no_such_option_pzlm": True}
+            if name == "prefill" and failing.is_set() else {})
+
+  engine = Engine(program_store=None, compiler_options=options)
+  if jax.default_backend() != "cpu":
+    pytest.skip("compiler options apply to CPU programs only")
+  rows = prompts([4, 6], seed=45)
+  with pytest.raises(Exception, match="xla_no_such_option_pzlm"):
+    list(engine.stream(model, rows, chunk_size=2, **GREEDY))
+  failing.clear()
+  events = []
+  second = threading.Thread(target=lambda: events.extend(
+      engine.stream(model, rows, chunk_size=2, **GREEDY)), daemon=True)
+  second.start()
+  second.join(timeout=300)
+  assert not second.is_alive(), "the second request waited for a program"
+  assert events and engine.compilations == 2
 
 
 _FIRST_REQUEST = r"""
