@@ -38,33 +38,40 @@ using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 // Blocks: kOuts outputs of kRowPass rows at a time, where the rows take
 // several passes over each chunk of outputs (the later passes read the
 // weights from cache, the products are compute-bound, and a block loads
-// each step of a row's activations once for kOuts outputs). Rows that
-// fit in one pass (decoding up to 4
-// rows) stream the weights from memory, one output at a time with
-// AVX-512: its weights are one run of memory, read front to back. Blocks
-// of 4 read 4 runs side by side, which an AMD EPYC (Zen 4) streamed at 2/3
-// of the rate (SmolLM2's bfloat16 products 14.4 -> 11.4 ms a step, Q8_0
-// 10.0 -> 7.5; docs/cpu-speed.md); at 8 rows blocks of 4 decoded float32
-// 1.16x faster. With AVX2, 16 registers of 8 floats: 2 rows x 2 outputs x
-// 2 accumulators plus the decoded weights (4 x 4, which spills, measured
-// the same end to end within this machine's noise: SmolLM2 f32 decode
-// 31.0 / 31.5 tok/s at batch 1, 113 / 117 at batch 8); one output at a
-// time is not measured on an AVX2 machine. Each output's sum runs in the
-// same order in any block, so a row's results do not depend on the other
-// rows of its batch.
+// each step of a row's activations once for kOuts outputs). Up to kOnePass
+// rows (decoding a few rows) take one pass that streams the weights from
+// memory, one output at a time with AVX-512: its weights are one run of
+// memory, read front to back. Blocks of 4 read 4 runs side by side, which
+// an AMD EPYC (Zen 4) streamed at 2/3 of the rate (SmolLM2's bfloat16
+// products 14.4 -> 11.4 ms a step, Q8_0 10.0 -> 7.5; docs/cpu-speed.md).
+// One pass over 5 or 6 rows beat passes of 4 + 1 or 2 in blocks for every
+// format (Q8_0 at 5 rows 13.9 -> 11.6 ms a step); at 7 and 8 rows float32
+// went 3-7% slower that way, bfloat16 weights 8% faster (their product
+// takes one pass to 8 rows: `Bf16RowsOutMajor`). With AVX2, 16 registers
+// of 8 floats: 2 rows x 2 outputs x 2 accumulators plus the decoded weights
+// (4 x 4, which spills, measured the same end to end within this machine's
+// noise: SmolLM2 f32 decode 31.0 / 31.5 tok/s at batch 1, 113 / 117 at
+// batch 8); one output at a time is not measured on an AVX2 machine. Each
+// output's sum runs in the same order in any block, so a row's results do
+// not depend on the other rows of its batch.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int kOuts = 2;
 constexpr int kStreamOuts = 2;
 constexpr int kRowPass = 2;
+constexpr int kOnePass = 2;
+constexpr int kBf16OnePass = 2;
 constexpr int kInVecs = 4;
 constexpr int kInVecsRows = 2;
 #else
 constexpr int kOuts = 4;
 constexpr int kStreamOuts = 1;
 constexpr int kRowPass = 4;
+constexpr int kOnePass = 6;
+constexpr int kBf16OnePass = 8;
 constexpr int kInVecs = 16;
 constexpr int kInVecsRows = 4;
 #endif
+constexpr int kMostOnePass = 8;  // Rows a pass can take (OnePass).
 
 // Outputs [n0, n0 + OUTS) of RB rows of x: each step of K is decoded
 // once, into registers, and used by every row; RB * OUTS accumulators.
@@ -107,31 +114,46 @@ void OutRange(const W& w, const float* x, float* y, int64_t K, int64_t N,
   for (; n < n1; ++n) OutBlock<RB, 1>(w, x, y, K, N, n);
 }
 
-template <int RB, typename W>
-void OutRows(const W& w, const float* x, float* y, int64_t K, int64_t N,
-             int64_t n0, int64_t n1, bool passes) {
-  if (passes) {
-    OutRange<RB, kOuts>(w, x, y, K, N, n0, n1);
-  } else {
-    OutRange<RB, kStreamOuts>(w, x, y, K, N, n0, n1);
+// Outputs [n0, n1) of R <= kMostOnePass rows in one pass, kStreamOuts at
+// a time.
+template <typename W>
+void OnePass(const W& w, const float* x, float* y, int64_t R, int64_t K,
+             int64_t N, int64_t n0, int64_t n1) {
+  switch (R) {
+    case 1: OutRange<1, kStreamOuts>(w, x, y, K, N, n0, n1); break;
+    case 2: OutRange<2, kStreamOuts>(w, x, y, K, N, n0, n1); break;
+    case 3: OutRange<3, kStreamOuts>(w, x, y, K, N, n0, n1); break;
+    case 4: OutRange<4, kStreamOuts>(w, x, y, K, N, n0, n1); break;
+    case 5: OutRange<5, kStreamOuts>(w, x, y, K, N, n0, n1); break;
+    case 6: OutRange<6, kStreamOuts>(w, x, y, K, N, n0, n1); break;
+    case 7: OutRange<7, kStreamOuts>(w, x, y, K, N, n0, n1); break;
+    default: OutRange<8, kStreamOuts>(w, x, y, K, N, n0, n1); break;
   }
 }
 
+// R rows against out-major weights: in one pass up to ``one_pass`` rows (at
+// most kMostOnePass), else in passes of kRowPass rows.
 template <typename W>
 void OutMajor(ffi::ThreadPool& pool, const W& w, const float* x, float* y,
-              int64_t R, int64_t K, int64_t N) {
+              int64_t R, int64_t K, int64_t N, int one_pass = kOnePass) {
+  if (R == 0) return;
+  if (R <= std::min(one_pass, kMostOnePass)) {
+    ParallelOutputs(pool, N, 64, [=, &w](int64_t n0, int64_t n1) {
+      OnePass(w, x, y, R, K, N, n0, n1);
+    });
+    return;
+  }
   // Chunks of 64 outputs: their weights stay in L1/L2 between the passes
   // over the rows, kRowPass rows a pass.
-  const bool passes = R > kRowPass;
   ParallelOutputs(pool, N, 64, [=, &w](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < R; r0 += kRowPass) {
       const float* xr = x + r0 * K;
       float* yr = y + r0 * N;
       switch (std::min<int64_t>(kRowPass, R - r0)) {
-        case 1: OutRows<1>(w, xr, yr, K, N, n0, n1, passes); break;
-        case 2: OutRows<2>(w, xr, yr, K, N, n0, n1, passes); break;
-        case 3: OutRows<3>(w, xr, yr, K, N, n0, n1, passes); break;
-        default: OutRows<4>(w, xr, yr, K, N, n0, n1, passes); break;
+        case 1: OutRange<1, kOuts>(w, xr, yr, K, N, n0, n1); break;
+        case 2: OutRange<2, kOuts>(w, xr, yr, K, N, n0, n1); break;
+        case 3: OutRange<3, kOuts>(w, xr, yr, K, N, n0, n1); break;
+        default: OutRange<4, kOuts>(w, xr, yr, K, N, n0, n1); break;
       }
     }
   });
@@ -236,9 +258,10 @@ void InMajor(ffi::ThreadPool& pool, const T* w, const float* x, float* y,
 // weights of an output and 32 values of a row and adds the 16 pairs'
 // products into 16 float lanes (the products are exact in float32, as in
 // the float path, which converts both sides). Otherwise the rows are
-// widened to float32 once and the float path runs: it decodes a step of
-// weights once for 4 rows, and at 8 rows it was the faster one
-// (docs/cpu-speed.md).
+// widened to float32 once and the float path runs, in one pass up to 8
+// rows: it decodes a step of weights once for every row, and from 5 rows it
+// was the faster one (SmolLM2's step at 8 rows: 28.3 ms on vdpbf16ps, 25.0
+// in passes of 4 rows, 23.1 in one pass; docs/cpu-speed.md).
 #if defined(__AVX512BF16__)
 template <int RB, int OUTS>
 void Bf16Block(const uint16_t* w, const uint16_t* x, float* y, int64_t K,
@@ -300,7 +323,8 @@ ffi::Error Bf16RowsOutMajor(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
 #endif
   std::vector<float> wide(R * K);
   for (int64_t i = 0; i < R * K; ++i) wide[i] = Bf16ToF32(xs[i]);
-  OutMajor(pool, Dense<uint16_t>{ws, K}, wide.data(), yd, R, K, N);
+  OutMajor(pool, Dense<uint16_t>{ws, K}, wide.data(), yd, R, K, N,
+           kBf16OnePass);
   return ffi::Error::Success();
 }
 
