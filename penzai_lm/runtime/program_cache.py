@@ -146,10 +146,10 @@ class ProgramCache:
   def lower_ahead(self, name: str, fn: Callable, static: Any, args: tuple,
                   compiler_options: Callable[[], dict[str, Any]],
                   donate: tuple[int, ...] = ()) -> "Pending | None":
-    """Traces a program now, for XLA to compile later (`Pending.start_compile`
-    or `Pending.compile`); None if it is cached or being made (a `get` of
-    it then waits for the maker). Until it is compiled, a `get` of it waits
-    for that compile."""
+    """Traces a program now, for XLA to compile later; None if it is cached
+    or being made. The caller then owns the program's making: it calls
+    `Pending.start_compile` (or `Pending.compile`), or `Pending.abandon` if
+    it gives up, since until then a `get` of the program waits for it."""
     key = _program_key(name, static, args)
     if key is None:
       return None  # `get` warns and compiles it as usual.
