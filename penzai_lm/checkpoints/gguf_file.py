@@ -9,6 +9,7 @@ read as garbage or failing with a numpy reshape error.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 import struct
@@ -25,6 +26,7 @@ GGUF_MAGIC = b"GGUF"
 _U64 = struct.Struct("<Q")
 
 
+@functools.cache
 def _fast_reader_class():
   import gguf  # pylint: disable=g-import-not-at-top
 
@@ -111,18 +113,12 @@ def _fast_reader_class():
   return FastGGUFReader
 
 
-_FAST_READER = None
-
-
 def open_gguf_reader(path: str | os.PathLike):
   """Opens ``path`` with a (faster) ``gguf.GGUFReader``.
 
   No magic check; tensor infos are checked against the file (CheckpointError).
   """
-  global _FAST_READER
-  if _FAST_READER is None:
-    _FAST_READER = _fast_reader_class()
-  return _FAST_READER(path, "r")
+  return _fast_reader_class()(path, "r")
 
 
 def open_checked(path: Path):
