@@ -34,6 +34,7 @@ from penzai_lm.generation.state import Outputs
 from penzai_lm.generation.state import REASON_NAMES
 from penzai_lm.generation.state import RUNNING
 from penzai_lm.generation.state import STOP
+from penzai_lm.runtime.program_cache import Pending
 
 
 def _padded(values, rows: int, fill, dtype) -> np.ndarray:
@@ -203,21 +204,7 @@ class Run:
         parameters=prepared.parameters)
     first_request = (pending.out_info is not None
                      and prepared.layout.placement is None)
-    later = streamed and self.request.prefill.emits_first
-    decode = None
-    if first_request:
-      if later:
-        pending.start_compile()
-      # Traced here, beside the prefill's compile. Its tracing counts in the
-      # prefill's compile seconds below, which run from the start of the
-      # prefill's lowering.
-      decode = self._lower_decode(pending.out_info)
-      if not later and decode is not None:
-        # XLA builds the decode program (its carry is the prefill's
-        # output) on another core while the prefill compiles and runs
-        # (SmolLM2 fp32: first generate 4.1 -> 2.7 s of compile+trace).
-        decode.start_compile()
-        decode = None
+    decode = self._decode_beside(pending, streamed) if first_request else None
     try:
       program, seconds = pending.compile()
       self.timings.compile_s += seconds
@@ -237,7 +224,28 @@ class Run:
       self.timings.time_to_first_token_s = self.timings.prefill_s
       self._after_call()
 
-  def _lower_decode(self, carry_info):
+  def _decode_beside(self, prefill: Pending, streamed: bool
+                     ) -> Pending | None:
+    """Traces the decode program of a first request beside the prefill's
+    compile. Its XLA compile starts now, or, for a ``streamed`` run whose
+    prefill emits the first tokens, is returned for the caller to start
+    after the prefill has run (the prefill then compiles on another thread
+    from now on, while this one traces). Its tracing counts in the
+    prefill's compile seconds, which run from the start of the prefill's
+    lowering."""
+    later = streamed and self.request.prefill.emits_first
+    if later:
+      prefill.start_compile()
+    decode = self._lower_decode(prefill.out_info)
+    if not later and decode is not None:
+      # XLA builds the decode program (its carry is the prefill's output)
+      # on another core while the prefill compiles and runs (SmolLM2 fp32:
+      # first generate 4.1 -> 2.7 s of compile+trace).
+      decode.start_compile()
+      return None
+    return decode
+
+  def _lower_decode(self, carry_info) -> Pending | None:
     """The decode program for a carry like ``carry_info``, traced for a
     compile on another thread (None: cached or being made)."""
     prepared = self._prepared
