@@ -105,7 +105,7 @@ void OutBlock(const W& w, const float* x, float* y, int64_t K, int64_t N,
   }
 }
 
-// Outputs [n0, n1) of `rows` (<= 4) rows, in blocks of OUTS.
+// Outputs [n0, n1) of RB rows, in blocks of OUTS.
 template <int RB, int OUTS, typename W>
 void OutRange(const W& w, const float* x, float* y, int64_t K, int64_t N,
               int64_t n0, int64_t n1) {
