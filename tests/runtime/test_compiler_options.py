@@ -1,7 +1,11 @@
 """Compiler options: XLA's defaults but for small models, chosen per
 program and model size."""
 
+import os
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from penzai_lm import interp
@@ -16,16 +20,45 @@ from tests.generation.conftest import prompts
 GREEDY = dict(max_new_tokens=3, temperature=0.0, stop_tokens=[])
 
 
+def _decode_extra(program: str) -> dict:
+  """What a decode program adds on CPU (`SERIAL_OPS`)."""
+  cpu = jax.default_backend() == "cpu"
+  return compiler_options.SERIAL_OPS if cpu and program == "decode" else {}
+
+
 def test_few_block_models_compile_with_the_older_fusion_emitters():
   older = {"xla_cpu_use_fusion_emitters": False}
   large = compiler_options.SMALL_MODEL + 1
   for program in ("prefill", "decode"):
-    assert default_compiler_options(program, None, blocks=3) == older
+    extra = _decode_extra(program)
+    assert default_compiler_options(program, None, blocks=3) == older | extra
     assert default_compiler_options(program, None, blocks=3,
-                                    parameters=large) == older
-    assert default_compiler_options(program, None, blocks=4) == {}
-    assert default_compiler_options(program, None) == {}
+                                    parameters=large) == older | extra
+    assert default_compiler_options(program, None, blocks=4) == extra
+    assert default_compiler_options(program, None) == extra
   assert default_compiler_options("forward", None, blocks=1) == {}
+
+
+def test_decode_programs_keep_xla_ops_on_one_thread():
+  """On CPU a decode program's own ops are not split into parallel tasks
+  (`SERIAL_OPS`); the option does that in this jaxlib: an op that XLA
+  splits by default is not split under it (the pass has a name that a
+  jaxlib upgrade could change, making the option a silent no-op)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU's pass")
+  large = compiler_options.SMALL_MODEL + 1
+  assert default_compiler_options(
+      "decode", None, blocks=30, parameters=large) == compiler_options.SERIAL_OPS
+  for program in ("prefill", "forward"):
+    assert default_compiler_options(
+        program, None, blocks=30, parameters=large) == {}
+  lowered = jax.jit(lambda x: jnp.tanh(x) * 2 + x).lower(
+      np.zeros((8, 1 << 14), np.float32))
+  partitions = "outer_dimension_partitions"
+  if len(os.sched_getaffinity(0)) >= 2:  # XLA splits for 2 threads or more
+    assert partitions in lowered.compile().as_text()
+  assert partitions not in lowered.compile(
+      compiler_options.SERIAL_OPS).as_text()
 
 
 def test_small_models_compile_at_llvm_o0():
@@ -41,7 +74,8 @@ def test_small_models_compile_at_llvm_o0():
           program, None, blocks=blocks,
           parameters=compiler_options.SMALL_MODEL) == small
     assert default_compiler_options(
-        program, None, blocks=30, parameters=compiler_options.SMALL_MODEL + 1) == {}
+        program, None, blocks=30,
+        parameters=compiler_options.SMALL_MODEL + 1) == _decode_extra(program)
 
 
 def test_programs_are_compiled_for_the_models_size(model, monkeypatch):
