@@ -6,7 +6,7 @@ blocks (prefill and decode) compile with XLA:CPU's older fusion emitters,
 programs of models with at most `SMALL_MODEL` parameters take
 `small_model_options` (both trade a little run time for compile time where
 the compile is the wait), and decode programs on CPU keep XLA's own ops on
-one thread (`SERIAL_OPS`). `docs/design.md` ("Compile options") has the
+one thread. `docs/design.md` ("Compile options") has the
 measurements behind them, rerun with `benchmarks/emitters_compile.py`,
 `benchmarks/small_model_compile.py` and `benchmarks/decode_step_ops.py`.
 """
@@ -45,8 +45,8 @@ def default_compiler_options(program: str, shape, *,
     blocks: XLA:CPU's older fusion emitters (they generate LLVM IR per
     fusion, faster per kernel than the newer emitters, which compile each
     distinct kernel once through MLIR and so win on deep models).
-  * A decode program on CPU: no parallel tasks for XLA's own ops
-    (`SERIAL_OPS`). XLA:CPU splits loop fusions of a few KB into tasks
+  * A decode program on CPU: no parallel tasks for XLA's own ops (its
+    ``cpu-parallel-task-assigner`` pass left out). XLA:CPU splits loop fusions of a few KB into tasks
     for its thread pool, and waking it costs more than such an op (a
     bfloat16 SmolLM2 at batch 8: 194 split ops a step, 71 in float32 or
     Q4_0; at batch 1: 3). The products, which need the cores, run on the
@@ -68,8 +68,8 @@ def default_compiler_options(program: str, shape, *,
       and blocks <= FEW_BLOCKS and _cpu_accepts(_EMITTERS, False)):
     options[_EMITTERS] = False
   if (program == "decode" and jax.default_backend() == "cpu"
-      and _cpu_accepts(_DISABLE_PASSES, SERIAL_OPS[_DISABLE_PASSES])):
-    options.update(SERIAL_OPS)
+      and _cpu_accepts(_DISABLE_PASSES, _PARALLEL_TASKS)):
+    options[_DISABLE_PASSES] = _PARALLEL_TASKS
   return options
 
 
@@ -89,13 +89,11 @@ def small_model_options() -> dict[str, Any]:
 
 _EMITTERS = "xla_cpu_use_fusion_emitters"
 _OPT_LEVEL = "xla_backend_optimization_level"
-# XLA:CPU without its pass that splits ops into parallel tasks (the
-# ``outer_dimension_partitions`` of their backend configs). A bfloat16
-# SmolLM2 decoding 8 rows: 29.6 -> 36.0 tok/s a row (medians of 3 fresh
-# processes); float32 and quantized models, and batch 1, the same within
-# the noise (docs/cpu-speed.md).
+# XLA:CPU's pass that splits ops into parallel tasks (the
+# ``outer_dimension_partitions`` of their backend configs), left out of
+# decode programs.
 _DISABLE_PASSES = "xla_disable_hlo_passes"
-SERIAL_OPS = {_DISABLE_PASSES: "cpu-parallel-task-assigner"}
+_PARALLEL_TASKS = "cpu-parallel-task-assigner"
 
 
 @functools.cache

@@ -20,10 +20,14 @@ from tests.generation.conftest import prompts
 GREEDY = dict(max_new_tokens=3, temperature=0.0, stop_tokens=[])
 
 
+# What a decode program on CPU compiles with beside the other options.
+SERIAL = {"xla_disable_hlo_passes": "cpu-parallel-task-assigner"}
+
+
 def _decode_extra(program: str) -> dict:
-  """What a decode program adds on CPU (`SERIAL_OPS`)."""
+  """What a decode program adds on CPU (`SERIAL`)."""
   cpu = jax.default_backend() == "cpu"
-  return compiler_options.SERIAL_OPS if cpu and program == "decode" else {}
+  return SERIAL if cpu and program == "decode" else {}
 
 
 def test_few_block_models_compile_with_the_older_fusion_emitters():
@@ -41,14 +45,14 @@ def test_few_block_models_compile_with_the_older_fusion_emitters():
 
 def test_decode_programs_keep_xla_ops_on_one_thread():
   """On CPU a decode program's own ops are not split into parallel tasks
-  (`SERIAL_OPS`); the option does that in this jaxlib: an op that XLA
+  (`SERIAL`); the option does that in this jaxlib: an op that XLA
   splits by default is not split under it (the pass has a name that a
   jaxlib upgrade could change, making the option a silent no-op)."""
   if jax.default_backend() != "cpu":
     pytest.skip("XLA:CPU's pass")
   large = compiler_options.SMALL_MODEL + 1
   assert default_compiler_options(
-      "decode", None, blocks=30, parameters=large) == compiler_options.SERIAL_OPS
+      "decode", None, blocks=30, parameters=large) == SERIAL
   for program in ("prefill", "forward"):
     assert default_compiler_options(
         program, None, blocks=30, parameters=large) == {}
@@ -57,8 +61,7 @@ def test_decode_programs_keep_xla_ops_on_one_thread():
   partitions = "outer_dimension_partitions"
   if len(os.sched_getaffinity(0)) >= 2:  # XLA splits for 2 threads or more
     assert partitions in lowered.compile().as_text()
-  assert partitions not in lowered.compile(
-      compiler_options.SERIAL_OPS).as_text()
+  assert partitions not in lowered.compile(SERIAL).as_text()
 
 
 def test_small_models_compile_at_llvm_o0():
