@@ -6,8 +6,8 @@ blocks (prefill and decode) compile with XLA:CPU's older fusion emitters,
 programs of models with at most `SMALL_MODEL` parameters take
 `small_model_options` (both trade a little run time for compile time where
 the compile is the wait), and decode programs on CPU keep XLA's own ops on
-one thread. `docs/design.md` ("Compile options") has the
-measurements behind them, rerun with `benchmarks/emitters_compile.py`,
+one thread. `docs/design.md` ("Compile options") has the measurements
+behind them, rerun with `benchmarks/emitters_compile.py`,
 `benchmarks/small_model_compile.py` and `benchmarks/decode_step_ops.py`.
 """
 
@@ -46,11 +46,12 @@ def default_compiler_options(program: str, shape, *,
     fusion, faster per kernel than the newer emitters, which compile each
     distinct kernel once through MLIR and so win on deep models).
   * A decode program on CPU: no parallel tasks for XLA's own ops (its
-    ``cpu-parallel-task-assigner`` pass left out). XLA:CPU splits loop fusions of a few KB into tasks
-    for its thread pool, and waking it costs more than such an op (a
-    bfloat16 SmolLM2 at batch 8: 194 split ops a step, 71 in float32 or
-    Q4_0; at batch 1: 3). The products, which need the cores, run on the
-    kernels' own threads, and XLA's dots are never split by it.
+    ``cpu-parallel-task-assigner`` pass left out). XLA:CPU splits loop
+    fusions of a few KB into tasks for its thread pool, and waking the
+    pool costs more than such an op; a decode step at a few rows is made
+    of them (`docs/design.md` counts them). The products, which need the
+    cores, run on the kernels' own threads, and XLA's dots are never split
+    by the pass.
   * Anything else: no options (XLA's defaults, YNNPACK fusions included).
 
   Args:

@@ -164,8 +164,9 @@ def test_a_row_is_the_same_alone_and_in_a_batch(k, n):
     product = jax.jit(fn)
     together = np.asarray(product(x))
     first4, last4 = np.asarray(product(x[:4])), np.asarray(product(x[4:]))
-    for rows in ([2], [1, 2], [0, 1, 2, 3], [3, 0], [5, 6], [3, 0, 7], [7, 4, 5],
-                 [0, 1, 2, 3, 4], [7, 6, 5, 4, 3, 2], [1, 2, 3, 4, 5, 6, 7]):
+    for rows in ([2], [1, 2], [0, 1, 2, 3], [3, 0], [5, 6], [3, 0, 7],
+                 [7, 4, 5], [0, 1, 2, 3, 4], [7, 6, 5, 4, 3, 2],
+                 [1, 2, 3, 4, 5, 6, 7]):
       alone = np.asarray(product(x[rows]))
       if name != "bfloat16 rows" or len(rows) > 4:
         np.testing.assert_array_equal(alone, together[rows], err_msg=name)

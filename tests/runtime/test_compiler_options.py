@@ -1,5 +1,5 @@
-"""Compiler options: XLA's defaults but for small models, chosen per
-program and model size."""
+"""Compiler options: XLA's defaults but for small models and CPU decode
+programs, chosen per program and model size."""
 
 import os
 
