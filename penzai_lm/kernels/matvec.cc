@@ -47,7 +47,11 @@ using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 // One pass over 5 or 6 rows beat passes of 4 + 1 or 2 in blocks for every
 // format (Q8_0 at 5 rows 13.9 -> 11.6 ms a step); at 7 and 8 rows float32
 // went 3-7% slower that way, bfloat16 weights 8% faster (their product
-// takes one pass to 8 rows: `Bf16RowsOutMajor`). With AVX2, 16 registers
+// takes one pass to 8 rows: `Bf16RowsOutMajor`), until 7 and 8 rows took
+// one pass over 2 outputs at a time (3 for dense weights, whose step is one
+// vector; `WideOuts`): each step is decoded once for every row, and each
+// row's activations loaded once for 2-3 outputs (SmolLM2's products at 8
+// rows 4-15% faster, docs/cpu-speed.md). With AVX2, 16 registers
 // of 8 floats: 2 rows x 2 outputs x 2 accumulators plus the decoded weights
 // (4 x 4, which spills, measured the same end to end within this machine's
 // noise: SmolLM2 f32 decode 31.0 / 31.5 tok/s at batch 1, 113 / 117 at
@@ -66,12 +70,23 @@ constexpr int kInVecsRows = 2;
 constexpr int kOuts = 4;
 constexpr int kStreamOuts = 1;
 constexpr int kRowPass = 4;
-constexpr int kOnePass = 6;
+constexpr int kOnePass = 8;
 constexpr int kBf16OnePass = 8;
 constexpr int kInVecs = 16;
 constexpr int kInVecsRows = 4;
 #endif
 constexpr int kMostOnePass = 8;  // Rows a pass can take (OnePass).
+
+// Outputs side by side in one pass over 7 or 8 rows: 16 or 24 accumulators
+// beside a step of decoded weights (AVX2 never takes such a pass).
+template <typename W>
+constexpr int WideOuts() {
+#if defined(__AVX512F__)
+  return W::kStep == 16 ? 3 : 2;
+#else
+  return kStreamOuts;
+#endif
+}
 
 // Outputs [n0, n0 + OUTS) of RB rows of x: each step of K is decoded
 // once, into registers, and used by every row; RB * OUTS accumulators.
@@ -115,7 +130,7 @@ void OutRange(const W& w, const float* x, float* y, int64_t K, int64_t N,
 }
 
 // Outputs [n0, n1) of R <= kMostOnePass rows in one pass, kStreamOuts at
-// a time.
+// a time (`WideOuts` at 7 and 8 rows).
 template <typename W>
 void OnePass(const W& w, const float* x, float* y, int64_t R, int64_t K,
              int64_t N, int64_t n0, int64_t n1) {
@@ -126,8 +141,8 @@ void OnePass(const W& w, const float* x, float* y, int64_t R, int64_t K,
     case 4: OutRange<4, kStreamOuts>(w, x, y, K, N, n0, n1); break;
     case 5: OutRange<5, kStreamOuts>(w, x, y, K, N, n0, n1); break;
     case 6: OutRange<6, kStreamOuts>(w, x, y, K, N, n0, n1); break;
-    case 7: OutRange<7, kStreamOuts>(w, x, y, K, N, n0, n1); break;
-    default: OutRange<8, kStreamOuts>(w, x, y, K, N, n0, n1); break;
+    case 7: OutRange<7, WideOuts<W>()>(w, x, y, K, N, n0, n1); break;
+    default: OutRange<8, WideOuts<W>()>(w, x, y, K, N, n0, n1); break;
   }
 }
 

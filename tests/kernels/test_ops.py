@@ -17,6 +17,9 @@ SHAPES = [(1, 576, 1536), (3, 40, 70), (8, 513, 33), (17, 96, 130),
 # Two passes over the rows in each chunk of 64 outputs, several chunks in a
 # thread's tile, and a last tile that ends inside a group of 4 outputs.
 SHAPES += [(6, 64, 1030)]
+# One pass over 7 rows, 2 or 3 outputs side by side, tiles ending inside
+# such a group.
+SHAPES += [(7, 96, 71)]
 
 
 def _x(rows, k, seed=0):
@@ -56,7 +59,8 @@ def test_bfloat16_rows_against_bfloat16_weights(rows, k, n):
 
 
 @pytest.mark.parametrize("rows,k,n,block", [
-    (1, 576, 1536, 32), (9, 64, 40, 32), (2, 96, 7, 96), (18, 33, 5, 33)])
+    (1, 576, 1536, 32), (9, 64, 40, 32), (2, 96, 7, 96), (18, 33, 5, 33),
+    (8, 64, 41, 32)])
 def test_q8_matches_numpy(rows, k, n, block):
   rng = np.random.default_rng(2)
   qs = rng.integers(-128, 128, (n, k), dtype=np.int8)
@@ -153,9 +157,10 @@ def _products(rng, k, n):
 @pytest.mark.parametrize("k,n", [(576, 1030), (96, 71)])
 def test_a_row_is_the_same_alone_and_in_a_batch(k, n):
   """Bit for bit: a row's products do not depend on the rows beside it.
-  The kernels take one pass over up to 6 rows, one output at a time, and
-  passes in blocks of outputs past that (matvec.cc, matvec_x8.cc); each
-  output's sum runs in the same order either way. bfloat16 rows are the
+  The kernels take one pass over up to 8 rows (one output at a time to 6
+  rows, 2 or 3 side by side at 7 and 8), and passes in blocks of outputs
+  past that (matvec.cc, matvec_x8.cc); each output's sum runs in the same
+  order either way. bfloat16 rows are the
   exception between up to 4 rows (vdpbf16ps) and 5 to 8 (widened to
   float32, a faster product there): each side is checked on its own."""
   rng = np.random.default_rng(7)
