@@ -78,7 +78,8 @@ constexpr int kInVecsRows = 4;
 constexpr int kMostOnePass = 8;  // Rows a pass can take (OnePass).
 
 // Outputs side by side in one pass over 7 or 8 rows: 16 or 24 accumulators
-// beside a step of decoded weights (AVX2 never takes such a pass).
+// beside a step of decoded weights with AVX-512 (AVX2 never takes such a
+// pass; the portable path keeps one output at a time).
 template <typename W>
 constexpr int WideOuts() {
 #if defined(__AVX512F__)

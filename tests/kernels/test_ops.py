@@ -160,9 +160,9 @@ def test_a_row_is_the_same_alone_and_in_a_batch(k, n):
   The kernels take one pass over up to 8 rows (one output at a time to 6
   rows, 2 or 3 side by side at 7 and 8), and passes in blocks of outputs
   past that (matvec.cc, matvec_x8.cc); each output's sum runs in the same
-  order either way. bfloat16 rows are the
-  exception between up to 4 rows (vdpbf16ps) and 5 to 8 (widened to
-  float32, a faster product there): each side is checked on its own."""
+  order either way. bfloat16 rows are the exception between up to 4 rows
+  (vdpbf16ps) and 5 to 8 (widened to float32, a faster product there):
+  each side is checked on its own."""
   rng = np.random.default_rng(7)
   x = _x(8, k, seed=3)
   for name, fn in _products(rng, k, n).items():
