@@ -14,9 +14,10 @@ pytestmark = pytest.mark.skipif(not ops.available(),
 
 SHAPES = [(1, 576, 1536), (3, 40, 70), (8, 513, 33), (17, 96, 130),
           (5, 1, 9)]
-# Two passes over the rows in each chunk of 64 outputs, several chunks in a
-# thread's tile, and a last tile that ends inside a group of 4 outputs.
-SHAPES += [(6, 64, 1030)]
+# One pass over 6 rows, many outputs; past 8 rows, passes of 4 rows over
+# each chunk of 64 outputs, several chunks in a thread's tile, and a last
+# tile that ends inside a group of 4 outputs.
+SHAPES += [(6, 64, 1030), (10, 64, 1030)]
 # One pass over 7 rows, 2 or 3 outputs side by side, tiles ending inside
 # such a group.
 SHAPES += [(7, 96, 71)]
