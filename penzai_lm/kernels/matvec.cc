@@ -27,6 +27,8 @@
 // per thread (common.h's ParallelOutputs).
 
 
+#include <type_traits>
+
 #include "common.h"
 #include "float_vec.h"
 #include "weight_formats.h"
@@ -55,9 +57,10 @@ using namespace pzlm;  // NOLINT: the kernels' own vocabulary
 // of 8 floats: 2 rows x 2 outputs x 2 accumulators plus the decoded weights
 // (4 x 4, which spills, measured the same end to end within this machine's
 // noise: SmolLM2 f32 decode 31.0 / 31.5 tok/s at batch 1, 113 / 117 at
-// batch 8); one output at a time is not measured on an AVX2 machine. Each
-// output's sum runs in the same order in any block, so a row's results do
-// not depend on the other rows of its batch.
+// batch 8); one pass over one row takes one output at a time but for
+// 4-bit weights (`SingleRowOuts`).
+// Each output's sum runs in the same order in any block, so a row's
+// results do not depend on the other rows of its batch.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int kOuts = 2;
 constexpr int kStreamOuts = 2;
@@ -130,13 +133,25 @@ void OutRange(const W& w, const float* x, float* y, int64_t K, int64_t N,
   for (; n < n1; ++n) OutBlock<RB, 1>(w, x, y, K, N, n);
 }
 
+// Outputs side by side in one pass over a single row: one, but for 4-bit
+// weights with AVX2. There (an AMD EPYC, Zen 3) one output took SmolLM2's
+// bfloat16 products from 13.2-14.2 to 10.0-11.6 ms a step and Q8_0's from
+// 9.2-10.3 to 8.7-9.1 (float32's and int8's the same; Q4_0's the same or
+// 6% slower end to end), and int8's at 2 rows from 9.6-10.8 to 12.6-13.0,
+// so more rows keep kStreamOuts (docs/cpu-speed.md).
+template <typename W>
+constexpr int SingleRowOuts() {
+  return std::is_same_v<W, Q4> || std::is_same_v<W, Q4Centered> ? kStreamOuts
+                                                                 : 1;
+}
+
 // Outputs [n0, n1) of R <= kMostOnePass rows in one pass, kStreamOuts at
-// a time (`WideOuts` at 7 and 8 rows).
+// a time (`SingleRowOuts` for 1 row, `WideOuts` at 7 and 8 rows).
 template <typename W>
 void OnePass(const W& w, const float* x, float* y, int64_t R, int64_t K,
              int64_t N, int64_t n0, int64_t n1) {
   switch (R) {
-    case 1: OutRange<1, kStreamOuts>(w, x, y, K, N, n0, n1); break;
+    case 1: OutRange<1, SingleRowOuts<W>()>(w, x, y, K, N, n0, n1); break;
     case 2: OutRange<2, kStreamOuts>(w, x, y, K, N, n0, n1); break;
     case 3: OutRange<3, kStreamOuts>(w, x, y, K, N, n0, n1); break;
     case 4: OutRange<4, kStreamOuts>(w, x, y, K, N, n0, n1); break;

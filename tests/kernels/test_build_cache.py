@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jaxlib
 import pytest
@@ -273,3 +274,15 @@ def test_a_library_that_matches_its_record_but_does_not_load_is_rebuilt_once(
     assert "kernels: True" in out.stdout
     assert "penzai_lm:" not in out.stderr  # No warning, either time.
   assert foreign.read_bytes() == intact.read_bytes()
+
+
+@needs_compiler
+def test_the_kernels_build_where_there_is_a_compiler():
+  """A compile error must fail the suite: every kernel test skips without
+  the library, and the build only warns (then decoding falls back to XLA)."""
+  if os.environ.get("PENZAI_LM_CPU_KERNELS", "1") == "0":
+    pytest.skip("PENZAI_LM_CPU_KERNELS=0 turns the kernels off")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    library = build.cpu_kernels()
+  assert library is not None, [str(w.message) for w in caught]
