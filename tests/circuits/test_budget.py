@@ -105,7 +105,9 @@ def test_budgeted_capped_graph_is_the_same_graph(monkeypatch):
   assert plans[0].batch < 8
   np.testing.assert_array_equal(chunked.selected_features,
                                 capped.selected_features)
-  np.testing.assert_allclose(chunked.edges, capped.edges, rtol=1e-6,
+  # Batches of other sizes run XLA's float32 GEMMs blocked otherwise: on
+  # an AVX2-only AMD EPYC one edge of 1320 moved by 4.9e-6 relative.
+  np.testing.assert_allclose(chunked.edges, capped.edges, rtol=1e-5,
                              atol=1e-7)
 
 
