@@ -15,8 +15,8 @@ the AMX tiles where the CPU has them: `gemm_x8.cc`). ``q4_0-tiles`` is
 Q4_0 with int8 activations on weights moved into tiles of 16 outputs
 (`penzai_lm/kernels/tiles.py`, `matvec_tiles.cc`), as
 ``with_cpu_kernels(..., int8_activations=True)`` moves Q4_0 layers;
-``q8_0-tiles`` and ``q4_1-tiles`` the same for Q8_0 and Q4_1. Reports the median
-step time and weights per second; medians of --repeats (``--stat min``:
+``q8_0-tiles`` and ``q4_1-tiles`` the same for Q8_0 and Q4_1. Reports the
+step time and weights per second: medians of --repeats (``--stat min``:
 their minimum, which moved less between processes on a shared AVX2
 machine where the medians moved by 15-40%).
 
@@ -152,6 +152,7 @@ def main():
   args = parser.parse_args()
   if not ops.available():
     raise SystemExit("the CPU kernels are not available here")
+  stat = {"median": statistics.median, "min": min}[args.stat]
   rng = np.random.default_rng(0)
   n_weights = sum(k * n for k, n in SHAPES) * LAYERS + 576 * VOCAB
   print(f"{n_weights / 1e6:.1f}M weights per step; {jax.devices()}")
@@ -163,7 +164,6 @@ def main():
     xla = jax.jit(_step(fmt, False, args.chain))
     for rows in map(int, args.rows.split(",")):
       x = jnp.asarray(rng.standard_normal((rows, 1536), np.float32))
-      stat = {"median": statistics.median, "min": min}[args.stat]
       t_xla = (float("nan") if args.no_xla
                else _time(xla, x, weights, repeats=args.repeats, stat=stat))
       t_k = _time(kernel, x, weights, repeats=args.repeats, stat=stat)
