@@ -1,4 +1,5 @@
-"""Decode speed of this checkout against another one, in fresh processes.
+"""Decode (or prefill) speed of this checkout against another one, in fresh
+processes.
 
 For a change to the kernels or the decode program, on a shared machine
 where one process's figures move by 10-30%: each round runs one process
@@ -10,11 +11,15 @@ suffix ``-x8`` on int8 activations, `with_cpu_kernels(...,
 int8_activations=True, donate=True)`), generates ``--new`` greedy tokens
 after a ``--prompt``-token prompt at ``--batch`` rows four times, and
 reports the median decode tok/s per row of the last three
-(``result.timings.decode_tokens_per_s``).
+(``result.timings.decode_tokens_per_s``; with ``--measure prefill``,
+``prefill_tokens_per_s``: the batch's prompt tokens over the time to the
+first token).
 
   git worktree add /tmp/before HEAD~1
   python benchmarks/decode_vs_baseline.py --baseline /tmp/before \\
       --variants bf16,q8_0,f32,q4_k_m --rounds 3
+  python benchmarks/decode_vs_baseline.py --baseline /tmp/before \\
+      --variants q8_0-x8,q4_0-x8 --measure prefill
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from penzai_lm import kernels
 sys.path.insert(0, sys.argv[5])
 from peers.make_ggufs import gguf_path
 variant, batch, prompt, new = sys.argv[1], *map(int, sys.argv[2:5])
+measure = sys.argv[6]
 base = variant.removesuffix("-x8")
 if base in ("f32", "bf16"):
   kwargs = dict(dtype="float32" if base == "f32" else "bfloat16")
@@ -47,7 +53,7 @@ for i in range(4):
   result = penzai_lm.generate(model, prompts, max_new_tokens=new,
                               temperature=0.0, stop_tokens=[])
   if i:
-    rates.append(result.timings.decode_tokens_per_s)
+    rates.append(getattr(result.timings, f"{measure}_tokens_per_s"))
 print(json.dumps(dict(tok_s=statistics.median(rates),
                       package=penzai_lm.__file__)))
 """
@@ -73,11 +79,13 @@ def check_args(parser, args) -> None:
 
 
 def run_child(args, variant: str, checkout: str) -> float:
-  """Median decode tok/s of one fresh process importing from ``checkout``."""
+  """Median tok/s (``args.measure``) of one fresh process importing from
+  ``checkout``."""
   env = dict(os.environ, PYTHONPATH=checkout)
   out = subprocess.run(
       [sys.executable, "-c", _CHILD, variant, str(args.batch),
-       str(args.prompt), str(args.new), os.path.dirname(__file__)],
+       str(args.prompt), str(args.new), os.path.dirname(__file__),
+       args.measure],
       capture_output=True, text=True, env=env, cwd=checkout, check=False)
   if out.returncode:
     raise SystemExit(f"{variant} in {checkout} failed:\n{out.stderr[-3000:]}")
@@ -96,6 +104,8 @@ def main():
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--prompt", type=int, default=128)
   parser.add_argument("--new", type=int, default=64)
+  parser.add_argument("--measure", choices=("decode", "prefill"),
+                      default="decode")
   args = parser.parse_args()
   check_args(parser, args)
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,7 +118,8 @@ def main():
         rates.setdefault((variant, side), []).append(tok_s)
         print(f"round {r + 1} {variant:10} {side:8} {tok_s:7.1f} tok/s",
               flush=True)
-  print(f"\nbatch {args.batch}, decode tok/s per row, medians of"
+  per = "per row" if args.measure == "decode" else "of the batch"
+  print(f"\nbatch {args.batch}, {args.measure} tok/s {per}, medians of"
         f" {args.rounds}:")
   for variant in args.variants.split(","):
     before = statistics.median(rates[(variant, "baseline")])
