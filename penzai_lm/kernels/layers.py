@@ -182,7 +182,8 @@ def with_cpu_kernels(model, *, int8_activations: bool = False,
       layers that have one (quantized layers: their small products then
       quantize the activations to int8 blocks, `ops.q8`, and so do their
       prompts where the CPU has AMX tiles, `ops.int8_gemm_isa`, or the
-      weight lies in tiles). Layers already on the kernels keep their
+      weight lies in tiles and the int8 dots have VNNI,
+      `ops.int8_tile_prompts`). Layers already on the kernels keep their
       setting unless this is set. Q4_0, Q8_0, Q4_1 and q8_16 weights (and
       Q8_0 weights of 5-bit values, Q5_0's) move into the kernels' tiles
       (`penzai_lm.kernels.tiles`): new arrays, made while ``model`` still

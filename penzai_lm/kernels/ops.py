@@ -207,6 +207,16 @@ def int8_gemm_isa() -> str:
   return isa().decode()
 
 
+def int8_tile_prompts() -> bool:
+  """Whether prompts with ``int8_activations`` (more rows than a decode
+  step, without AMX) run on a weight's tiles of 16 outputs (`tiles.product`):
+  where the int8 dots have VNNI (`int8_dot_isa`). Without it a
+  ``vpmaddubsw`` + ``vpmaddwd`` pair takes a step of products, and on an
+  AVX2-only CPU the tiles ran prompts slower than XLA's float GEMM on the
+  dequantized weight, where they stay (docs/cpu-speed.md)."""
+  return int8_dot_isa() in ("avx512vnni", "avxvnni")
+
+
 # Rows from which the int8-activation products run on the AMX tiles
 # (gemm_x8.h's kGemmRows).
 GEMM_ROWS = 17

@@ -10,8 +10,8 @@ them like any other weight. Formats: `penzai_lm.quantization.formats`.
 
 On CPU the engine sets ``use_cpu_kernel``: products of up to
 `penzai_lm.kernels.layers.MAX_ROWS` rows (decoding), and with
-``int8_activations`` prompts on AMX or on a weight in tiles, read the
-quantized blocks in the kernels; everything else dequantizes to the
+``int8_activations`` prompts on AMX or on a weight in tiles (with VNNI),
+read the quantized blocks in the kernels; everything else dequantizes to the
 activations' dtype and contracts with penzai's `contract` (on GPU, XLA
 fuses that), or on CPU in bfloat16 and float32 as
 `penzai_lm.kernels.layers.kernel_contract` does.
@@ -82,8 +82,9 @@ class QuantizedLinear(pz.nn.Layer):
       products (llama.cpp's scheme; `penzai_lm.kernels.ops.q8`): faster,
       and off by the activations' rounding. Prompts (`ops.GEMM_ROWS` rows
       or more) do the same on the AMX tiles where the CPU has them
-      (`ops.int8_gemm_isa`), else on the weight's tiles (``tiled``), else
-      run in float. Applies to every layout with ``K % 32 == 0``; other
+      (`ops.int8_gemm_isa`), else on the weight's tiles (``tiled``) where
+      the int8 dots have VNNI (`ops.int8_tile_prompts`), else run in
+      float. Applies to every layout with ``K % 32 == 0``; other
       shapes ignore it. Set by
       ``penzai_lm.kernels.with_cpu_kernels(model, int8_activations=True)``.
   """
@@ -168,17 +169,19 @@ class QuantizedLinear(pz.nn.Layer):
     rows = math.prod(x.named_shape[a] for a in row_axes)
     # Decoding on the kernels, and with int8_activations a prompt's rows
     # too: on the AMX tiles where the CPU has them (`ops.int8_gemm_isa`),
-    # else on the weight's tiles of 16 outputs (`tiled`: 4x XLA's float
-    # GEMM on its dequantized weight, docs/cpu-speed.md). Other prompts
-    # stay on XLA's GEMM (below), in float: there the int8 products in
-    # rows were 25-35% slower.
+    # else on the weight's tiles of 16 outputs where the int8 dots have
+    # VNNI (`tiled`, `ops.int8_tile_prompts`: 4x XLA's float GEMM on its
+    # dequantized weight, docs/cpu-speed.md). Other prompts stay on XLA's
+    # GEMM (below), in float: there the int8 products in rows were 25-35%
+    # slower, and in tiles without VNNI slower too.
     k = math.prod(s for _, s in self.in_axes)
     groups = (k // 16,) if self.format == "q8_16" else (1, k // 32)
     x8 = self.int8_activations and k % 32 == 0 and (
         self.tiled or self.scale.value.named_shape["quant_groups"] in groups)
     prompt_x8 = (self.use_cpu_kernel and x8 and rows >= ops.GEMM_ROWS
                  and ops.int8_gemm_isa() == "amx")
-    in_tiles = self.tiled and x8 and not prompt_x8
+    in_tiles = self.tiled and x8 and not prompt_x8 and (
+        rows <= MAX_ROWS or ops.int8_tile_prompts())
     if (self.use_cpu_kernel and not x.positional_shape
         and (0 < rows <= MAX_ROWS or prompt_x8 or (rows > 0 and in_tiles))):
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)

@@ -317,11 +317,13 @@ def test_with_cpu_kernels_int8_activations(fmt):
   # A prompt's rows (more than a decode step's) stay on XLA's dot, in
   # float, without int8 activations; with them, on the AMX tiles where the
   # CPU has them (ops.int8_gemm_isa), else on the weights' tiles of 16
-  # outputs where they lie in tiles, else on XLA's dot as well.
+  # outputs where they lie in tiles and the int8 dots have VNNI
+  # (ops.int8_tile_prompts), else on XLA's dot as well.
   want, hlo = _logits(plain, (2, 24))
   assert "_x8" not in hlo and "pzlm_matvec_q" not in hlo
   got, hlo = _logits(x8, (2, 24))
-  if ops.int8_gemm_isa() == "amx" or any(l.tiled for l in layers):
+  tiled_prompts = any(l.tiled for l in layers) and ops.int8_tile_prompts()
+  if ops.int8_gemm_isa() == "amx" or tiled_prompts:
     assert "_x8" in hlo
     if ops.int8_gemm_isa() != "amx":
       assert "_x8_tiles" in hlo

@@ -249,13 +249,15 @@ def test_int8_activations_move_layers_into_tiles(fmt):
   np.testing.assert_allclose(got, want, rtol=0,
                              atol=1e-4 * np.abs(want).max())
   # A prompt (more rows than a decode step) runs on the tiles too, with
-  # int8 activations (without AMX; in rows, prompts run in float).
+  # int8 activations, where the int8 dots have VNNI (without AMX; in rows,
+  # and on the tiles without VNNI, prompts run in float).
   long = pz.nx.wrap(np.random.default_rng(1).integers(
       1, 97, (2, 24)).astype(np.int32)).tag("batch", "seq")
   prompt = jax.jit(lambda m: m(long).untag("batch", "seq", "vocabulary")
                    .data_array)
   if ops.int8_gemm_isa() != "amx":
-    assert f"pzlm_matvec_{fmt}_x8_tiles" in prompt.lower(x8).as_text()
+    on_tiles = f"pzlm_matvec_{fmt}_x8_tiles" in prompt.lower(x8).as_text()
+    assert on_tiles == ops.int8_tile_prompts(), ops.int8_dot_isa()
   in_float = np.asarray(prompt(in_rows))
   np.testing.assert_allclose(np.asarray(prompt(x8)), in_float, rtol=0,
                              atol=5e-2 * np.abs(in_float).max())
