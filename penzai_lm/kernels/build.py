@@ -150,6 +150,16 @@ def _cpu_fingerprint() -> str:
     return platform.processor()
 
 
+def cpu_flags() -> frozenset[str]:
+  """This CPU's feature flags as Linux lists them (``avx512_bf16``,
+  ``amx_tile``, ...); empty where /proc/cpuinfo has no ``flags`` line
+  (other systems, other architectures)."""
+  line = _cpu_fingerprint()
+  if not line.startswith("flags"):
+    return frozenset()
+  return frozenset(line.partition(":")[2].split())
+
+
 def _compiler_identity(compiler: str) -> str:
   """The compiler's resolved path and version (a new g++ behind the same
   path is a new key)."""

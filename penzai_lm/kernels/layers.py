@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from penzai import pz
 
+from penzai_lm.kernels import build
 from penzai_lm.kernels import ops
 from penzai_lm.kernels.attention import KernelCachedAttention
 from penzai_lm.model.cache_attention import InPlaceKVCachingAttention
@@ -47,12 +48,25 @@ MAX_ROWS = 16
 
 # Larger bfloat16 and float32 products (prefill) are written as one matrix
 # product with float32 results and the rows first. In bfloat16 XLA:CPU then
-# runs them on YNNPACK's bf16 dot (AVX512-BF16 where the CPU has it) instead
-# of converting both operands to float32 first. For float32 weights in the
+# runs them on YNNPACK's bf16 dot where the CPU has bf16 instructions, and
+# on float32 copies of both operands where it has not
+# (`wide_bf16_in_float32`). For float32 weights in the
 # loaders' output-major order, penzai's contraction lets XLA copy every
 # weight transposed; this product reads them as they lie. float16 gains
 # nothing and keeps penzai's contraction. See docs/design.md.
 WIDE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+@functools.cache
+def wide_bf16_in_float32() -> bool:
+  """Whether the larger bfloat16 products convert both operands to float32
+  before XLA's dot: on an x86-64 CPU without ``avx512_bf16`` or
+  ``amx_bf16``. There YNNPACK's bf16 dot has no bf16 instructions to run
+  on, and on an AVX2-only CPU it ran ~1.5x slower than the float32 dot on
+  converted operands (docs/design.md). The products are the same: bfloat16
+  values and their pairwise products are exact in float32."""
+  flags = build.cpu_flags()
+  return bool(flags) and not {"avx512_bf16", "amx_bf16"} & flags
 
 
 def kernel_contract(names, left, right):
@@ -89,6 +103,8 @@ def kernel_contract(names, left, right):
   w = right.data_array.reshape(
       (n_out, n_in) if out_major else (n_in, n_out))
   if wide:
+    if jnp.dtype(x.dtype) == jnp.bfloat16 and wide_bf16_in_float32():
+      x, w = x.astype(jnp.float32), w.astype(jnp.float32)
     y = jax.lax.dot_general(
         x, w, (((1,), (1,) if out_major else (0,)), ((), ())),
         preferred_element_type=jnp.float32)

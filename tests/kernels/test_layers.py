@@ -13,6 +13,8 @@ from penzai_lm.generation import Engine
 from penzai_lm.kernels import KernelEmbeddingDecode
 from penzai_lm.kernels import KernelEmbeddingLookup
 from penzai_lm.kernels import KernelLinear
+from penzai_lm.kernels import build
+from penzai_lm.kernels import layers
 from penzai_lm.kernels import on_one_cpu
 from penzai_lm.kernels import ops
 from penzai_lm.kernels import with_cpu_kernels
@@ -81,23 +83,45 @@ def test_other_products_stay_with_xla(dtype, rows, seq):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("in_float32", [False, True])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_wide_bfloat16_products_are_bf16_dots_with_float32_results(family):
-  # 18 rows: XLA's GEMM, on bf16 operands (no float32 copy of the weights).
+def test_wide_bfloat16_products_are_dots_with_float32_results(
+    family, in_float32, monkeypatch):
+  """18 rows: XLA's GEMM, on the bf16 operands where the CPU has bf16
+  instructions, else on float32 copies of both; the same values."""
+  monkeypatch.setattr(layers, "wide_bf16_in_float32", lambda: in_float32)
   model = _model(family, "bfloat16")
   want, _ = _logits(model, 2, 9)
   got, hlo = _logits(with_cpu_kernels(model), 2, 9)
   assert "pzlm_matvec" not in hlo
-  wide = re.findall(r"stablehlo.dot_general.*tensor<18x\d+xbf16>.*"
-                    r"-> tensor<18x\d+xf32>", hlo)
+  dots = {t: re.findall(rf"stablehlo.dot_general.*tensor<18x\d+x{t}>.*"
+                        r"-> tensor<18x\d+xf32>", hlo)
+          for t in ("bf16", "f32")}
   linears = pz.select(model).at_instances_of(pz.nn.Linear).where(
       lambda l: l.in_axis_names).count()
-  assert len(wide) >= linears
+  on, off = ("f32", "bf16") if in_float32 else ("bf16", "f32")
+  assert len(dots[on]) >= linears and not dots[off]
   want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
   # Both round each product to bfloat16 once; sums run in another order.
   np.testing.assert_allclose(got, want, atol=3e-2 * np.abs(want).max(),
                              rtol=0)
   assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
+
+
+@pytest.mark.parametrize("flags,in_float32", [
+    ("flags\t\t: fpu sse2 avx2 fma f16c", True),
+    ("flags\t\t: avx2 avx512f avx512_bf16", False),
+    ("flags\t\t: avx2 avx512f amx_bf16 amx_tile", False),
+    ("", False),  # flags unknown (another system): XLA's bf16 dot
+])
+def test_wide_bf16_in_float32_where_the_cpu_has_no_bf16_dot(
+    flags, in_float32, monkeypatch):
+  monkeypatch.setattr(build, "_cpu_fingerprint", lambda: flags)
+  layers.wide_bf16_in_float32.cache_clear()
+  try:
+    assert layers.wide_bf16_in_float32() is in_float32
+  finally:
+    layers.wide_bf16_in_float32.cache_clear()
 
 
 def test_engine_decodes_on_the_kernels_with_the_same_tokens():
