@@ -80,44 +80,85 @@ constexpr int kInVecsRows = 4;
 #endif
 constexpr int kMostOnePass = 8;  // Rows a pass can take (OnePass).
 
+// Chains of multiply-adds in each output's sum: vector v of an output's
+// weights (16 values) adds into accumulator v % Chains, and the
+// accumulators are added lane by lane at the end. Two for Q4_0 with
+// AVX-512: its float product of a lone output (one row, one output at a
+// time) was one chain of two multiply-adds a step, bound by the
+// multiply-add's latency (a Zen 5 EPYC: SmolLM2's Q4_0 products at 1 row
+// 4.1 -> 3.4-3.6 ms a step, at 8 rows the same; docs/cpu-speed.md). Other
+// formats keep one: two chains leave no registers for outputs side by side
+// at 7 and more rows, and Q4_1's products at 8 rows were 10% slower that
+// way (Q8_0's and int8's 13-20%) for 0-10% at 1 row. Every block of a
+// format sums in its order, so a row's results still do not depend on the
+// rows beside it.
+template <typename W>
+constexpr int Chains() {
+#if defined(__AVX512F__)
+  return std::is_same_v<W, Q4Centered> ? 2 : 1;
+#else
+  return 1;
+#endif
+}
+
 // Outputs side by side in one pass over 7 or 8 rows: 16 or 24 accumulators
 // beside a step of decoded weights with AVX-512 (AVX2 never takes such a
-// pass; the portable path keeps one output at a time).
+// pass; the portable path keeps one output at a time); one for two chains.
 template <typename W>
 constexpr int WideOuts() {
 #if defined(__AVX512F__)
-  return W::kStep == 16 ? 3 : 2;
+  return Chains<W>() == 2 ? 1 : W::kStep == 16 ? 3 : 2;
 #else
   return kStreamOuts;
 #endif
 }
 
+// One step of K (W::kStep values) of OutBlock: its vectors add into chains
+// C0 .. C0 + S - 1 (mod C).
+template <int RB, int OUTS, int C, int C0, typename W>
+inline __attribute__((always_inline)) void OutStep(
+    const W& w, const typename W::Row (&row)[OUTS], const float* x,
+    int64_t K, int64_t k, VF (&acc)[RB][OUTS][C]) {
+  constexpr int S = W::kStep / 16;
+  VF wv[OUTS][S];
+  for (int o = 0; o < OUTS; ++o) {
+    w.Prefetch(row[o], 2 * OUTS, k);
+    w.Get(row[o], k, wv[o]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int s = 0; s < S; ++s) {
+      VF xv = LoadF(x + r * K + k + 16 * s);
+      for (int o = 0; o < OUTS; ++o) acc[r][o][(C0 + s) % C] += xv * wv[o][s];
+    }
+  }
+}
+
 // Outputs [n0, n0 + OUTS) of RB rows of x: each step of K is decoded
-// once, into registers, and used by every row; RB * OUTS accumulators.
+// once, into registers, and used by every row; RB * OUTS * Chains
+// accumulators.
 template <int RB, int OUTS, typename W>
 void OutBlock(const W& w, const float* x, float* y, int64_t K, int64_t N,
               int64_t n0) {
-  constexpr int S = W::kStep / 16;
-  VF acc[RB][OUTS] = {};
+  constexpr int S = W::kStep / 16;  // vectors a step
+  constexpr int C = Chains<W>();
+  static_assert(C <= 2 && S <= 2, "a step pairs at most 2 chains");
+  constexpr int U = S >= C ? 1 : 2;  // steps an iteration
+  VF acc[RB][OUTS][C] = {};
   typename W::Row row[OUTS];
   for (int o = 0; o < OUTS; ++o) row[o] = w.row(n0 + o);
   const int64_t whole = K - K % W::kStep;
-  for (int64_t k = 0; k < whole; k += W::kStep) {
-    VF wv[OUTS][S];
-    for (int o = 0; o < OUTS; ++o) {
-      w.Prefetch(row[o], 2 * OUTS, k);
-      w.Get(row[o], k, wv[o]);
-    }
-    for (int r = 0; r < RB; ++r) {
-      for (int s = 0; s < S; ++s) {
-        VF xv = LoadF(x + r * K + k + 16 * s);
-        for (int o = 0; o < OUTS; ++o) acc[r][o] += xv * wv[o][s];
-      }
-    }
+  const int64_t paired = whole - whole % (U * W::kStep);
+  for (int64_t k = 0; k < paired; k += U * W::kStep) {
+    OutStep<RB, OUTS, C, 0>(w, row, x, K, k, acc);
+    if constexpr (U == 2)
+      OutStep<RB, OUTS, C, 1>(w, row, x, K, k + W::kStep, acc);
   }
+  if (paired < whole) OutStep<RB, OUTS, C, 0>(w, row, x, K, paired, acc);
   for (int r = 0; r < RB; ++r) {
     for (int o = 0; o < OUTS; ++o) {
-      float t = SumF(acc[r][o]);
+      VF total = acc[r][o][0];
+      for (int c = 1; c < C; ++c) total += acc[r][o][c];
+      float t = SumF(total);
       for (int64_t k = whole; k < K; ++k) t += x[r * K + k] * w.At(row[o], k);
       y[r * N + n0 + o] = t * w.Scale(row[o]);
     }
@@ -175,8 +216,15 @@ void OutMajor(ffi::ThreadPool& pool, const W& w, const float* x, float* y,
     return;
   }
   // Chunks of 64 outputs: their weights stay in L1/L2 between the passes
-  // over the rows, kRowPass rows a pass.
+  // over the rows, kRowPass rows a pass (two chains: one pass's up to 8, as
+  // `OnePass` takes them; in blocks of 4 outputs they had no registers).
   ParallelOutputs(pool, N, 64, [=, &w](int64_t n0, int64_t n1) {
+    if constexpr (Chains<W>() == 2) {
+      for (int64_t r0 = 0; r0 < R; r0 += kMostOnePass)
+        OnePass(w, x + r0 * K, y + r0 * N,
+                std::min<int64_t>(kMostOnePass, R - r0), K, N, n0, n1);
+      return;
+    }
     for (int64_t r0 = 0; r0 < R; r0 += kRowPass) {
       const float* xr = x + r0 * K;
       float* yr = y + r0 * N;

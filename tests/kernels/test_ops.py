@@ -159,26 +159,28 @@ def _products(rng, k, n):
 def test_a_row_is_the_same_alone_and_in_a_batch(k, n):
   """Bit for bit: a row's products do not depend on the rows beside it.
   The kernels take one pass over up to 8 rows (one output at a time to 6
-  rows, 2 or 3 side by side at 7 and 8), and passes in blocks of outputs
-  past that (matvec.cc, matvec_x8.cc); each output's sum runs in the same
+  rows, 2 or 3 side by side at 7 and 8 but for Q4_0, whose sums take two
+  chains), and passes in blocks of outputs past that (Q4_0: passes of up
+  to 8 rows) (matvec.cc, matvec_x8.cc); each output's sum runs in the same
   order either way. bfloat16 rows are the exception between up to 4 rows
   (vdpbf16ps) and 5 to 8 (widened to float32, a faster product there):
   each side is checked on its own."""
   rng = np.random.default_rng(7)
-  x = _x(8, k, seed=3)
+  x = _x(12, k, seed=3)
   for name, fn in _products(rng, k, n).items():
     product = jax.jit(fn)
     together = np.asarray(product(x))
-    first4, last4 = np.asarray(product(x[:4])), np.asarray(product(x[4:]))
+    first4, last4 = np.asarray(product(x[:4])), np.asarray(product(x[4:8]))
     for rows in ([2], [1, 2], [0, 1, 2, 3], [3, 0], [5, 6], [3, 0, 7],
                  [7, 4, 5], [0, 1, 2, 3, 4], [7, 6, 5, 4, 3, 2],
-                 [1, 2, 3, 4, 5, 6, 7]):
+                 [1, 2, 3, 4, 5, 6, 7], [9, 3, 11, 0, 8, 1], [10],
+                 list(range(8, -1, -1))):
       alone = np.asarray(product(x[rows]))
       if name != "bfloat16 rows" or len(rows) > 4:
         np.testing.assert_array_equal(alone, together[rows], err_msg=name)
       elif max(rows) < 4:
         np.testing.assert_array_equal(alone, first4[rows], err_msg=name)
-      elif min(rows) >= 4:  # Rows 4 to 7, on the 4-row side too.
+      elif 4 <= min(rows) and max(rows) < 8:  # Rows 4 to 7, 4-row side too.
         np.testing.assert_array_equal(
             alone, last4[[r - 4 for r in rows]], err_msg=name)
 
