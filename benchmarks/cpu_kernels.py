@@ -15,7 +15,10 @@ the AMX tiles where the CPU has them: `gemm_x8.cc`). ``q4_0-tiles`` is
 Q4_0 with int8 activations on weights moved into tiles of 16 outputs
 (`penzai_lm/kernels/tiles.py`, `matvec_tiles.cc`), as
 ``with_cpu_kernels(..., int8_activations=True)`` moves Q4_0 layers;
-``q8_0-tiles`` and ``q4_1-tiles`` the same for Q8_0 and Q4_1. Reports the
+``q8_0-tiles`` and ``q4_1-tiles`` the same for Q8_0 and Q4_1;
+``q4_0-ftiles`` and ``q4_1-ftiles`` take float activations on the tiles
+(`matvec_q4_tiles.cc`), as the quantized models on an AVX-512 CPU hold
+Q4_0 and Q4_1 (`penzai_lm.quantization.quantize`). Reports the
 step time and weights per second: medians of --repeats (``--stat min``:
 their minimum, which moved less between processes on a shared AVX2
 machine where the medians moved by 15-40%).
@@ -62,6 +65,11 @@ def _weights(fmt: str, rng):
     elif fmt in ("bf16-out", "f32-out"):
       out.append((jnp.asarray(w).astype(
           jnp.bfloat16 if fmt == "bf16-out" else jnp.float32),))
+    elif fmt in ("q4_0-ftiles", "q4_1-ftiles"):
+      base = fmt.removesuffix("-ftiles")
+      q = qformats.quantize(w, base)
+      out.append(tiles.to_tiles(q.qs, q.scale,
+                                *([q.mins] if base == "q4_1" else [])))
     elif fmt.endswith("-tiles"):
       base = fmt.removesuffix("-tiles")
       q = qformats.quantize(w, base)
@@ -74,7 +82,7 @@ def _weights(fmt: str, rng):
 
 
 def _k(fmt, arrays) -> int:
-  if fmt.endswith("-tiles"):
+  if fmt.endswith("tiles"):
     return arrays[1].shape[1] * 2
   if fmt in ("bf16-out", "f32-out"):
     return arrays[0].shape[1]
@@ -90,6 +98,12 @@ def _product(fmt, x, arrays, kernels: bool):
     if kernels:
       return ops.dense(x, arrays[0], out_major=False)
     return jnp.dot(x, arrays[0], preferred_element_type=jnp.float32)
+  if fmt.endswith("-ftiles"):
+    if kernels:
+      return tiles.float_product(x, *arrays)
+    qs, scale, *mins = tiles.from_tiles(*arrays)
+    return x @ qformats.dequantize(qs, scale, (mins or [None])[0],
+                                   fmt.removesuffix("-ftiles")).T
   if fmt.endswith("-tiles"):
     if kernels:
       return tiles.product(x, *arrays)

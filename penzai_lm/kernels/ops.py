@@ -207,6 +207,19 @@ def int8_gemm_isa() -> str:
   return isa().decode()
 
 
+@functools.cache
+def q4_float_tiles() -> bool:
+  """Whether this build's Q4_0 and Q4_1 products with float activations on
+  tiles of 16 outputs (`tiles.float_product`, `matvec_q4_tiles.cc`) run in
+  AVX-512 vectors, a tile's 16 outputs in one: there the quantized models
+  hold those weights in tiles (`penzai_lm.quantization.quantize`);
+  elsewhere in rows (matvec.cc)."""
+  _require_kernels()
+  isa = ctypes.CFUNCTYPE(ctypes.c_char_p)(("pzlm_q4_tiles_isa",
+                                           cpu_kernels()))
+  return isa().decode() == "avx512"
+
+
 def int8_tile_prompts() -> bool:
   """Whether prompts with ``int8_activations`` (more rows than a decode
   step, without AMX) run on a weight's tiles of 16 outputs (`tiles.product`):

@@ -288,6 +288,31 @@ def product(x: jax.Array, qs: jax.Array, scale: jax.Array,
       x.astype(jnp.float32), qs, *scales)
 
 
+# Formats whose products take float activations on tiles (`float_product`).
+FLOAT_FORMATS = ("q4_0", "q4_1")
+
+
+def float_product(x: jax.Array, qs: jax.Array, scale: jax.Array,
+                  mins: jax.Array | None = None) -> jax.Array:
+  """``x @ w.T`` for ``x: f32[R, K]`` and a Q4_0 or Q4_1 weight in tiles,
+  with the activations as they are (`matvec_q4_tiles.cc`): ``f32[R, N]``,
+  each block's sum ``Σ x (n - 8)`` (Q4_1: ``Σ x n``, and its min times
+  ``Σ x``) scaled once. Fast where `ops.q4_float_tiles` says so (AVX-512);
+  elsewhere correct and slow."""
+  fmt, t, k = _checked(qs, scale, mins, "tiles.float_product")
+  if fmt not in FLOAT_FORMATS:
+    raise ValueError(f"tiles.float_product takes {FLOAT_FORMATS} tiles; got"
+                     f" {fmt} (`product` takes every format, with int8"
+                     " activations).")
+  if len(x.shape) != 2 or x.shape[1] != k:
+    raise ValueError(f"tiles.float_product: x {x.shape} must be [R, {k}]"
+                     f" for a {fmt} weight of K = {k} in tiles.")
+  out = jax.ShapeDtypeStruct((x.shape[0], t * OUTPUTS), jnp.float32)
+  scales = (scale,) if mins is None else (scale, mins)
+  return jax.ffi.ffi_call(f"pzlm_matvec_{fmt}_tiles", out)(
+      x.astype(jnp.float32), qs, *scales)
+
+
 def dequantize(qs: jax.Array, scale: jax.Array,
                mins: jax.Array | None = None) -> jax.Array:
   """A weight in tiles as ``f32[N, K]`` (`dequantize.cc`): the values

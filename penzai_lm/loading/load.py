@@ -299,7 +299,8 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
     # their shards (not first whole to one accelerator).
     host = _host_device() if mesh is not None else None
     with jax.default_device(host):
-      model = quantization.quantize(model, quantize)
+      model = quantization.quantize(model, quantize,
+                                    cpu_tiles=mesh is None)
   if quantize is not None and any(isinstance(x, jax.ShapeDtypeStruct)
                                   for x in jax.tree_util.tree_leaves(model)):
     raise RuntimeError(  # A bug: a weight taken that quantize did not use.

@@ -9,6 +9,7 @@ from penzai_lm.quantization.gguf_formats import kept_tensor_names
 from penzai_lm.quantization.gguf_formats import kept_weights
 from penzai_lm.quantization.layers import QuantizedEmbeddingLookup
 from penzai_lm.quantization.layers import QuantizedLinear
+from penzai_lm.quantization.quantize import in_rows
 from penzai_lm.quantization.quantize import quantize
 from penzai_lm.quantization.quantize import quantize_array
 from penzai_lm.quantization.quantize import quantized_targets

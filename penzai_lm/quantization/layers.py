@@ -11,10 +11,11 @@ them like any other weight. Formats: `penzai_lm.quantization.formats`.
 On CPU the engine sets ``use_cpu_kernel``: products of up to
 `penzai_lm.kernels.layers.MAX_ROWS` rows (decoding), and with
 ``int8_activations`` prompts on AMX or on a weight in tiles (with VNNI),
-read the quantized blocks in the kernels; everything else dequantizes to the
-activations' dtype and contracts with penzai's `contract` (on GPU, XLA
-fuses that), or on CPU in bfloat16 and float32 as
-`penzai_lm.kernels.layers.kernel_contract` does.
+read the quantized blocks in the kernels (so do Q4_0 and Q4_1 weights in
+tiles with float activations: `penzai_lm.kernels.tiles.float_product`);
+everything else dequantizes to the activations' dtype and contracts with
+penzai's `contract` (on GPU, XLA fuses that), or on CPU in bfloat16 and
+float32 as `penzai_lm.kernels.layers.kernel_contract` does.
 """
 
 from __future__ import annotations
@@ -73,10 +74,12 @@ class QuantizedLinear(pz.nn.Layer):
     tiled: ``qs`` and ``scale`` (and ``mins``) hold a Q4_0, Q8_0, Q4_1 or
       q8_16 weight in tiles of 16 outputs (`penzai_lm.kernels.tiles`; axes
       ``quant_tiles`` and ``quant_tile_bytes`` / ``quant_tile_scales``),
-      which the int8-activation products read as one stream; ``mins`` is
-      None but for Q4_1 and q8_16. A Q8_0 weight of 5-bit values (Q5_0
-      blocks) lies in Q5_0 tiles. Everything else reads the weight back
-      in rows. Set by `on_cpu_kernels`.
+      which the int8-activation products, and Q4_0's and Q4_1's float
+      products, read as one stream; ``mins`` is None but for Q4_1 and q8_16. A Q8_0
+      weight of 5-bit values (Q5_0 blocks) lies in Q5_0 tiles. Everything
+      else reads the weight back in rows. Set by `on_cpu_kernels` with
+      ``int8_activations``, and for Q4_0 and Q4_1 on an AVX-512 CPU by
+      `penzai_lm.quantization.quantize` (`ops.q4_float_tiles`).
     int8_activations: In the decode kernels (at most `MAX_ROWS` rows),
       quantize the activations to int8 blocks of 32 and take integer dot
       products (llama.cpp's scheme; `penzai_lm.kernels.ops.q8`): faster,
@@ -124,6 +127,18 @@ class QuantizedLinear(pz.nn.Layer):
     return tiled.into_tiles(
         dataclasses.replace(self, use_cpu_kernel=True, int8_activations=True),
         memo, donate)
+
+  def in_rows(self) -> QuantizedLinear:
+    """This layer with its weight in rows (``tiled`` off), as `quantize`
+    makes it where it keeps rows: for reading the blocks or saving them
+    (new arrays, the same labels; the layer itself if already in rows). A
+    whole model: `penzai_lm.quantization.in_rows`."""
+    if not self.tiled:
+      return self
+    qs, scale, mins = tiled.rows_params(self.qs, self.scale, self.mins,
+                                        self.format)
+    return dataclasses.replace(self, qs=qs, scale=scale, mins=mins,
+                               tiled=False)
 
   def dequantized(self, dtype=jnp.float32) -> pz.nx.NamedArray:
     """The weight as a float named array over ``in_axes`` and ``out_axes``."""
@@ -187,6 +202,8 @@ class QuantizedLinear(pz.nn.Layer):
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
       if in_tiles:
         y = tiles.product(flat, *self._tiles())
+      elif self.tiled and self.format in tiles.FLOAT_FORMATS:
+        y = tiles.float_product(flat, *self._tiles())  # float activations
       else:
         y = self._kernel_product(flat, x8)
       shape = [x.named_shape[a] for a in row_axes] + [

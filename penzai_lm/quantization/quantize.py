@@ -9,10 +9,17 @@ else keep their float weights. The model
 keeps its structure otherwise (layer stacks, hooks, labels with ``.qs`` /
 ``.scale`` / ``.mins`` in place of ``.weights``), so `pz.select` patches,
 captures and the engine work on it as on the float model.
+
+On a CPU whose kernels take Q4_0 and Q4_1 with float activations in tiles
+of 16 outputs (`penzai_lm.kernels.ops.q4_float_tiles`: AVX-512), those
+weights lie in the tiles (``tiled``), as llama.cpp repacks Q4_0 when it
+loads it: one copy, read by the decode products, the prompts'
+dequantization and a tied table's lookup alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -21,7 +28,10 @@ import numpy as np
 from penzai import pz
 
 from penzai_lm.checkpoints.tensor_io import aligned_empty
+from penzai_lm.kernels import ops
+from penzai_lm.kernels import tiles
 from penzai_lm.quantization import formats
+from penzai_lm.quantization import tiled
 from penzai_lm.quantization.layers import QuantizedEmbeddingLookup
 from penzai_lm.quantization.layers import QuantizedLinear
 
@@ -137,7 +147,29 @@ def _quantized_layer(param, in_names, out_names, choice, base):
       format=fmt)
 
 
-def quantize(model, format: FormatChoice = "int8"):  # pylint: disable=redefined-builtin
+def in_rows(model):
+  """``model`` with every quantized weight that lies in the kernels' tiles
+  back in rows (`QuantizedLinear.in_rows`; a tied table's lookup and
+  unembedding share one set): the layout `penzai_lm.shard` splits and a
+  reader of the blocks expects. New arrays; ``model`` keeps its tiles."""
+  made = {}  # the tiles' qs array's id -> (it, the rows' parameters)
+
+  def back(layer):
+    key = id(layer.qs.value.data_array)
+    if key not in made:
+      made[key] = (layer.qs.value.data_array, tiled.rows_params(
+          layer.qs, layer.scale, layer.mins, layer.format))
+    qs, scale, mins = made[key][1]
+    return dataclasses.replace(layer, qs=qs, scale=scale, mins=mins,
+                               tiled=False)
+
+  return (pz.select(model)
+          .at_instances_of((QuantizedLinear, QuantizedEmbeddingLookup))
+          .where(lambda layer: layer.tiled).apply(back))
+
+
+def quantize(model, format: FormatChoice = "int8", *,  # pylint: disable=redefined-builtin
+             cpu_tiles: bool = True):
   """Returns ``model`` with its projections quantized.
 
   Args:
@@ -147,6 +179,10 @@ def quantize(model, format: FormatChoice = "int8"):  # pylint: disable=redefined
       a format, to the `QuantizedWeight` of each of its stacked layers
       (`penzai_lm.quantization.kept_weights` gives a GGUF file's own), or
       to None (leave that layer in float).
+    cpu_tiles: Put the Q4_0 and Q4_1 weights made on the CPU in the
+      kernels' tiles where they take them there (`ops.q4_float_tiles`), the rows
+      of each deleted once its tiles are made. False keeps rows
+      (`penzai_lm.load` does, for a model that goes to a mesh).
 
   Raises:
     ValueError: for an unknown format, a model with nothing to quantize,
@@ -157,6 +193,16 @@ def quantize(model, format: FormatChoice = "int8"):  # pylint: disable=redefined
     raise ValueError(f"unknown weight format {format!r}; choose one of"
                      f" {formats.FORMATS}.")
   count = 0
+  memo = {}  # Tiles made so far (a tied table's lookup shares them).
+
+  def in_tiles(layer: QuantizedLinear) -> QuantizedLinear:
+    """``layer`` (this call's own) with a Q4_0 or Q4_1 weight on the CPU in
+    tiles, where the kernels take it there."""
+    if not (cpu_tiles and layer.format in tiles.FLOAT_FORMATS
+            and tiled.on_host(layer.qs.value.data_array)
+            and ops.available() and ops.q4_float_tiles()):
+      return layer
+    return tiled.into_tiles(layer, memo, donate=True)
 
   def linear(layer: pz.nn.Linear):
     nonlocal count
@@ -164,9 +210,9 @@ def quantize(model, format: FormatChoice = "int8"):  # pylint: disable=redefined
     if fmt is None:
       return layer
     count += 1
-    return _quantized_layer(layer.weights, layer.in_axis_names,
-                            layer.out_axis_names, fmt,
-                            layer.weights.label.removesuffix(".weights"))
+    return in_tiles(_quantized_layer(
+        layer.weights, layer.in_axis_names, layer.out_axis_names, fmt,
+        layer.weights.label.removesuffix(".weights")))
 
   tied = {}  # Table label -> its quantized unembedding.
 
@@ -180,9 +226,9 @@ def quantize(model, format: FormatChoice = "int8"):  # pylint: disable=redefined
     count += 1
     in_names = tuple(a for a in param.value.named_shape
                      if a != table.vocabulary_axis)
-    tied[param.label] = _quantized_layer(
+    tied[param.label] = in_tiles(_quantized_layer(
         param, in_names, (table.vocabulary_axis,), fmt,
-        f"{param.label.removesuffix('.embeddings')}/decode")
+        f"{param.label.removesuffix('.embeddings')}/decode"))
     return tied[param.label]
 
   def lookup(layer: pz.nn.EmbeddingLookup):
@@ -191,7 +237,7 @@ def quantize(model, format: FormatChoice = "int8"):  # pylint: disable=redefined
     return QuantizedEmbeddingLookup(
         qs=q.qs, scale=q.scale, mins=q.mins, embedding_axes=q.in_axes,
         format=q.format, dtype=jnp.dtype(
-            layer.table.embeddings.value.dtype).name)
+            layer.table.embeddings.value.dtype).name, tiled=q.tiled)
 
   model = (pz.select(model).at_instances_of(pz.nn.Linear)
            .where(lambda layer: bool(layer.in_axis_names))
@@ -206,4 +252,3 @@ def quantize(model, format: FormatChoice = "int8"):  # pylint: disable=redefined
                      " pz.nn.Linear contracts an axis, and no"
                      " EmbeddingDecode); is it a penzai_lm model?")
   return model
-

@@ -1,8 +1,9 @@
 """Quantized layers' weights moved into the kernels' tiles of 16 outputs
-(`penzai_lm.kernels.tiles`), for the int8-activation decode products.
+(`penzai_lm.kernels.tiles`), for the int8-activation decode products and
+Q4_0's float products with AVX-512.
 
 `QuantizedLinear.on_cpu_kernels` and `QuantizedEmbeddingLookup.on_cpu_kernels`
-call `tiled_params`. A tied embedding's lookup and unembedding hold one
+call `tiled_params`, as does `penzai_lm.quantization.quantize` for Q4_0. A tied embedding's lookup and unembedding hold one
 array; ``memo`` (one per `penzai_lm.kernels.with_cpu_kernels` call) gives
 both the same tiles, so the weight stays one copy.
 """
@@ -24,7 +25,7 @@ ROW_AXES = ("quant_out", "quant_in", "quant_groups")
 TILE_AXES = ("quant_tiles", "quant_tile_bytes", "quant_tile_scales")
 
 
-def _on_host(array) -> bool:
+def on_host(array) -> bool:
   """Whether ``array`` holds its values in host memory (not traced)."""
   return isinstance(array, np.ndarray) or (
       isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer)
@@ -66,7 +67,7 @@ def tiled_params(qs, scale, mins, fmt: str, memo: dict, *,
   if key not in memo:
     scales = [p.value.order_as(*stack, "quant_out", "quant_groups").data_array
               for p in moving]
-    if _on_host(rows_qs) and all(map(_on_host, scales)):
+    if on_host(rows_qs) and all(map(on_host, scales)):
       # In numpy: no XLA program compiled (and its memory kept) per shape.
       rows_qs, scales = np.asarray(rows_qs), [np.asarray(a) for a in scales]
     if len(moving) == 1 and not tiles.holds(scales[0]):
@@ -107,6 +108,36 @@ def into_tiles(layer, memo: dict | None, donate: bool):
     return layer
   return dataclasses.replace(layer, qs=params[0], scale=params[1],
                              mins=params[2], tiled=True)
+
+
+def rows_params(qs, scale, mins, fmt: str):
+  """`tiled_params`' inverse: a tiled weight's parameters as ``(qs, scale,
+  mins)`` parameters in rows (``[..., quant_out, quant_in]`` and ``[...,
+  quant_out, quant_groups]``, any stacking axis first), new arrays with the
+  same labels; Q4_0's ``mins`` (-8 scales, never read) labelled as ``qs``'s
+  with ``.mins``, None for Q8_0."""
+  stack = [a for a in qs.value.named_axes if a not in TILE_AXES]
+  parts = [(qs, TILE_AXES[1]), (scale, TILE_AXES[2])]
+  if mins is not None:
+    parts.append((mins, TILE_AXES[2]))
+  rows = list(tiles.from_tiles(*(
+      p.value.order_as(*stack, TILE_AXES[0], second).data_array
+      for p, second in parts)))
+  labels = [qs.label, scale.label, None if mins is None else mins.label]
+  if fmt == "q4_0":
+    rows.append(rows[1] * -8)
+    labels[2] = qs.label.removesuffix(".qs") + ".mins"
+  wrap = type(qs) if isinstance(qs, pz.Parameter) else pz.ParameterValue
+
+  def param(data, label, second):
+    if data is None or label is None:
+      return None
+    return wrap(value=pz.nx.wrap(data).tag(*stack, ROW_AXES[0], second),
+                label=label)
+
+  return (param(rows[0], labels[0], ROW_AXES[1]),
+          param(rows[1], labels[1], ROW_AXES[2]),
+          param(rows[2] if len(rows) > 2 else None, labels[2], ROW_AXES[2]))
 
 
 def flat_arrays(parts, axes: tuple[str, ...]):

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from penzai import pz
 
+from penzai_lm.quantization import in_rows
 from penzai_lm.sharding.quantized import flattened_weights
 from penzai_lm.sharding.quantized import unflattened_axes
 from penzai_lm.sharding.rules import MeshAxes
@@ -55,6 +56,8 @@ def shard(model, mesh: jax.sharding.Mesh,
       the parameter, the axis and the sizes).
   """
   mesh = check_mesh(mesh)
+  # Quantized weights in the CPU kernels' tiles split as rows (new arrays).
+  model = in_rows(model)
   parameters = _parameters(model)
   if not parameters:
     raise ValueError(

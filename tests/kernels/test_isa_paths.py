@@ -5,7 +5,8 @@ path: AVX-512 with VNNI here). Each test here forces a lower target with
 ``PENZAI_LM_CPU_ISA`` (`penzai_lm.kernels.build.ISAS`), builds that library
 into a folder of its own, and runs the kernels' parity tests against numpy
 and penzai on it in a fresh process: the products (float, bfloat16,
-float16, int8, 4-bit, int8 groups of 16), the int8-activation products and
+float16, int8, 4-bit, int8 groups of 16), the int8-activation products,
+the 4-bit float products on tiles and
 decode and prompt attention. A target this CPU lacks is skipped, saying which
 instructions are missing, and so is the target the native build already is
 (an AVX2-only CPU's).
@@ -29,6 +30,7 @@ HERE = pathlib.Path(__file__).parent
 # The int8 path each forced target compiles to (int8_dot.h's Isa()).
 EXPECTED = {"avx512": "avx512bw", "avx2": "avx2", "portable": "portable"}
 TESTS = ["test_ops.py", "test_int8_activations.py", "test_tiles.py",
+         "test_float_tiles.py",
          "test_attention.py::test_kernel_matches_reference",
          "test_attention.py::test_prompt_kernel_matches_reference"]
 

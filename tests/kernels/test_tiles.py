@@ -177,8 +177,10 @@ def _model(fmt):
       family="llama", vocab_size=97, hidden_size=64, num_layers=2,
       num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
       max_position_embeddings=256)
+  # In rows (cpu_tiles=False), to move them here.
   model = quantize(build_transformer(config, seed=0),
-                   "q8_0" if fmt in ("q5_0", "q8_16") else fmt)
+                   "q8_0" if fmt in ("q5_0", "q8_16") else fmt,
+                   cpu_tiles=False)
   if fmt == "q5_0":
     return pz.select(model).at_instances_of(QuantizedLinear).apply(
         lambda l: dataclasses.replace(l, qs=dataclasses.replace(
@@ -275,7 +277,7 @@ def test_a_tied_table_moves_once_for_its_lookup_and_unembedding(fmt):
       family="llama", vocab_size=96, hidden_size=64, num_layers=1,
       num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
       max_position_embeddings=64, tie_embeddings=True)
-  model = quantize(build_transformer(config, seed=0), fmt)
+  model = quantize(build_transformer(config, seed=0), fmt, cpu_tiles=False)
   x8 = with_cpu_kernels(model, int8_activations=True)
   lookup, = pz.select(x8).at_instances_of(
       QuantizedEmbeddingLookup).get_sequence()
@@ -315,7 +317,8 @@ def test_donate_deletes_the_rows_that_moved():
       family="llama", vocab_size=96, hidden_size=64, num_layers=1,
       num_heads=4, num_kv_heads=2, head_dim=16, mlp_hidden_size=96,
       max_position_embeddings=64, tie_embeddings=True)
-  model = quantize(build_transformer(config, seed=0), "q4_0")
+  model = quantize(build_transformer(config, seed=0), "q4_0",
+                   cpu_tiles=False)
   kept = with_cpu_kernels(model, int8_activations=True)
   layers = pz.select(model).at_instances_of(QuantizedLinear).get_sequence()
   x8 = with_cpu_kernels(model, int8_activations=True, donate=True)
