@@ -1,7 +1,7 @@
 """Compiles penzai_lm's CPU kernels on first use and registers them with XLA.
 
 The kernels (`matvec.cc`, `matvec_x8.cc`, `matvec_tiles.cc`,
-`matvec_q4_tiles.cc`, `gemm_x8.cc`, `dequantize.cc`,
+`matvec_q4_tiles.cc`, `gemm_x8.cc`, `gemm_float.cc`, `dequantize.cc`,
 `attention.cc`, `prompt_attention.cc` and `sampler.cc`, sharing `common.h`;
 the two attention kernels also `attend.h`; `sampler.cc` also
 `row_ops.h`, `matvec.cc` and `dequantize.cc` also `float_vec.h` and
@@ -79,6 +79,7 @@ TARGETS = (
     "pzlm_matvec_q8_0_x8_tiles", "pzlm_matvec_q4_1_x8_tiles",
     "pzlm_matvec_q5_0_x8_tiles", "pzlm_matvec_q8_16_x8_tiles",
     "pzlm_matvec_q4_0_tiles", "pzlm_matvec_q4_1_tiles",
+    "pzlm_gemm_q4_0_tiles", "pzlm_gemm_q4_1_tiles",
     "pzlm_decode_attention_f32", "pzlm_decode_attention_bf16",
     "pzlm_decode_attention_f16", "pzlm_prompt_attention_f32",
     "pzlm_prompt_attention_bf16", "pzlm_prompt_attention_f16", "pzlm_rows",
@@ -90,7 +91,7 @@ TARGETS = (
 _DIR = pathlib.Path(__file__).parent
 _SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "matvec_tiles.cc",
             _DIR / "matvec_q4_tiles.cc",
-            _DIR / "gemm_x8.cc",
+            _DIR / "gemm_x8.cc", _DIR / "gemm_float.cc",
             _DIR / "dequantize.cc", _DIR / "attention.cc",
             _DIR / "prompt_attention.cc", _DIR / "rows.cc",
             _DIR / "sampler.cc")

@@ -220,6 +220,18 @@ def q4_float_tiles() -> bool:
   return isa().decode() == "avx512"
 
 
+@functools.cache
+def float_gemm() -> bool:
+  """Whether this build's float GEMM for prompts on Q4_0 and Q4_1 tiles
+  (`tiles.float_gemm`, `gemm_float.cc`) runs in AVX-512 vectors: there the
+  quantized layers put those prompts' products on it; elsewhere (a plain
+  loop, correct but slow) they stay on XLA's GEMM."""
+  _require_kernels()
+  isa = ctypes.CFUNCTYPE(ctypes.c_char_p)(("pzlm_float_gemm_isa",
+                                           cpu_kernels()))
+  return isa().decode() == "avx512"
+
+
 def int8_tile_prompts() -> bool:
   """Whether prompts with ``int8_activations`` (more rows than a decode
   step, without AMX) run on a weight's tiles of 16 outputs (`tiles.product`):

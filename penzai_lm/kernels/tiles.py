@@ -299,17 +299,31 @@ def float_product(x: jax.Array, qs: jax.Array, scale: jax.Array,
   each block's sum ``Σ x (n - 8)`` (Q4_1: ``Σ x n``, and its min times
   ``Σ x``) scaled once. Fast where `ops.q4_float_tiles` says so (AVX-512);
   elsewhere correct and slow."""
-  fmt, t, k = _checked(qs, scale, mins, "tiles.float_product")
+  return _float_call(x, qs, scale, mins, "float_product", "matvec")
+
+
+def float_gemm(x: jax.Array, qs: jax.Array, scale: jax.Array,
+               mins: jax.Array | None = None) -> jax.Array:
+  """``x @ w.T`` for a prompt's ``x: f32[R, K]`` and a Q4_0 or Q4_1 weight
+  in tiles (`gemm_float.cc`): the product with the dequantized weight (the
+  values `dequantize` gives), each output one chain of multiply-adds in the
+  order of K, without writing the weight out in float32. Fast where
+  `ops.float_gemm` says so (AVX-512); elsewhere correct and slow."""
+  return _float_call(x, qs, scale, mins, "float_gemm", "gemm")
+
+
+def _float_call(x, qs, scale, mins, name: str, kernel: str) -> jax.Array:
+  fmt, t, k = _checked(qs, scale, mins, f"tiles.{name}")
   if fmt not in FLOAT_FORMATS:
-    raise ValueError(f"tiles.float_product takes {FLOAT_FORMATS} tiles; got"
+    raise ValueError(f"tiles.{name} takes {FLOAT_FORMATS} tiles; got"
                      f" {fmt} (`product` takes every format, with int8"
                      " activations).")
   if len(x.shape) != 2 or x.shape[1] != k:
-    raise ValueError(f"tiles.float_product: x {x.shape} must be [R, {k}]"
+    raise ValueError(f"tiles.{name}: x {x.shape} must be [R, {k}]"
                      f" for a {fmt} weight of K = {k} in tiles.")
   out = jax.ShapeDtypeStruct((x.shape[0], t * OUTPUTS), jnp.float32)
   scales = (scale,) if mins is None else (scale, mins)
-  return jax.ffi.ffi_call(f"pzlm_matvec_{fmt}_tiles", out)(
+  return jax.ffi.ffi_call(f"pzlm_{kernel}_{fmt}_tiles", out)(
       x.astype(jnp.float32), qs, *scales)
 
 

@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from penzai import pz
 from penzai.nn.linear_and_affine import contract
@@ -173,6 +174,17 @@ class QuantizedLinear(pz.nn.Layer):
       return ops.q8_16(flat, qs, scale, mins, int8_activations=x8)
     return ops.q8(flat, qs, scale, int8_activations=x8)
 
+  def _rows_out(self, x: pz.nx.NamedArray, row_axes: list[str],
+                y: jax.Array) -> pz.nx.NamedArray:
+    """``y: f32[rows, N]`` as x's row axes and this layer's output axes."""
+    shape = [x.named_shape[a] for a in row_axes] + [
+        s for _, s in self.out_axes]
+    return pz.nx.NamedArray(
+        named_axes=collections.OrderedDict(
+            [(a, x.named_shape[a]) for a in row_axes]
+            + list(self.out_axes)),
+        data_array=y.astype(x.dtype).reshape(shape))
+
   def __call__(self, x: pz.nx.NamedArray, **_unused_side_inputs):
     in_names = [a for a, _ in self.in_axes]
     for name, size in self.in_axes:
@@ -206,13 +218,7 @@ class QuantizedLinear(pz.nn.Layer):
         y = tiles.float_product(flat, *self._tiles())  # float activations
       else:
         y = self._kernel_product(flat, x8)
-      shape = [x.named_shape[a] for a in row_axes] + [
-          s for _, s in self.out_axes]
-      return pz.nx.NamedArray(
-          named_axes=collections.OrderedDict(
-              [(a, x.named_shape[a]) for a in row_axes]
-              + list(self.out_axes)),
-          data_array=y.astype(x.dtype).reshape(shape))
+      return self._rows_out(x, row_axes, y)
     if not self.use_cpu_kernel:
       return contract(in_names, x, self.dequantized(x.dtype))
     # A prefill on CPU: XLA's GEMM on the rows (WIDE_DTYPES). The weight is
@@ -220,6 +226,13 @@ class QuantizedLinear(pz.nn.Layer):
     # XLA:CPU's scheduler dequantized every layer's weights up front, all
     # alive at once, their pages faulted in afresh on every call (see
     # docs/design.md).
+    if (self.tiled and self.format in tiles.FLOAT_FORMATS
+        and not x.positional_shape and ops.float_gemm()):
+      # Q4_0 and Q4_1 in tiles: a GEMM that decodes the tiles as it goes.
+      qs, scale, *mins = self._tiles()
+      flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
+      y = tiles.float_gemm(flat, qs, scale, *mins)
+      return self._rows_out(x, row_axes, y)
     if self.tiled:  # dequantized from the tiles as they lie
       qs, scale, *mins = self._tiles()
       w = self._tagged(tiles.dequantize(

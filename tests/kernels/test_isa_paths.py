@@ -30,7 +30,7 @@ HERE = pathlib.Path(__file__).parent
 # The int8 path each forced target compiles to (int8_dot.h's Isa()).
 EXPECTED = {"avx512": "avx512bw", "avx2": "avx2", "portable": "portable"}
 TESTS = ["test_ops.py", "test_int8_activations.py", "test_tiles.py",
-         "test_float_tiles.py",
+         "test_float_tiles.py", "test_gemm_float.py",
          "test_attention.py::test_kernel_matches_reference",
          "test_attention.py::test_prompt_kernel_matches_reference"]
 
