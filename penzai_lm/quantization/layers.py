@@ -198,9 +198,10 @@ class QuantizedLinear(pz.nn.Layer):
     # too: on the AMX tiles where the CPU has them (`ops.int8_gemm_isa`),
     # else on the weight's tiles of 16 outputs where the int8 dots have
     # VNNI (`tiled`, `ops.int8_tile_prompts`: 4x XLA's float GEMM on its
-    # dequantized weight, docs/cpu-speed.md). Other prompts stay on XLA's
-    # GEMM (below), in float: there the int8 products in rows were 25-35%
-    # slower, and in tiles without VNNI slower too.
+    # dequantized weight, docs/cpu-speed.md). Other prompts stay in float
+    # (below): Q4_0 and Q4_1 in tiles on `tiles.float_gemm`, the rest on
+    # XLA's GEMM; there the int8 products in rows were 25-35% slower, and
+    # in tiles without VNNI slower too.
     k = math.prod(s for _, s in self.in_axes)
     groups = (k // 16,) if self.format == "q8_16" else (1, k // 32)
     x8 = self.int8_activations and k % 32 == 0 and (
@@ -214,7 +215,7 @@ class QuantizedLinear(pz.nn.Layer):
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
       if in_tiles:
         y = tiles.product(flat, *self._tiles())
-      elif self.tiled and self.format in tiles.FLOAT_FORMATS:
+      elif self.tiled and self.format in tiles.FLOAT_FORMATS and not x8:
         y = tiles.float_product(flat, *self._tiles())  # float activations
       else:
         y = self._kernel_product(flat, x8)

@@ -325,6 +325,10 @@ def test_with_cpu_kernels_int8_activations(fmt):
   tiled_prompts = any(l.tiled for l in layers) and ops.int8_tile_prompts()
   if ops.int8_gemm_isa() == "amx" or tiled_prompts:
     assert "_x8" in hlo
+    # No prompt product in float: Q4_0's and Q4_1's tiles included.
+    assert "pzlm_matvec_q4_0_tiles" not in hlo
+    assert "pzlm_matvec_q4_1_tiles" not in hlo
+    assert "pzlm_gemm_q4" not in hlo
     if ops.int8_gemm_isa() != "amx":
       assert "_x8_tiles" in hlo
     # 48 rows of rounded activations through 2 layers: within 5%.
