@@ -301,6 +301,21 @@ inline bool Q4Shapes(const ffi::Buffer<ffi::F32>& x,
          sd[1] * 32 == xd[1];
 }
 
+// Whether a product of x [R, K] (K % 32 == 0) with a 4-bit weight in tiles
+// of 16 outputs (qs u8 [T, 8 K], scale [T, K / 2]) into y [R, 16 T] fits:
+// the shapes matvec_q4_tiles.cc and gemm_float.cc check (Q4_1's mins are
+// shaped as its scales).
+template <ffi::DataType S>
+bool Q4TileShapes(const ffi::Buffer<ffi::F32>& x,
+                  const ffi::Buffer<ffi::U8>& qs, const ffi::Buffer<S>& scale,
+                  ffi::Span<const int64_t> yd) {
+  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scale.dimensions();
+  return xd.size() == 2 && xd[1] % 32 == 0 && qd.size() == 2 &&
+         qd[1] == 8 * xd[1] && sd.size() == 2 && sd[0] == qd[0] &&
+         2 * sd[1] == xd[1] && yd.size() == 2 && yd[0] == xd[0] &&
+         yd[1] == 16 * qd[0];
+}
+
 }  // namespace pzlm
 
 // The FFI signature of a weight product: x f32 [R, K], then the weight

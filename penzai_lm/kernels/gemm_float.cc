@@ -258,21 +258,10 @@ void Run(ffi::ThreadPool& pool, const W& w, const float* x, int64_t R,
   });
 }
 
-// Whether x [R, K] (K % 32 == 0), qs [T, 8 K], scale [T, K / 2] and y
-// [R, 16 T] are a 4-bit product in tiles.
-template <typename Dims>
-bool Fits(const Dims& xd, const Dims& qd, const Dims& sd, const Dims& yd) {
-  return xd.size() == 2 && xd[1] % 32 == 0 && qd.size() == 2 &&
-         qd[1] == 8 * xd[1] && sd.size() == 2 && sd[0] == qd[0] &&
-         2 * sd[1] == xd[1] && yd.size() == 2 && yd[0] == xd[0] &&
-         yd[1] == kTile * qd[0];
-}
-
 ffi::Error Q4_0Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                     ffi::Buffer<ffi::U8> qs, ffi::Buffer<ffi::F16> scale,
                     ffi::ResultBuffer<ffi::F32> y) {
-  if (!Fits(x.dimensions(), qs.dimensions(), scale.dimensions(),
-            y->dimensions()))
+  if (!Q4TileShapes(x, qs, scale, y->dimensions()))
     return ffi::Error::InvalidArgument(
         "gemm q4_0 tiles: x [R, K] with K % 32 == 0, qs u8 [T, 8 K] and f16 "
         "scale [T, K / 2] (tiles of 16 outputs), y [R, 16 T]");
@@ -288,8 +277,7 @@ ffi::Error Q4_1Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                     ffi::Buffer<ffi::U8> qs, ffi::Buffer<ffi::F32> scale,
                     ffi::Buffer<ffi::F32> mins,
                     ffi::ResultBuffer<ffi::F32> y) {
-  if (!Fits(x.dimensions(), qs.dimensions(), scale.dimensions(),
-            y->dimensions()) ||
+  if (!Q4TileShapes(x, qs, scale, y->dimensions()) ||
       !(mins.dimensions() == scale.dimensions()))
     return ffi::Error::InvalidArgument(
         "gemm q4_1 tiles: x [R, K] with K % 32 == 0, qs u8 [T, 8 K], f32 "
