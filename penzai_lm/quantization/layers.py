@@ -222,18 +222,19 @@ class QuantizedLinear(pz.nn.Layer):
       return self._rows_out(x, row_axes, y)
     if not self.use_cpu_kernel:
       return contract(in_names, x, self.dequantized(x.dtype))
-    # A prefill on CPU: XLA's GEMM on the rows (WIDE_DTYPES). The weight is
-    # dequantized from a scale copied once the input is ready: left free,
-    # XLA:CPU's scheduler dequantized every layer's weights up front, all
-    # alive at once, their pages faulted in afresh on every call (see
-    # docs/design.md).
+    # A prefill on CPU: Q4_0 and Q4_1 in tiles on a GEMM that decodes the
+    # tiles as it goes; the rest on XLA's GEMM (below).
     if (self.tiled and self.format in tiles.FLOAT_FORMATS
         and not x.positional_shape and ops.float_gemm()):
-      # Q4_0 and Q4_1 in tiles: a GEMM that decodes the tiles as it goes.
       qs, scale, *mins = self._tiles()
       flat = x.order_as(*row_axes, *in_names).data_array.reshape(rows, k)
       y = tiles.float_gemm(flat, qs, scale, *mins)
       return self._rows_out(x, row_axes, y)
+    # XLA's GEMM on the rows (WIDE_DTYPES). The weight is
+    # dequantized from a scale copied once the input is ready: left free,
+    # XLA:CPU's scheduler dequantized every layer's weights up front, all
+    # alive at once, their pages faulted in afresh on every call (see
+    # docs/design.md).
     if self.tiled:  # dequantized from the tiles as they lie
       qs, scale, *mins = self._tiles()
       w = self._tagged(tiles.dequantize(
