@@ -33,6 +33,7 @@ from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.checkpoint import CheckpointFileNotFoundError
 from penzai_lm.checkpoints.checkpoint import LazyCheckpoint
 from penzai_lm.checkpoints.gguf_reader import SUPPORTED_GGUF_ARCHITECTURES
+from penzai_lm.checkpoints.gguf_tensors import BlockDecoder
 from penzai_lm.checkpoints.gguf_reader import open_gguf
 from penzai_lm.checkpoints.gguf_reader import read_gguf
 from penzai_lm.checkpoints.hf_reader import SUPPORTED_HF_CLASSES
@@ -73,6 +74,7 @@ def open_checkpoint(
     path: str | os.PathLike,
     *,
     specs: Sequence[ArchitectureSpec] = SPECS,
+    decode_blocks: BlockDecoder | None = None,
 ) -> LazyCheckpoint:
   """Checks a GGUF file or a Hugging Face directory; reads no tensor data.
 
@@ -83,17 +85,20 @@ def open_checkpoint(
   Args:
     path: A ``.gguf`` file or a Hugging Face model directory.
     specs: The architectures to recognize (default: the built-in ones).
+    decode_blocks: For GGUF files, a faster decoder of some quantized block
+      types (`BlockDecoder`: the same values as gguf-py's).
   """
   p = Path(path).expanduser()
   refuse_special(p)  # A FIFO would block the first read forever.
   if p.is_dir():
     return open_hf_dir(p, specs=specs)
-  return open_gguf(p, specs=specs)
+  return open_gguf(p, specs=specs, decode_blocks=decode_blocks)
 
 
 __all__ = [
     "ARCHITECTURE_CLASSES",
     "ArchitectureSpec",
+    "BlockDecoder",
     "Checkpoint",
     "CheckpointError",
     "CheckpointFileNotFoundError",

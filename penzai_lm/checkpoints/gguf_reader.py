@@ -57,6 +57,7 @@ from penzai_lm.checkpoints.gguf_metadata import config_from_gguf
 from penzai_lm.checkpoints.gguf_metadata import llama3_rope_scaling
 from penzai_lm.checkpoints.gguf_metadata import read_gguf_architecture
 from penzai_lm.checkpoints.gguf_tensors import dequantize
+from penzai_lm.checkpoints.gguf_tensors import BlockDecoder
 from penzai_lm.checkpoints.gguf_tensors import hf_conventions
 from penzai_lm.checkpoints.gguf_tensors import hf_tensor_name
 from penzai_lm.checkpoints.gguf_tensors import permute_rows
@@ -150,7 +151,7 @@ def _with_rope_freqs(
 
 def _read_tensor(
     path: Path, spec: ArchitectureSpec, config: dict, tensors: dict,
-    name: str, dtype: np.dtype,
+    decode_blocks: BlockDecoder | None, name: str, dtype: np.dtype,
 ) -> np.ndarray:
   """HF tensor ``name``; ``tensors`` maps HF names to (GGUF name, tensor)."""
   gname, t = tensors[name]
@@ -159,7 +160,8 @@ def _read_tensor(
       config["num_key_value_heads"],
   )
   return read_gguf_tensor(
-      path, t, dtype, unpermute_heads=unpermute, norm_offset=offset
+      path, t, dtype, unpermute_heads=unpermute, norm_offset=offset,
+      decode_blocks=decode_blocks,
   )
 
 
@@ -167,6 +169,7 @@ def open_gguf(
     path: str | os.PathLike,
     *,
     specs: Sequence[ArchitectureSpec] = SPECS,
+    decode_blocks: BlockDecoder | None = None,
 ) -> LazyCheckpoint:
   """Checks a GGUF model file; reads no tensor data but ``rope_freqs``.
 
@@ -177,6 +180,8 @@ def open_gguf(
   Args:
     path: Path to a ``.gguf`` file of an architecture of ``specs``.
     specs: The architectures to recognize (default: the built-in ones).
+    decode_blocks: A faster decoder of some block types (`BlockDecoder`:
+      the same values as gguf-py's), used by `LazyCheckpoint.read`.
 
   Returns:
     The checkpoint, with ``gguf_reader`` set to the open reader.
@@ -214,7 +219,8 @@ def open_gguf(
       config=config,
       shapes=shapes,
       source=str(path),
-      reader=functools.partial(_read_tensor, path, spec, config, tensors),
+      reader=functools.partial(_read_tensor, path, spec, config, tensors,
+                               decode_blocks),
       gguf_reader=reader,
   )
 

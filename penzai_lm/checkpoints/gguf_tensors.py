@@ -1,7 +1,8 @@
 """GGUF tensors -> Hugging Face ``state_dict`` tensors.
 
 Maps llama.cpp tensor names to HF names, dequantizes each tensor once with
-``gguf.quants.dequantize`` and converts it to HF's value conventions.
+``gguf.quants.dequantize`` (or a caller's `BlockDecoder` that gives the same
+values) and converts it to HF's value conventions.
 `read_gguf_tensor` reads a tensor's bytes explicitly
 (:mod:`~penzai_lm.checkpoints.tensor_io`: no pages of the file's memory map
 are touched) and dequantizes them a chunk of rows at a time straight into
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import re
+from typing import Callable
 
 import numpy as np
 
@@ -100,6 +102,15 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
   )
 
 
+# ``decode(ggml_type, blocks, out) -> bool``: a faster decoder of GGUF blocks
+# than gguf-py (the CPU kernels' `penzai_lm.kernels.gguf_blocks`, passed
+# down by the loader). It fills float32 ``out`` [rows, cols] from the rows'
+# blocks ``blocks`` (uint8 [rows, row bytes], as in the file) with exactly
+# the values gguf-py gives, or returns False for a type it does not decode,
+# which gguf-py then does.
+BlockDecoder = Callable[[int, np.ndarray, np.ndarray], bool]
+
+
 def _dequantize_data(data: np.ndarray, qtype, name: str, path) -> np.ndarray:
   """``gguf.quants.dequantize`` with its errors as CheckpointErrors.
 
@@ -162,6 +173,7 @@ def read_gguf_tensor(
     *,
     unpermute_heads: int | None = None,
     norm_offset: float = 0.0,
+    decode_blocks: BlockDecoder | None = None,
 ) -> np.ndarray:
   """One tensor in HF conventions, as a new 64-byte-aligned array of ``dtype``.
 
@@ -175,6 +187,8 @@ def read_gguf_tensor(
     dtype: float32 or bfloat16.
     unpermute_heads: Un-permute the rows into this many heads (llama q/k).
     norm_offset: Subtracted from every value (in float32).
+    decode_blocks: Decodes the blocks of the types it knows (`BlockDecoder`,
+      the same values), gguf-py the rest.
 
   Raises:
     CheckpointError: as `dequantize` (NaN/inf named for the whole tensor).
@@ -190,14 +204,21 @@ def read_gguf_tensor(
   flat = out.reshape(rows, cols)
   step = max(1, _CHUNK_VALUES // max(cols, 1))
   buf = np.empty(min(step, rows) * row_bytes, np.uint8)
+  scratch = None  # The decoder's float32 rows, where ``out`` is not.
+  if decode_blocks is not None and out.dtype != np.float32:
+    scratch = np.empty((min(step, rows), cols), np.float32)
   where = f"GGUF file {path}: tensor {t.name!r}"
   with open(path, "rb", buffering=0) as f:
     for start in range(0, rows, step):
       n = min(step, rows - start)
       raw = buf[: n * row_bytes].reshape(n, row_bytes)
       read_at(f, t.data_offset + start * row_bytes, raw, where)
-      values = _dequantize_data(raw, t.tensor_type, t.name, path)
-      values = values.astype(np.float32, copy=False).reshape(n, cols)
+      rows_out = flat[start:start + n]
+      values = rows_out if scratch is None else scratch[:n]
+      if decode_blocks is None or not decode_blocks(
+          int(t.tensor_type), raw, values):
+        values = _dequantize_data(raw, t.tensor_type, t.name, path)
+        values = values.astype(np.float32, copy=False).reshape(n, cols)
       try:
         check_finite(values, where)
       except CheckpointError:
@@ -205,7 +226,8 @@ def read_gguf_tensor(
         raise
       if norm_offset:
         values = values - np.float32(norm_offset)
-      flat[start:start + n] = values
+      if values is not rows_out:  # Decoded in place otherwise.
+        rows_out[...] = values
   if unpermute_heads is not None:
     out = unpermute_rows(out, unpermute_heads)
   return out

@@ -7,7 +7,8 @@ the two attention kernels also `attend.h`; `sampler.cc` also
 `row_ops.h`, `matvec.cc` and `dequantize.cc` also `float_vec.h` and
 `weight_formats.h`, `matvec_x8.cc` and `matvec_tiles.cc`
 also `int8_dot.h` and `q8_blocks.h`, as does `gemm_x8.cc`, and
-`matvec_x8.cc` and `gemm_x8.cc` `gemm_x8.h`; and `rows.cc`) are C++
+`matvec_x8.cc` and `gemm_x8.cc` `gemm_x8.h`; and `rows.cc`; and
+`gguf_blocks.cc`, the loader's, called with ctypes, not XLA) are C++
 against the XLA FFI headers that ship with jaxlib, built into one library
 once per machine with the system C++ compiler (``-O3 -march=native``:
 the vector width and the F16C instructions matter) and loaded with
@@ -94,7 +95,7 @@ _SOURCES = (_DIR / "matvec.cc", _DIR / "matvec_x8.cc", _DIR / "matvec_tiles.cc",
             _DIR / "gemm_x8.cc", _DIR / "gemm_float.cc",
             _DIR / "dequantize.cc", _DIR / "attention.cc",
             _DIR / "prompt_attention.cc", _DIR / "rows.cc",
-            _DIR / "sampler.cc")
+            _DIR / "sampler.cc", _DIR / "gguf_blocks.cc")
 _HEADERS = (_DIR / "common.h", _DIR / "attend.h", _DIR / "row_ops.h",
             _DIR / "int8_dot.h", _DIR / "q8_blocks.h", _DIR / "gemm_x8.h", _DIR / "float_vec.h",
             _DIR / "weight_formats.h")

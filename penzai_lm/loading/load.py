@@ -25,6 +25,7 @@ from penzai_lm.checkpoints import SPECS
 from penzai_lm.checkpoints import ArchitectureSpec
 from penzai_lm.checkpoints import open_checkpoint
 from penzai_lm.fetch import resolve_model_path
+from penzai_lm.kernels.gguf_blocks import block_decoder
 from penzai_lm.loading.config_mapping import config_from_checkpoint
 from penzai_lm.loading.families import ADAPTERS
 from penzai_lm.loading.families import FamilyAdapter
@@ -245,7 +246,11 @@ def _load(name_or_path, dtype, use_layer_stack, specs, adapters, *,
   place = place or placement
   dtype = _resolve_dtype(dtype)
   path = resolve_model_path(name_or_path)
-  checkpoint = open_checkpoint(path, specs=specs)
+  # On CPU (where the engine builds the kernels anyway) quantized GGUF
+  # blocks are decoded by a kernel: the same values as gguf-py's, sooner
+  # (SmolLM2's Q4_1 file to float32: docs/cpu-speed.md).
+  decode = block_decoder() if jax.default_backend() == "cpu" else None
+  checkpoint = open_checkpoint(path, specs=specs, decode_blocks=decode)
   config = config_from_checkpoint(
       checkpoint, dtype=dtype, use_layer_stack=use_layer_stack,
       adapters=adapters,
