@@ -205,10 +205,10 @@ def _load(args):
   print(f"[loading {args.model or 'the default model'}]", file=sys.stderr,
         flush=True)
   start = time.perf_counter()
-  # Generation decodes on per-layer weights; loading them that way saves the
-  # copy the engine would otherwise make of a layer stack.
+  # With its layer stack: a fresh prompt's prefill then compiles one block
+  # (the engine decodes on per-layer views of the stacked weights, no copy;
+  # docs/cpu-speed.md, "The first token from a fresh process").
   model, tokenizer = penzai_lm.load(args.model, dtype=args.dtype,
-                                    use_layer_stack=False,
                                     quantize=args.quantize)
   if args.int8_activations:
     # The weights move into the kernels' tiles; donate: no second copy.
