@@ -33,9 +33,9 @@ from penzai_lm.checkpoints.checkpoint import CheckpointError
 from penzai_lm.checkpoints.checkpoint import CheckpointFileNotFoundError
 from penzai_lm.checkpoints.checkpoint import LazyCheckpoint
 from penzai_lm.checkpoints.gguf_reader import SUPPORTED_GGUF_ARCHITECTURES
-from penzai_lm.checkpoints.gguf_tensors import BlockDecoder
 from penzai_lm.checkpoints.gguf_reader import open_gguf
 from penzai_lm.checkpoints.gguf_reader import read_gguf
+from penzai_lm.checkpoints.gguf_tensors import BlockDecoder
 from penzai_lm.checkpoints.hf_reader import SUPPORTED_HF_CLASSES
 from penzai_lm.checkpoints.hf_reader import open_hf_dir
 from penzai_lm.checkpoints.hf_reader import read_hf_dir

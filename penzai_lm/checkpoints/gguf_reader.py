@@ -56,8 +56,8 @@ from penzai_lm.checkpoints.gguf_file import open_gguf_reader
 from penzai_lm.checkpoints.gguf_metadata import config_from_gguf
 from penzai_lm.checkpoints.gguf_metadata import llama3_rope_scaling
 from penzai_lm.checkpoints.gguf_metadata import read_gguf_architecture
-from penzai_lm.checkpoints.gguf_tensors import dequantize
 from penzai_lm.checkpoints.gguf_tensors import BlockDecoder
+from penzai_lm.checkpoints.gguf_tensors import dequantize
 from penzai_lm.checkpoints.gguf_tensors import hf_conventions
 from penzai_lm.checkpoints.gguf_tensors import hf_tensor_name
 from penzai_lm.checkpoints.gguf_tensors import permute_rows
