@@ -16,8 +16,10 @@ import numpy as np
 from penzai_lm.checkpoints import BlockDecoder
 from penzai_lm.kernels.build import cpu_kernels
 
-# ggml's type numbers (``gguf.GGMLQuantizationType``) that the kernel decodes.
+# ggml's type numbers (``gguf.GGMLQuantizationType``) that the kernel decodes
+# (its table, `kFormats`, is the one the calls go by).
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+_UNKNOWN_TYPE, _NOT_WHOLE_BLOCKS = -1, -2
 
 
 def block_decoder() -> BlockDecoder | None:
@@ -29,13 +31,10 @@ def block_decoder() -> BlockDecoder | None:
   kernel.restype = ctypes.c_int
   kernel.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                      ctypes.c_void_p, ctypes.c_int64]
-  known = frozenset(TYPES.values())
 
   def decode(ggml_type: int, blocks: np.ndarray, out: np.ndarray) -> bool:
     """Fills ``out`` with the values of ``blocks`` (False: not a type it
     decodes; ``out`` is untouched)."""
-    if int(ggml_type) not in known:
-      return False
     if (blocks.dtype != np.uint8 or out.dtype != np.float32
         or not blocks.flags.c_contiguous or not out.flags.c_contiguous
         or not out.flags.writeable):
@@ -44,7 +43,9 @@ def block_decoder() -> BlockDecoder | None:
           f" C-contiguous float32 out, got {blocks.dtype} and {out.dtype}")
     status = kernel(int(ggml_type), blocks.ctypes.data, blocks.nbytes,
                     out.ctypes.data, out.size)
-    if status:
+    if status == _UNKNOWN_TYPE:
+      return False
+    if status == _NOT_WHOLE_BLOCKS:
       raise ValueError(
           f"{blocks.nbytes} bytes of ggml type {int(ggml_type)} blocks do not"
           f" make {out.size} values")
