@@ -9,7 +9,9 @@ read as garbage or failing with a numpy reshape error.
 
 from __future__ import annotations
 
+import collections.abc
 import functools
+import operator
 import os
 from pathlib import Path
 import struct
@@ -24,6 +26,52 @@ GGUF_MAGIC = b"GGUF"
 
 
 _U64 = struct.Struct("<Q")
+
+
+class ArrayParts(collections.abc.Sequence):
+  """The ``parts`` of a GGUF field holding an array: the views gguf-py's
+  reader lists (the field's own ``head`` parts, the array's type and
+  length, then per element its value, or for a string its length and its
+  bytes), each made when it is read.
+
+  Args:
+    head: The parts before the elements'.
+    data: Scalar elements: their values (one per part). Strings: the file.
+    starts: Strings only: each string's offset in ``data`` (its length
+      field), then the offset after the last one.
+  """
+
+  def __init__(self, head: list, data: np.ndarray,
+               starts: list[int] | None = None):
+    self._head, self._data, self._starts = list(head), data, starts
+
+  def after(self, head: list) -> "ArrayParts":
+    """These parts behind ``head``."""
+    return ArrayParts(list(head) + self._head, self._data, self._starts)
+
+  def __len__(self) -> int:
+    if self._starts is None:
+      return len(self._head) + len(self._data)
+    return len(self._head) + 2 * (len(self._starts) - 1)
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return [self[i] for i in range(*index.indices(len(self)))]
+    n = len(self)
+    index = operator.index(index)
+    if index < 0:
+      index += n
+    if not 0 <= index < n:
+      raise IndexError("part index out of range")
+    k = index - len(self._head)
+    if k < 0:
+      return self._head[index]
+    if self._starts is None:
+      return self._data[k:k + 1]
+    start = self._starts[k // 2]
+    if k % 2 == 0:
+      return self._data[start:start + 8].view(np.uint64)
+    return self._data[start + 8:self._starts[k // 2 + 1]]
 
 
 @functools.cache
@@ -43,7 +91,8 @@ def _fast_reader_class():
 
     Arrays of strings and of scalars (a vocabulary and its token types and
     merges) are split into the same parts in one pass, instead of one
-    recursive call per element.
+    recursive call per element, and their parts are `ArrayParts`: each
+    element's view is made when it is read (a load reads none of them).
 
     It also checks the tensor infos against the file before building tensor
     views, and remembers its ``path`` for error messages.
@@ -52,6 +101,27 @@ def _fast_reader_class():
     def __init__(self, path, mode="r"):
       self.path = str(path)
       super().__init__(path, mode)
+
+    def _build_fields(self, offs, count):
+      # gguf-py's loop, without concatenating each field's parts into a
+      # list (that would make every element's view of an `ArrayParts`).
+      for _ in range(count):
+        orig_offs = offs
+        kv_klen, kv_kdata = self._get_str(offs)
+        offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+        raw_kv_type = self._get(offs, np.uint32)
+        offs += int(raw_kv_type.nbytes)
+        head = [kv_klen, kv_kdata, raw_kv_type]
+        size, parts, idxs, types = self._get_field_parts(offs, raw_kv_type[0])
+        if isinstance(parts, ArrayParts):
+          parts = parts.after(head)
+        else:
+          parts = head + parts
+        self._push_field(gguf.ReaderField(
+            orig_offs, str(bytes(kv_kdata), encoding="utf-8"), parts,
+            [i + len(head) for i in idxs], types), skip_sum=True)
+        offs += size
+      return offs
 
     def _get_field_parts(self, orig_offs, raw_type):
       if raw_type != array or self.byte_order != "I":
@@ -63,27 +133,27 @@ def _fast_reader_class():
       scalar = self.gguf_scalar_to_np.get(itype) if itype != string else None
       if n == 0 or (itype != string and scalar is None):
         return super()._get_field_parts(orig_offs, raw_type)
-      parts, offs = [raw_itype, alen], orig_offs + 12
+      offs = orig_offs + 12
       if itype == string:
-        buf, u64, size = memoryview(data), np.dtype(np.uint64), len(data)
+        starts, buf, size = [], memoryview(data), len(data)
         for _ in range(n):
           if offs + 8 > size:
             raise ValueError(f"a string array runs past the end, at {offs}")
           (length,) = _U64.unpack_from(buf, offs)
           if offs + 8 + length > size:
             raise ValueError(f"a string runs past the end, at {offs}")
-          parts.append(data[offs:offs + 8].view(u64))
-          parts.append(data[offs + 8:offs + 8 + length])
+          starts.append(offs)
           offs += 8 + length
+        starts.append(offs)
+        parts = ArrayParts([raw_itype, alen], data, starts)
         return (offs - orig_offs, parts, list(range(3, 3 + 2 * n, 2)),
                 [array, string])
       itemsize = np.dtype(scalar).itemsize
       if offs + itemsize * n > len(data):
         raise ValueError(f"an array runs past the end, at {offs}")
       values = data[offs:offs + itemsize * n].view(scalar)
-      parts += [values[i:i + 1] for i in range(n)]
-      return (12 + itemsize * n, parts, list(range(2, 2 + n)),
-              [array, gguf.GGUFValueType(itype)])
+      return (12 + itemsize * n, ArrayParts([raw_itype, alen], values),
+              list(range(2, 2 + n)), [array, gguf.GGUFValueType(itype)])
 
     def _build_tensors(self, start_offs, fields):
       infos = []

@@ -16,6 +16,7 @@ from penzai_lm.checkpoints import CheckpointError
 from penzai_lm.checkpoints import GUARANTEED_CONFIG_KEYS
 from penzai_lm.checkpoints import read_checkpoint
 from penzai_lm.checkpoints import read_gguf
+from penzai_lm.checkpoints import gguf_file
 from penzai_lm.checkpoints import gguf_reader as gguf_reader_lib
 from penzai_lm.checkpoints import gguf_tensors
 
@@ -526,6 +527,16 @@ def test_fast_reader_matches_gguf_reader(tmp_path):
     else:
       assert a == b, key
   assert ours.fields["tokenizer.ggml.tokens"].contents()[5] == "tok5"
+  # Array parts are made when read; negative indices and slices as a list's.
+  for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+    mine, theirs = ours.fields[key].parts, ref.fields[key].parts
+    assert isinstance(mine, gguf_file.ArrayParts), key
+    for index in (-1, -2, len(theirs) - 1, -len(theirs)):
+      np.testing.assert_array_equal(mine[index], theirs[index])
+    for got, want in zip(mine[1:9:3], theirs[1:9:3]):
+      np.testing.assert_array_equal(got, want)
+    with pytest.raises(IndexError):
+      mine[len(theirs)]
   for t_ours, t_ref in zip(ours.tensors, ref.tensors):
     assert t_ours.name == t_ref.name
     np.testing.assert_array_equal(t_ours.data, t_ref.data)
