@@ -208,8 +208,25 @@ class Engine:
     request = request_lib.build_request(model, prompts,
                                         continuation=continuation, **options)
     prepare_lib.check_prompt_attention(self.prompt_attention, model)
-    run = Run(self, self.prepare(model, request), request, tool=tool,
-              continuation=continuation, started=started)
+    key, index = self._prepare_key(model, request)
+    prepared = first = None
+    if continuation is None and not request_lib.is_cached_model(model):
+      found = self._prepared.get(model, key, None)
+      if found is not None:
+        prepared = found.value
+      elif self._over_stacks(model, request):
+        # A model not prepared yet whose fresh prompt is prefilled over its
+        # stacks: the prefill's program is traced and compiling before the
+        # decode model is prepared (`Run.prefill`).
+        first = self._prepare_stacked(model, request.decode, index)
+    if first is not None:
+      run = Run(self, lambda: self._prepare(model, request, key, index),
+                request, tool=tool, prefill_first=first, started=started)
+    else:
+      if prepared is None:
+        prepared = self._prepare(model, request, key, index)
+      run = Run(self, prepared, request, tool=tool,
+                continuation=continuation, started=started)
     run.timings.prepare_s = time.perf_counter() - started
     return run
 
@@ -240,12 +257,11 @@ class Engine:
     model with only its patch's arrays replaced
     (`penzai_lm.runtime.derived`); nothing is unstacked again.
     """
-    cached = request_lib.is_cached_model(model)
+    return self._prepare(model, request, *self._prepare_key(model, request))
+
+  def _prepare(self, model, request, key, index) -> prepare_lib.PreparedModel:
+    """`prepare`, given `_prepare_key`'s ``(key, index)``."""
     shape = request.decode
-    index = prepare_lib.row_index(
-        prepare_lib.per_row_size(model, shape.batch_axis),
-        num_prompts=request.num_prompts, num_samples=request.num_samples,
-        batch=shape.batch)
 
     def make():
       _, leaves, values = variant_key(model)
@@ -262,31 +278,61 @@ class Engine:
         decoded = prepare_lib.rows_to_batch(
             model if decoded is None else decoded, shape.batch_axis, index,
             lineage)
-      options = dict(
-          cached_model=cached, use_cache=shape.use_cache,
-          batch_axis=shape.batch_axis, batch=shape.batch,
-          cache_len=shape.cache_len, prompt_attention=self.prompt_attention)
       prepared = prepare_lib.prepare_model(
-          model, decoded=decoded, capture=request.capture, **options)
-      if (self.unstack_layer_stacks and shape.use_cache and not request.capture
-          and pz.select(model).at_instances_of(pz.nn.LayerStack).count()
-          and stacked_prefill.wanted(self.prefill_over_stacks, model)):
+          model, decoded=decoded, capture=request.capture,
+          **self._prepare_options(model, shape))
+      if self._over_stacks(model, request):
         # Fresh prompts run on the stacked model (its per-row values
         # gathered too), and the decode loop on the unstacked one.
-        stacked = prepare_lib.prepare_model(
-            model, decoded=None if index is None else prepare_lib.rows_to_batch(
-                model, shape.batch_axis, index, lineage), **options)
-        prepared = stacked_prefill.with_stacked_prefill(prepared, stacked)
+        prepared = stacked_prefill.with_stacked_prefill(
+            prepared, self._prepare_stacked(model, shape, index, lineage))
       recipes = lineage.recipes(prepared.arrays(), leaves, values)
       return Derivable(
           _aliased(prepared, leaves, values), recipes,
           leaves=lambda p: p.arrays(), rebuild=lambda p, new: p.with_arrays(
               new))
 
-    return self._prepared.get_or_make(
-        model, (cached, shape.use_cache, shape.batch_axis, shape.batch,
-                shape.cache_len, self.unstack_layer_stacks, index,
-                request.capture, self.prompt_attention), make)
+    return self._prepared.get_or_make(model, key, make)
+
+  def _prepare_key(self, model, request):
+    """``(key, index)``: what `prepare`'s cache keys a prepared model on
+    besides the model, and the decode rows' per-row entries
+    (`prepare_lib.row_index`)."""
+    shape = request.decode
+    index = prepare_lib.row_index(
+        prepare_lib.per_row_size(model, shape.batch_axis),
+        num_prompts=request.num_prompts, num_samples=request.num_samples,
+        batch=shape.batch)
+    key = (request_lib.is_cached_model(model), shape.use_cache,
+           shape.batch_axis, shape.batch, shape.cache_len,
+           self.unstack_layer_stacks, index, request.capture,
+           self.prompt_attention)
+    return key, index
+
+  def _prepare_options(self, model, shape) -> dict:
+    return dict(
+        cached_model=request_lib.is_cached_model(model),
+        use_cache=shape.use_cache,
+        batch_axis=shape.batch_axis, batch=shape.batch,
+        cache_len=shape.cache_len, prompt_attention=self.prompt_attention)
+
+  def _over_stacks(self, model, request) -> bool:
+    """Whether fresh prompts of ``request`` are prefilled on ``model``'s
+    layer stacks (`stacked_prefill.wanted`)."""
+    return bool(
+        self.unstack_layer_stacks and request.decode.use_cache
+        and not request.capture
+        and pz.select(model).at_instances_of(pz.nn.LayerStack).count()
+        and stacked_prefill.wanted(self.prefill_over_stacks, model))
+
+  def _prepare_stacked(self, model, shape, index, lineage=None
+                       ) -> prepare_lib.PreparedModel | None:
+    """The model with its layer stacks, prepared to prefill prompts
+    (`stacked_prefill.prefill_model`)."""
+    decoded = None if index is None else prepare_lib.rows_to_batch(
+        model, shape.batch_axis, index, lineage)
+    return stacked_prefill.prefill_model(prepare_lib.prepare_model(
+        model, decoded=decoded, **self._prepare_options(model, shape)))
 
   def program(self, name: str, fn, static, args, **kwargs):
     """`Runtime.program` on this engine's runtime."""

@@ -163,10 +163,10 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
 
   Args:
     static: ``(PrefillShape, treedef, StateLayout, stacked)``: the decode
-      model's structure and state layout, and ``stacked``, a
-      `stacked_prefill.StackedPrefill` (the prompt then runs on the model
-      with its layer stacks, whose state is handed to the decode model's
-      layout) or None (on the decode model itself).
+      model's structure and state layout (None, None with ``stacked``),
+      and ``stacked``, a `stacked_prefill.StackedPrefill` (the prompt then
+      runs on the model with its layer stacks, whose state it hands over
+      in the decode model's layout) or None (on the decode model itself).
     model_leaves: The arrays of the stateless model the prompt runs on.
     state_args: Its non-constant initial state leaves (all leaves of a
       continued state).
@@ -205,9 +205,10 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
     logits, state = _prefill_cache(shape, model, state0, tokens, padding, src,
                                    gen_start)
     if stacked is not None:
-      state = stacked.unstacked(state, layout)
-    state = layout.conform(state)
-    model_state = layout.pack(state)
+      model_state = stacked.carry(state)
+    else:
+      state = layout.conform(state)
+      model_state = layout.pack(state)
   else:
     model_state = _recompute_state(shape, state0, dtokens, dpadding)
   if shape.continued:
@@ -239,6 +240,6 @@ def prefill_program(static, model_leaves, state_args, tokens, padding, src,
     # The loop's first iteration: its condition holds (every planned cache
     # has a slot after the prompt, and ``stop_at`` is 1).
     c = programs.pick(decode, inputs, c, logits)
-  return constrain(layout.placement, c)
+  return constrain(None if layout is None else layout.placement, c)
 
 

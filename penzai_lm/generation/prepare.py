@@ -140,6 +140,10 @@ class PreparedModel:
       prefilled on this model.
     state_order: For a model with layer stacks, where each state variable
       of its unstacked form comes from (`unstacked_state_order`).
+    unstacked_layout: For a model with layer stacks that prompts are
+      prefilled on: the layout of the state its prefill hands the decode
+      loop (its state split into the unstacked model's variables, as a list
+      of values; `stacked_prefill.prefill_model`).
   """
 
   model_leaves: list
@@ -152,6 +156,7 @@ class PreparedModel:
   cpu_sampler: bool = False
   prefill: "PreparedModel | None" = None
   state_order: tuple[StateSlice, ...] | None = None
+  unstacked_layout: StateLayout | None = None
 
   def arrays(self) -> list:
     """The arrays of the stateless model and of its `prefill` model's (the

@@ -33,7 +33,9 @@ class Timings:
     prepare_s: Host time spent before any program ran: validating the
       request and making the model ready (`Engine.prepare`: unstacking,
       cached mode, flattening); near 0 when the engine had the model, or a
-      patched variant of it with the same weights, prepared already.
+      patched variant of it with the same weights, prepared already. On a
+      first request prefilled over the layer stacks, the decode model is
+      prepared while the prefill compiles, and counts in ``compile_s``.
     total_s: Wall time of the whole request, preparation and compilation
       included.
     prompt_tokens: Real (unpadded) prompt tokens prefilled (num_samples rows

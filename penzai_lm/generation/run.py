@@ -102,20 +102,27 @@ class Run:
     timings: `Timings` so far.
   """
 
-  def __init__(self, engine, prepared: PreparedModel, request: Request, *,
+  def __init__(self, engine, prepared, request: Request, *,
                tool=None, continuation: Continuation | None = None,
+               prefill_first: PreparedModel | None = None,
                started: float | None = None):
-    # ``started``: when the engine began the request (its host preparation
-    # counts in ``total_s``).
+    # ``prepared``: the decode model's `PreparedModel`, or with
+    # ``prefill_first`` (the model a fresh prompt is prefilled on, with its
+    # layer stacks: `Engine`) a function that prepares it, called once the
+    # prefill is compiling. ``started``: when the engine began the request
+    # (its host preparation counts in ``total_s``).
     self._start = time.perf_counter() if started is None else started
     self._engine = engine
-    self._prepared = prepared
+    self._prefill_first = prefill_first
+    self._prepare_later = prepared if prefill_first is not None else None
+    self._prepared_model = None if prefill_first is not None else prepared
     self.request = request
     self.tool = tool
     self.rows = request.num_rows
     self.start_slot = 0
     self._history = 0  # Real tokens of a session's earlier turns.
-    self._state_args = prepared.state_args
+    self._state_args = None if prefill_first is not None else (
+        prepared.state_args)
     if continuation is not None:
       self._state_args = continuation.state_args(prepared.layout,
                                                  prepared.state_args)
@@ -173,6 +180,17 @@ class Run:
         self.decode(chunk_size)
     return self.result()
 
+  @property
+  def _prepared(self) -> PreparedModel:
+    """The decode model, prepared now if the run began with only its
+    prefill's model (while the prefill compiles: it counts in
+    ``timings.compile_s``)."""
+    if self._prepared_model is None:
+      self._prepared_model = self._prepare_later()
+      self._prepare_later = None
+      self._state_args = self._prepared_model.state_args
+    return self._prepared_model
+
   def prefill(self, *, streamed: bool = False) -> None:
     """Runs the prefill program; with ``emits_first`` every row has its
     first token afterwards (``view.t`` is 1).
@@ -184,26 +202,28 @@ class Run:
     prefill compiles on another thread while this one traces the decode
     program, which then waits for neither (4.33 -> 4.13 s). Unstreamed, a
     whole first request ends sooner beside it (SmolLM2's first `generate`
-    took 5.9 s the other way, against 5.2; docs/cpu-speed.md)."""
+    took 5.9 s the other way, against 5.2; docs/cpu-speed.md).
+
+    A run that began with only the prefill's model (``prefill_first``, a
+    model not prepared before) has XLA compile the prefill on another
+    thread before this one prepares the decode model; where the decode
+    model's state is not what that prefill hands over
+    (`stacked_prefill.fits`), the prompt is prefilled per layer instead."""
+    first = None if self.request.prefill.continued else self._prefill_first
+    pending, args = self._lower_prefill(first)
+    if first is not None:
+      pending.start_compile()
+      if not stacked_prefill.fits(self._prepared, first):
+        self._prefill_first = None
+        pending, args = self._lower_prefill(None)
     prepared = self._prepared
-    # A fresh prompt runs on the model with its layer stacks, if it has one.
-    stacked = (None if self.request.prefill.continued
-               else stacked_prefill.program_static(prepared))
-    runs_on = prepared if stacked is None else prepared.prefill
-    state_args = self._state_args if stacked is None else runs_on.state_args
-    args = (runs_on.model_leaves, state_args, *_prompt_batch(self.request),
-            np.asarray(self.start_slot, np.int32), self._decode_inputs(1))
-    # Its first token is picked as the decode program picks (the same
-    # sampler: ``cpu_sampler`` of the prepared model).
-    shape = dataclasses.replace(self.request.prefill,
-                                decode=self._decode_static()[0])
-    pending = self._engine.lower(
-        "prefill", prefill_lib.prefill_program,
-        (shape, prepared.treedef, prepared.layout, stacked),
-        args, shape=shape, blocks=runs_on.blocks,  # Over a stack: one.
-        parameters=prepared.parameters)
     first_request = (pending.out_info is not None
                      and prepared.layout.placement is None)
+    if first is not None and streamed and self.request.prefill.emits_first:
+      # The prefill has compiled by now, beside the decode model's
+      # preparation: its first tokens come before the decode program is
+      # traced (by the next `decode`).
+      first_request = False
     decode = self._decode_beside(pending, streamed) if first_request else None
     try:
       program, seconds = pending.compile()
@@ -223,6 +243,36 @@ class Run:
     if self.view.t:
       self.timings.time_to_first_token_s = self.timings.prefill_s
       self._after_call()
+
+  def _lower_prefill(self, first: PreparedModel | None
+                     ) -> tuple[Pending, tuple]:
+    """The prefill program traced, and its arguments: over ``first`` (a
+    model with layer stacks), else, for a fresh prompt, over the decode
+    model's prefill model if it has one (`stacked_prefill.py`), else over
+    the decode model itself."""
+    over = first
+    if over is None and not self.request.prefill.continued:
+      over = self._prepared.prefill
+    stacked = stacked_prefill.program_static(over)
+    if stacked is None:
+      runs_on = self._prepared
+      state_args, static = self._state_args, (runs_on.treedef, runs_on.layout)
+    else:
+      # The decode model's structure and layout play no part (the carry's
+      # layout is ``stacked.carried``): one program for the first request
+      # and the next.
+      runs_on, state_args, static = over, over.state_args, (None, None)
+    args = (runs_on.model_leaves, state_args, *_prompt_batch(self.request),
+            np.asarray(self.start_slot, np.int32), self._decode_inputs(1))
+    # Its first token is picked as the decode program picks (the same
+    # sampler: ``cpu_sampler`` of the prepared model).
+    shape = dataclasses.replace(self.request.prefill, decode=dataclasses.replace(
+        self.request.decode, cpu_sampler=runs_on.cpu_sampler))
+    pending = self._engine.lower(
+        "prefill", prefill_lib.prefill_program, (shape, *static, stacked),
+        args, shape=shape, blocks=runs_on.blocks,  # Over a stack: one.
+        parameters=runs_on.parameters)
+    return pending, args
 
   def _decode_beside(self, prefill: Pending, streamed: bool
                      ) -> Pending | None:

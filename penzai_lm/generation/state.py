@@ -97,7 +97,7 @@ class StateLayout:
     decode step sets it).
     """
     zeros = self.unflatten(jnp.zeros(s.shape, s.dtype) for s in self.leaves)
-    return [pz.nx.order_like(v, ref) if _same_axes(v.value, ref.value)
+    return [pz.nx.order_like(v, ref) if same_axes(v.value, ref.value)
             else ref for v, ref in zip(state, zeros)]
 
   def pack(self, state) -> list:
@@ -298,7 +298,9 @@ def _axes(value) -> list:
                                              is_leaf=pz.nx.is_namedarray)]
 
 
-def _same_axes(value, ref) -> bool:
+def same_axes(value, ref) -> bool:
+  """Whether two state values hold arrays of the same named sizes (in any
+  order), positional shapes and dtypes."""
   return _axes(value) == _axes(ref)
 
 

@@ -88,8 +88,10 @@ class IdentityCache:
     miss (which may return a `derived.Derivable`)."""
     return self.get(model, extra, make).value
 
-  def get(self, model, extra: Any, make: Callable[[], Any]) -> Derivable:
-    """Like `get_or_make`, but returns the `derived.Derivable`."""
+  def get(self, model, extra: Any, make: Callable[[], Any] | None
+          ) -> Derivable | None:
+    """Like `get_or_make`, but returns the `derived.Derivable`; with
+    ``make`` None, None where it would be made."""
     key, leaves, values = variant_key(model)
     key = (key, extra)
     while True:
@@ -102,6 +104,8 @@ class IdentityCache:
             return entry.made
           if entry.made.recipes is not None:
             break  # Derived below, outside the lock.
+        if make is None and not self._making.busy(key):
+          return None
         event = self._making.claim(key)
         entry = None
       if event is None:

@@ -43,14 +43,21 @@ def _compile_threads(run) -> list[tuple[str, str]]:
   return threads
 
 
-def test_decode_compiles_on_its_own_thread_once(model):
-  engine = Engine(program_store=None)
+@pytest.mark.parametrize("stacks", ["over stacks", "per layer"])
+def test_decode_compiles_on_its_own_thread_once(model, stacks):
+  # Over the layer stacks, the prefill compiles on a thread of its own while
+  # this one prepares the decode model; per layer, here, beside the decode
+  # program's compile.
+  engine = Engine(program_store=None,
+                  prefill_over_stacks=stacks == "over stacks")
   rows = prompts([4, 6], seed=41)
   result = {}
   threads = dict(_compile_threads(
       lambda: result.update(first=engine.generate(model, rows, **GREEDY))))
   assert threads["jit(decode_program)"] == "penzai_lm compile decode"
-  assert threads["jit(prefill_program)"] == threading.current_thread().name
+  assert threads["jit(prefill_program)"] == (
+      "penzai_lm compile prefill" if stacks == "over stacks"
+      else threading.current_thread().name)
   assert engine.compilations == 2  # The decode program was not made twice.
   again = engine.generate(model, rows, **GREEDY)
   assert engine.compilations == 2
@@ -60,19 +67,24 @@ def test_decode_compiles_on_its_own_thread_once(model):
   assert recomputed.tokens == again.tokens
 
 
-def test_a_streamed_first_request_compiles_decode_after_its_prefill(model):
-  # The first tokens come from the prefill; the decode program is traced
-  # while the prefill compiles, and compiled on its own thread, once, after
-  # the prefill has run.
-  engine = Engine(program_store=None)
+@pytest.mark.parametrize("stacks", ["over stacks", "per layer"])
+def test_a_streamed_first_request_compiles_decode_after_its_prefill(
+    model, stacks):
+  # The first tokens come from the prefill, which compiles on a thread of
+  # its own. Per layer, this one traces the decode program meanwhile, and
+  # XLA compiles it on its own thread, once, after the prefill has run.
+  # Over the stacks, this one prepares the decode model meanwhile, and the
+  # next chunk traces and compiles the decode program.
+  engine = Engine(program_store=None,
+                  prefill_over_stacks=stacks == "over stacks")
   rows = prompts([4, 6], seed=44)
   events = []
   threads = _compile_threads(lambda: events.extend(
       engine.stream(model, rows, chunk_size=2, **GREEDY)))
-  # The prefill compiled on a thread of its own too, while this one traced
-  # the decode program.
-  assert dict(threads) == {"jit(prefill_program)": "penzai_lm compile prefill",
-                           "jit(decode_program)": "penzai_lm compile decode"}
+  assert dict(threads) == {
+      "jit(prefill_program)": "penzai_lm compile prefill",
+      "jit(decode_program)": ("penzai_lm compile decode" if stacks == "per layer"
+                              else threading.current_thread().name)}
   assert engine.compilations == 2
   got = {}
   for e in events:

@@ -8,6 +8,8 @@ then splits its stacked caches into the decode model's per-layer ones
 the same tokens and log-probs both ways.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from penzai.toolshed.save_intermediates import SaveIntermediate
 from penzai_lm import interp
 from penzai_lm.generation import Engine
 from penzai_lm.generation import Session
+from penzai_lm.generation import stacked_prefill
 from penzai_lm.kernels import ops
 from penzai_lm.kernels import with_cpu_kernels
 from penzai_lm.model import build_transformer
@@ -142,6 +145,71 @@ def test_captures_keep_the_per_layer_prefill():
   rows = prompts([4], seed=67)
   options = dict(GREEDY, capture=["blocks.1.resid_post"])
   assert _prefill_model(_stacked_engine(), model, rows, **options) is None
+
+
+def test_a_first_request_traces_the_prefill_before_preparing_the_decode_model(
+    monkeypatch):
+  """A model not prepared yet: its stacked prefill program is traced (and
+  compiling) before the decode model is prepared; a prepared one keeps the
+  order of a cached model."""
+  model = conftest.tiny_model("llama_gqa", True)
+  rows = prompts([5, 8], seed=70)
+  engine = _stacked_engine()
+  order = []
+  lower, prepare = engine.lower, engine._prepare  # pylint: disable=protected-access
+  monkeypatch.setattr(engine, "lower", lambda name, *a, **k: (
+      order.append(name), lower(name, *a, **k))[1])
+  monkeypatch.setattr(engine, "_prepare", lambda *a, **k: (
+      order.append("prepare"), prepare(*a, **k))[1])
+  first = engine.generate(model, rows, **GREEDY)
+  assert order[:2] == ["prefill", "prepare"], order
+  del order[:]
+  again = engine.generate(model, rows, **GREEDY)
+  assert order == ["prefill"]  # Found prepared; the program found compiled.
+  assert engine.compilations == 2
+  assert first.tokens == again.tokens
+  _same(first, _per_layer_engine().generate(model, rows, **GREEDY))
+
+
+def test_a_decode_model_the_stacked_prefill_does_not_fit_prefills_per_layer(
+    monkeypatch):
+  """Where the decode model's state turns out not to be what the stacked
+  prefill traced before it hands over, the prompt runs per layer."""
+  model = conftest.tiny_model("llama_gqa", True)
+  rows = prompts([5, 8], seed=71)
+  monkeypatch.setattr(stacked_prefill, "fits", lambda decode, prefill: False)
+  engine = _stacked_engine()
+  _same(engine.generate(model, rows, **GREEDY),
+        _per_layer_engine().generate(model, rows, **GREEDY))
+  assert _prefill_model(engine, model, rows, **GREEDY) is None
+
+
+def test_fits_checks_the_handed_over_state_and_the_sampler():
+  model = conftest.tiny_model("gemma3", True)
+  engine = _stacked_engine()
+  decode = engine.start(model, prompts([4], seed=72), **GREEDY)._prepared  # pylint: disable=protected-access
+  prefill = decode.prefill
+  assert prefill is not None and stacked_prefill.fits(decode, prefill)
+  assert not stacked_prefill.fits(decode, None)
+  assert not stacked_prefill.fits(decode, dataclasses.replace(
+      prefill, cpu_sampler=not prefill.cpu_sampler))
+  carried = prefill.unstacked_layout
+  wider = [dataclasses.replace(s, shape=s.shape[:-1] + (s.shape[-1] + 1,))
+           if s.shape else s for s in carried.leaves]
+  assert not stacked_prefill.fits(decode, dataclasses.replace(
+      prefill, unstacked_layout=dataclasses.replace(carried,
+                                                    leaves=tuple(wider))))
+  # Another axis order: the same shapes, another structure.
+  values = carried.unflatten(np.zeros(s.shape, s.dtype) for s in carried.leaves)
+  swapped = [jax.tree_util.tree_map(
+      lambda x: x.order_as(*reversed(list(x.named_axes))), v,
+      is_leaf=pz.nx.is_namedarray) if isinstance(
+          v, pz.nx.NamedArrayBase) and len(v.named_axes) > 1 else v
+             for v in values]
+  assert jax.tree_util.tree_structure(swapped) != carried.treedef
+  assert not stacked_prefill.fits(decode, dataclasses.replace(
+      prefill, unstacked_layout=dataclasses.replace(
+          carried, treedef=jax.tree_util.tree_structure(swapped))))
 
 
 def test_the_setting_is_checked():
