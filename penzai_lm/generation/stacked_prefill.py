@@ -25,7 +25,6 @@ from penzai import pz
 
 from penzai_lm.generation.prepare import PreparedModel
 from penzai_lm.generation.state import LeafSpec
-from penzai_lm.generation.state import same_axes
 from penzai_lm.generation.state import StateLayout
 from penzai_lm.kernels import on_one_cpu
 from penzai_lm.kernels import ops as kernel_ops
@@ -64,11 +63,7 @@ class StackedPrefill:
     `StateLayout.conform`)."""
     values = split_state(state, self.order,
                          kernel_ops.split if self.split_kernel else None)
-    refs = self.carried.unflatten(jnp.zeros(s.shape, s.dtype)
-                                  for s in self.carried.leaves)
-    return self.carried.pack([
-        pz.nx.order_like(value, ref) if same_axes(value, ref) else ref
-        for value, ref in zip(values, refs)])
+    return self.carried.pack(self.carried.conform(values))
 
 
 # Stacked weights whose scan costs warm prefill speed on XLA:CPU

@@ -95,9 +95,12 @@ class StateLayout:
     prefill, one token per decode step). The loop carries what a decode
     step leaves; the prefill's value of another shape is dropped (the first
     decode step sets it).
+
+    ``state`` is a list of what the layout's treedef lists: variables
+    (``pz.StateVariableValue``) or their values.
     """
     zeros = self.unflatten(jnp.zeros(s.shape, s.dtype) for s in self.leaves)
-    return [pz.nx.order_like(v, ref) if same_axes(v.value, ref.value)
+    return [pz.nx.order_like(v, ref) if _same_axes(v, ref)
             else ref for v, ref in zip(state, zeros)]
 
   def pack(self, state) -> list:
@@ -298,9 +301,7 @@ def _axes(value) -> list:
                                              is_leaf=pz.nx.is_namedarray)]
 
 
-def same_axes(value, ref) -> bool:
-  """Whether two state values hold arrays of the same named sizes (in any
-  order), positional shapes and dtypes."""
+def _same_axes(value, ref) -> bool:
   return _axes(value) == _axes(ref)
 
 
