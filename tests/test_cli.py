@@ -318,3 +318,18 @@ def test_ctrl_c_while_loading_exits_130_without_a_traceback(
     assert out == "" and err.strip().endswith("[interrupted]")
   code, out, err = _run(capsys, "chat")
   assert code == cli.EXIT_INTERRUPTED and "[interrupted]" in err
+
+
+def test_generate_and_chat_start_without_the_circuits_package():
+  """The command line imports `penzai_lm.circuits` (attribution graphs,
+  SAEs: 0.14-0.17 s) only when `graph` runs, not to generate or chat."""
+  script = ("import sys; from penzai_lm import cli; cli.build_parser()"
+            ".parse_args(['generate', 'x']);"
+            " print(sorted(m for m in sys.modules if m.startswith("
+            "('penzai_lm.circuits', 'penzai_lm.sae'))))")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                       text=True, check=True, timeout=120)
+  assert out.stdout.strip() == "[]"
+  parsed = cli.build_parser().parse_args(["graph", "g.safetensors",
+                                          "--html", "g.html"])
+  assert parsed.func is cli.cmd_graph

@@ -11,8 +11,9 @@ thresholds as circuit-tracer prunes: ``--json``, Neuronpedia's graph JSON
 which its local server serves); ``--html``, the self-contained page
 (`graph_html`). ``--tokenizer`` (a GGUF file or a Hugging Face directory)
 shows tokens as text instead of ids. The graph is pruned once for all
-outputs. `add_graph_command` registers the command with the
-``penzai-lm`` parser (`penzai_lm.cli`).
+outputs. `penzai_lm.cli` defines the command's arguments and imports this
+module only when the command runs (the circuits package and what it
+imports are not needed to generate or chat).
 """
 
 from __future__ import annotations
@@ -29,48 +30,6 @@ from penzai_lm.circuits.neuronpedia import export_graph
 from penzai_lm.circuits.neuronpedia import write_graph_files
 from penzai_lm.file_access import write_atomic
 from penzai_lm.tokenizer import Tokenizer
-
-_DESCRIPTION = """\
-Writes a graph saved by Graph.save, pruned as circuit-tracer prunes it, as
-Neuronpedia's graph JSON (--json), circuit-tracer's graph folder (--folder:
-<slug>.json and graph-metadata.json, for its local server) and/or a
-self-contained HTML page (--html).
-
-  penzai-lm graph prompt.safetensors --html prompt.html
-  penzai-lm graph prompt.safetensors --json prompt.json --scan gemma-2-2b
-  penzai-lm graph prompt.safetensors --folder graphs/ --tokenizer model.gguf
-"""
-
-
-def add_graph_command(commands) -> None:
-  """Adds ``graph`` to the ``penzai-lm`` subcommands (an
-  ``argparse`` subparsers object)."""
-  parser = commands.add_parser(
-      "graph", help="write a saved attribution graph as Neuronpedia JSON"
-      " and/or a self-contained HTML page", description=_DESCRIPTION,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("graph", help="a graph file written by Graph.save")
-  parser.add_argument("--json", type=Path, help="write Neuronpedia's graph"
-                      " JSON to this file")
-  parser.add_argument("--folder", type=Path, help="write <slug>.json and"
-                      " graph-metadata.json here (circuit-tracer's files)")
-  parser.add_argument("--html", type=Path, help="write the HTML page here")
-  parser.add_argument("--slug", default=None, help="the graph's name"
-                      " (default: the graph file's name without suffix)")
-  parser.add_argument("--scan", default=None, help="the transcoders'"
-                      " Neuronpedia scan id (needed to upload)")
-  parser.add_argument("--tokenizer", type=Path, default=None,
-                      help="a GGUF file or Hugging Face directory whose"
-                      " tokenizer decodes the tokens")
-  parser.add_argument("--prompt", default=None, help="the prompt's text"
-                      " (default: decoded from the tokens)")
-  parser.add_argument("--node-threshold", type=float, default=0.8)
-  parser.add_argument("--edge-threshold", type=float, default=0.98)
-  parser.add_argument("--distinct-error-ids", action="store_true",
-                      help="error node ids '{layer}_-1_{pos}' (circuit-"
-                      "tracer after 0.5) instead of 0.5's '0_{layer}_{pos}'")
-  parser.set_defaults(func=run_graph_command)
-
 
 def _tokenizer(path: Path | None) -> Tokenizer | None:
   if path is None:
