@@ -14,10 +14,13 @@ converted to float32 before the dot (what the kernel layers do where
 `load` keeps on an AVX-512 CPU): the tiles dequantized to float32 for
 XLA's GEMM (the quantized layers' prompt products before gemm_float.cc),
 and `tiles.float_gemm` (since). Prints the minimum over repeats and
-GFLOP/s.
+GFLOP/s. The products are independent (XLA may run two at once) unless
+``--chained``: then each layer's products take the layer before's output,
+in a layer's order (q, k, v; o of their sum; gate and up; down of
+``silu(gate) * up``), as in a prefill, one product at a time.
 
   python benchmarks/prompt_products.py [--rows 128,1024] [--repeats 15] \
-      [--layers 30] [--modes "float32,q4_0 on its tiles"]
+      [--layers 30] [--chained] [--modes "float32,q4_0 on its tiles"]
 """
 
 from __future__ import annotations
@@ -69,14 +72,30 @@ def _weight(mode, shape, rng):
   return tiles.to_tiles(q.qs, q.scale, *([q.mins] if fmt == "q4_1" else []))
 
 
-def _time(rows, mode, repeats, n_layers, rng):
+def _chain(product, x, ws):
+  """A prefill's order of products over the layers (see the module
+  docstring); the small elementwise steps stand in for the rest."""
+  for q, k, v, o, gate, up, down in ws:
+    kv = product(x, k) + product(x, v)
+    x = x + 0.01 * product(product(x, q) + jnp.tile(kv, (1, 3)), o)
+    h = jax.nn.silu(product(x, gate)) * product(x, up)
+    x = x + 0.01 * product(h, down)
+  return x
+
+
+def _time(rows, mode, repeats, n_layers, rng, chained=False):
   dtype = jnp.bfloat16 if mode.startswith("bfloat16") else jnp.float32
   xs = {k: jnp.asarray(rng.standard_normal((rows, k), np.float32), dtype)
         for k in {k for _, k in SHAPES}}
   ws = [[_weight(mode, s, rng) for s in SHAPES] for _ in range(n_layers)]
   product = _product(mode)
-  fn = jax.jit(lambda xs, ws: [product(xs[k], w) for layer in ws
-                               for (_, k), w in zip(SHAPES, layer)])
+  if chained:
+    fn = jax.jit(lambda xs, ws: _chain(
+        lambda x, w: product(x.astype(dtype), w).astype(jnp.float32),
+        xs[576].astype(jnp.float32), ws))
+  else:
+    fn = jax.jit(lambda xs, ws: [product(xs[k], w) for layer in ws
+                                 for (_, k), w in zip(SHAPES, layer)])
   jax.block_until_ready(fn(xs, ws))
   times = []
   for _ in range(repeats):
@@ -93,6 +112,9 @@ def main():
   parser.add_argument("--repeats", type=int, default=15)
   parser.add_argument("--layers", type=int, default=1,
                       help="layers of distinct weights (SmolLM2 has 30)")
+  parser.add_argument("--chained", action="store_true",
+                      help="each layer's products on the layer before's"
+                      " output, one at a time, as in a prefill")
   parser.add_argument("--modes", default=",".join(MODES),
                       help=f"comma-separated, of {', '.join(MODES)}")
   args = parser.parse_args()
@@ -118,7 +140,7 @@ def main():
   for rows in rows_list:
     flops = 2 * rows * sum(n * k for n, k in SHAPES) * args.layers
     for mode in modes:
-      t = _time(rows, mode, args.repeats, args.layers, rng)
+      t = _time(rows, mode, args.repeats, args.layers, rng, args.chained)
       print(f"{rows:5d} rows  {mode:20s} {t * 1e3:8.2f} ms"
             f"  {flops / t / 1e9:7.1f} GFLOP/s (min of {args.repeats})")
 
