@@ -339,7 +339,7 @@ def cmd_graph(args: argparse.Namespace) -> int:
   """``penzai-lm graph``: `penzai_lm.circuits.graph_command`."""
   # Imported here, not at the top: the circuits package (attribution
   # graphs, SAEs) adds 0.14-0.17 s to the start of every command that does
-  # not need it (docs/cpu-speed.md, "The command line").
+  # not need it (docs/cpu-speed.md, "Every row at 8b28a8e").
   from penzai_lm.circuits import graph_command  # pylint: disable=g-import-not-at-top
   return graph_command.run_graph_command(args)
 
