@@ -267,6 +267,43 @@ void ParallelTiles(ffi::ThreadPool& pool, int64_t n_tiles, Body body) {
   Workers::Get(std::max<int64_t>(1, pool.num_threads())).Run(n_tiles, body);
 }
 
+// Runs body(tile) for every tile in [0, n_tiles) on the caller and on XLA's
+// intra-op pool (a task for each of its other threads), for prompt-sized
+// calls (a tenth of a millisecond and more). Between a prompt's kernel
+// calls XLA's idle pool threads spin before they sleep; beside the caller
+// and `Workers`, a third thread then took turns on the 2 cores of this
+// project's machines, and a prefill's products ran ~8% slower than with
+// the pool's own threads doing the work (docs/cpu-speed.md, "Prompts on
+// XLA's own threads"). A task that starts after every tile was taken
+// returns at once; the caller waits only for tiles already taken.
+// Rows from which a product is a prompt's (`PoolTiles`), not a decode
+// step's.
+constexpr int64_t kPromptRows = 32;
+template <typename Body>
+void PoolTiles(ffi::ThreadPool& pool, int64_t n_tiles, const Body& body) {
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  const auto work = [](Shared& s, const Body& b, int64_t n) {
+    for (int64_t t; (t = s.next.fetch_add(1)) < n;) {
+      b(t);
+      s.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers =
+      std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), n_tiles) - 1;
+  for (int64_t h = 0; h < helpers; ++h)
+    pool.Schedule([shared, &body, n_tiles, work] {
+      work(*shared, body, n_tiles);  // Touches body only for a tile left.
+    });
+  work(*shared, body, n_tiles);
+  for (int spins = 0; shared->done.load(std::memory_order_acquire) < n_tiles;
+       ++spins) {
+    if (spins > 64) std::this_thread::yield();
+  }
+}
+
 // Runs body(n0, n1) over outputs [0, N) of a product that streams its
 // weights from memory, in chunks of at most `chunk` outputs (a multiple of
 // 4; a chunk's weights stay in cache while the body makes its passes over

@@ -19,8 +19,8 @@
 // that differs from XLA's only in the order of the sums.
 //
 // Rows pass in chunks of kRowChunk (x's chunk stays in L2 while the panels
-// pass), the panels of a chunk split between the threads in contiguous
-// runs. With AVX-512 only; other builds keep a plain loop, correct but slow
+// pass), the panels of a chunk split between the threads (the caller and
+// XLA's own pool: `PoolTiles`) in contiguous runs. With AVX-512 only; other builds keep a plain loop, correct but slow
 // (`ops.float_gemm` says which, and the layers keep XLA's GEMM there).
 //
 // Float32 weights in rows took the same route and were slower than XLA's
@@ -251,7 +251,7 @@ void Run(ffi::ThreadPool& pool, const W& w, const float* x, int64_t R,
   const int64_t parts = std::min<int64_t>(
       panels, kTilesPerThread * std::max<int64_t>(1, pool.num_threads()));
   const int64_t chunks = (R + kRowChunk - 1) / kRowChunk;
-  ParallelTiles(pool, chunks * parts, [&](int64_t item) {
+  PoolTiles(pool, chunks * parts, [&](int64_t item) {
     const int64_t r0 = item / parts * kRowChunk, part = item % parts;
     Panels(w, x + r0 * K, std::min(kRowChunk, R - r0), K, N,
            part * panels / parts, (part + 1) * panels / parts, y + r0 * N);

@@ -254,10 +254,16 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K,
   // Two runs of tiles per thread (as ParallelOutputs hands out outputs).
   const int64_t parts = std::min<int64_t>(
       T, kTilesPerThread * std::max<int64_t>(1, pool.num_threads()));
-  ParallelTiles(pool, parts, [&](int64_t part) {
+  const auto body = [&](int64_t part) {
     Tiles<F>(w, rows, R, K / 32, part * T / parts, (part + 1) * T / parts, y,
              kOutputs * T);
-  });
+  };
+  // A prompt's products on XLA's own threads (`PoolTiles`), a decode
+  // step's on the kernels' workers, which start sooner on short calls.
+  if (R > kPromptRows)
+    PoolTiles(pool, parts, body);
+  else
+    ParallelTiles(pool, parts, body);
 }
 
 // Whether x [R, K] (K % 32 == 0), qs [T, 2 kDwords K], scale [T, kGroups

@@ -256,20 +256,19 @@ ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t scratch = ScratchFloats(sh);
   // Tasks in (row, group, block of tokens) order: a row and group's blocks,
   // which read the same keys and values, are dealt out one after another.
-  Workers::Get(std::max<int64_t>(1, pool.num_threads()))
-      .Run(R * G * blocks, [&](int64_t task) {
-        thread_local std::vector<float> buf;
-        if (int64_t(buf.size()) < scratch) buf.resize(scratch);
-        const int64_t b = task % blocks, rg = task / blocks;
-        const int64_t r = rg / G, g = rg % G;
-        const int64_t t0 = b * kTokens, t1 = std::min(Tn, t0 + kTokens);
-        // Row r's tokens, at group g: token t's head h is at
-        // ((t * G + g) * Q + h) * D from `at`.
-        const int64_t at = (r * Tn * G + g) * sh.Q * sh.D;
-        AttendTokens(sh, Tn, qs + at, kc + rg * sh.L * sh.D,
-                     vc + rg * sh.D * sh.L, kvpos + r * sh.L, qpos + r * Tn,
-                     win, softcap, t0, t1, buf.data(), o + at);
-      });
+  PoolTiles(pool, R * G * blocks, [&](int64_t task) {
+    thread_local std::vector<float> buf;
+    if (int64_t(buf.size()) < scratch) buf.resize(scratch);
+    const int64_t b = task % blocks, rg = task / blocks;
+    const int64_t r = rg / G, g = rg % G;
+    const int64_t t0 = b * kTokens, t1 = std::min(Tn, t0 + kTokens);
+    // Row r's tokens, at group g: token t's head h is at
+    // ((t * G + g) * Q + h) * D from `at`.
+    const int64_t at = (r * Tn * G + g) * sh.Q * sh.D;
+    AttendTokens(sh, Tn, qs + at, kc + rg * sh.L * sh.D,
+                 vc + rg * sh.D * sh.L, kvpos + r * sh.L, qpos + r * Tn,
+                 win, softcap, t0, t1, buf.data(), o + at);
+  });
   return ffi::Error::Success();
 }
 
