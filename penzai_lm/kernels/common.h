@@ -267,6 +267,10 @@ void ParallelTiles(ffi::ThreadPool& pool, int64_t n_tiles, Body body) {
   Workers::Get(std::max<int64_t>(1, pool.num_threads())).Run(n_tiles, body);
 }
 
+// Rows from which a product is a prompt's (`PoolTiles`), not a decode
+// step's.
+constexpr int64_t kPromptRows = 32;
+
 // Runs body(tile) for every tile in [0, n_tiles) on the caller and on XLA's
 // intra-op pool (a task for each of its other threads), for prompt-sized
 // calls (a tenth of a millisecond and more). Between a prompt's kernel
@@ -276,9 +280,6 @@ void ParallelTiles(ffi::ThreadPool& pool, int64_t n_tiles, Body body) {
 // the pool's own threads doing the work (docs/cpu-speed.md, "Prompts on
 // XLA's own threads"). A task that starts after every tile was taken
 // returns at once; the caller waits only for tiles already taken.
-// Rows from which a product is a prompt's (`PoolTiles`), not a decode
-// step's.
-constexpr int64_t kPromptRows = 32;
 template <typename Body>
 void PoolTiles(ffi::ThreadPool& pool, int64_t n_tiles, const Body& body) {
   struct Shared {
