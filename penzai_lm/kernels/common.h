@@ -168,6 +168,7 @@ inline float ToF32(Half v) { return F16ToF32(v.bits); }
 // between calls (a decode step calls the kernels back to back), then sleep,
 // so a busy machine does not lose a core to spinning (llama.cpp's spinning
 // threads decoded 50x slower here while another process held a core).
+// Prompt-sized calls run on XLA's pool instead (`PoolTiles`).
 class Workers {
  public:
   static Workers& Get(int64_t threads) {

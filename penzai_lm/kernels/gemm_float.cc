@@ -20,8 +20,9 @@
 //
 // Rows pass in chunks of kRowChunk (x's chunk stays in L2 while the panels
 // pass), the panels of a chunk split between the threads (the caller and
-// XLA's own pool: `PoolTiles`) in contiguous runs. With AVX-512 only; other builds keep a plain loop, correct but slow
-// (`ops.float_gemm` says which, and the layers keep XLA's GEMM there).
+// XLA's own pool: `PoolTiles`) in contiguous runs. With AVX-512 only;
+// other builds keep a plain loop, correct but slow (`ops.float_gemm` says
+// which, and the layers keep XLA's GEMM there).
 //
 // Float32 weights in rows took the same route and were slower than XLA's
 // GEMM end to end (docs/cpu-speed.md): their panels are transposes of 48
