@@ -49,6 +49,7 @@ from penzai_lm.generation.run import check_run_controls
 from penzai_lm.generation.run import Run
 from penzai_lm.generation.stream import DEFAULT_CHUNK_SIZE
 from penzai_lm.generation.stream import GenerationStream
+from penzai_lm.runtime.collector import collector_paused
 from penzai_lm.runtime.derived import alias_weights
 from penzai_lm.runtime.derived import Derivable
 from penzai_lm.runtime.derived import derivable_tree
@@ -263,6 +264,7 @@ class Engine:
     """`prepare`, given `_prepare_key`'s ``(key, index)``."""
     shape = request.decode
 
+    @collector_paused()
     def make():
       _, leaves, values = variant_key(model)
       lineage = Lineage()
@@ -329,10 +331,11 @@ class Engine:
                        ) -> prepare_lib.PreparedModel | None:
     """The model with its layer stacks, prepared to prefill prompts
     (`stacked_prefill.prefill_model`)."""
-    decoded = None if index is None else prepare_lib.rows_to_batch(
-        model, shape.batch_axis, index, lineage)
-    return stacked_prefill.prefill_model(prepare_lib.prepare_model(
-        model, decoded=decoded, **self._prepare_options(model, shape)))
+    with collector_paused():
+      decoded = None if index is None else prepare_lib.rows_to_batch(
+          model, shape.batch_axis, index, lineage)
+      return stacked_prefill.prefill_model(prepare_lib.prepare_model(
+          model, decoded=decoded, **self._prepare_options(model, shape)))
 
   def program(self, name: str, fn, static, args, **kwargs):
     """`Runtime.program` on this engine's runtime."""

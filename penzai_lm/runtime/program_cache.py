@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import jax
 
+from penzai_lm.runtime.collector import collector_paused
 from penzai_lm.runtime.freed_memory import TRIM_AFTER_COMPILE_S
 from penzai_lm.runtime.freed_memory import release_freed_memory
 from penzai_lm.runtime.program_keys import aval_key
@@ -111,7 +112,8 @@ class ProgramCache:
             donate: tuple[int, ...] = ()) -> "Pending":
     """Like `get`, but returns after tracing (in the caller's thread, with
     its JAX settings): XLA compiles on `Pending.compile`, which another
-    thread may call. ``args`` may be ``jax.ShapeDtypeStruct``s."""
+    thread may call. ``args`` may be ``jax.ShapeDtypeStruct``s. Tracing
+    runs with Python's cyclic collector paused (`collector.py`)."""
     key = _program_key(name, static, args)
     if key is None:
       self._warn_unhashable()
@@ -131,13 +133,14 @@ class ProgramCache:
       options = dict(compiler_options())
       store = self._store() if self._store is not None else None
       lowered = None
-      if store is not None:
-        store_key = store.key(name, static, args, options, donate)
-        if store_key is not None:
-          lowered = store.lower(store_key, fn, static, args, donate)
-      if lowered is None:
-        lowered = jax.jit(functools.partial(fn, static),
-                          donate_argnums=donate).lower(*args)
+      with collector_paused():
+        if store is not None:
+          store_key = store.key(name, static, args, options, donate)
+          if store_key is not None:
+            lowered = store.lower(store_key, fn, static, args, donate)
+        if lowered is None:
+          lowered = jax.jit(functools.partial(fn, static),
+                            donate_argnums=donate).lower(*args)
     except BaseException:
       self._release(key)
       raise
