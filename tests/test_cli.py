@@ -1,6 +1,7 @@
 """The penzai-lm command line, on the real default model; Ctrl-C on a tiny
 one (in a subprocess, with a real SIGINT)."""
 
+import gc
 import io
 import json
 import os
@@ -333,3 +334,20 @@ def test_generate_and_chat_start_without_the_circuits_package():
   parsed = cli.build_parser().parse_args(["graph", "g.safetensors",
                                           "--html", "g.html"])
   assert parsed.func is cli.cmd_graph
+
+
+def test_the_program_exits_with_mains_code_and_its_objects_frozen(capsys):
+  """`cli.run` (the ``penzai-lm`` script) exits with `main`'s code, after
+  moving the run's objects out of the collector's reach (Python's shutdown
+  would walk them all); `main` in-process leaves the collector as it was."""
+  script = ("import atexit, gc; from penzai_lm import cli;"
+            " cli.main = lambda: 3;"
+            " atexit.register(lambda: print('frozen', gc.get_freeze_count()"
+            " > 1000, flush=True)); cli.run()")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                       text=True, timeout=120, check=False)
+  assert out.returncode == 3, out.stderr
+  assert out.stdout.strip() == "frozen True"
+  frozen = gc.get_freeze_count()
+  code, _, _ = _run(capsys, "generate", PROMPT, "--top-p", "2")
+  assert code == 2 and gc.get_freeze_count() == frozen
