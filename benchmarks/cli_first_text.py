@@ -36,25 +36,31 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_once(checkout: str, cache: str, extra: list[str]) -> dict:
   """One fresh ``penzai-lm generate`` process of ``checkout``."""
   env = dict(os.environ, PYTHONPATH=checkout, PENZAI_LM_JAX_CACHE=cache)
-  start = time.perf_counter()
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "penzai_lm.cli", "generate", PROMPT,
-       "--max-new-tokens", "8", *extra],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=checkout)
-  out = b""
-  # The command prints the prompt, then the generated text as it comes.
-  while not out[len(PROMPT):].strip():
-    byte = proc.stdout.read(1)
-    if not byte:
-      break
-    out += byte
-  first = time.perf_counter() - start
-  out += proc.stdout.read()
-  err = proc.stderr.read().decode(errors="replace")
-  if proc.wait() != 0:
-    raise RuntimeError(f"{checkout}: penzai-lm exited {proc.returncode}:\n"
+  # stderr goes to a file: a pipe nobody reads until stdout ends would
+  # stall a command that wrote more than the pipe holds there.
+  with tempfile.TemporaryFile() as err_file:
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "penzai_lm.cli", "generate", PROMPT,
+         "--max-new-tokens", "8", *extra],
+        stdout=subprocess.PIPE, stderr=err_file, env=env, cwd=checkout)
+    out = b""
+    # The command prints the prompt, then the generated text as it comes.
+    while not out[len(PROMPT):].strip():
+      byte = proc.stdout.read(1)
+      if not byte:
+        break
+      out += byte
+    first = time.perf_counter() - start
+    out += proc.stdout.read()
+    code = proc.wait()
+    exit_s = time.perf_counter() - start
+    err_file.seek(0)
+    err = err_file.read().decode(errors="replace")
+  if code != 0:
+    raise RuntimeError(f"{checkout}: penzai-lm exited {code}:\n"
                        f"{err[-2000:]}")
-  return dict(first_s=first, exit_s=time.perf_counter() - start,
+  return dict(first_s=first, exit_s=exit_s,
               text=out.decode(errors="replace").strip())
 
 

@@ -172,7 +172,9 @@ inline float ToF32(Half v) { return F16ToF32(v.bits); }
 class Workers {
  public:
   static Workers& Get(int64_t threads) {
-    // PENZAI_LM_KERNEL_THREADS (a benchmark knob) overrides XLA's count.
+    // PENZAI_LM_KERNEL_THREADS (a benchmark knob) overrides XLA's count
+    // for these workers only: prompt-sized calls run on XLA's own pool
+    // (`PoolTiles`), whose size XLA sets.
     static Workers* workers = new Workers([threads] {
       const char* env = std::getenv("PENZAI_LM_KERNEL_THREADS");
       return env ? std::max(1, std::atoi(env)) : threads;
