@@ -392,11 +392,11 @@ def run() -> None:
 
   Before it exits, the objects the run made are moved out of the cyclic
   garbage collector's reach (``gc.freeze``): Python's shutdown runs full
-  collections, which walked every object of JAX, the model and the
-  compiled programs for 0.4-0.5 s after the last line was printed
-  (docs/cpu-speed.md, "The collector paused"). They are freed with the
-  process. Only here, where the process ends: `main` called in-process
-  (tests, scripts) leaves the collector alone."""
+  collections over every object of JAX, the model and the compiled
+  programs, and they are freed with the process anyway (the stats line to
+  the exit: 0.38-0.49 s, 0.12-0.15 s frozen; docs/cpu-speed.md, "The
+  collector paused"). Only here, where the process ends: `main` called
+  in-process (tests, scripts) leaves the collector alone."""
   code = main()
   gc.freeze()
   sys.exit(code)

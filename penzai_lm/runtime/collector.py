@@ -12,11 +12,13 @@ that work: objects are freed by reference counting as always, and the
 collector resumes (and collects what it was owed) when the outermost pause
 ends. `docs/cpu-speed.md` ("The collector paused") has the measurements.
 
-The collector is process state, so the contract is about what a pause leaves
-behind: a collector that was enabled when a pause began is enabled when it
-ends, and one that was disabled (by the user, or by a pause in another
-thread that is still running) is left as it is. Nothing else of ``gc``'s
-settings is touched.
+The collector has one switch for the whole process, so the contract is
+about what a pause leaves behind: a collector that was enabled when a pause
+began is enabled when it ends, and one that was disabled then (by the user,
+or by a pause in another thread) is left disabled. A pause that nests in
+another's leaves the switch to the outer one; a collector that another
+thread disables while a pause runs is enabled again when that pause ends.
+Nothing else of ``gc``'s settings is touched.
 """
 
 from __future__ import annotations
